@@ -1,0 +1,295 @@
+"""Prepare stage on the tiny tokenizer (trained on the shipped conversations, no weights)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# The venv's editable install maps no packages and pyproject sets no pytest `pythonpath`,
+# so `.venv/bin/pytest` would not find `eagle3`; drop this once either is fixed.
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from eagle3 import tiny  # noqa: E402
+from eagle3.config import PrepareConfig  # noqa: E402
+from eagle3.prepare import load_conversations, prepare_dataset, read_tokens, tokenize_conversation  # noqa: E402
+from eagle3.schema import SCHEMA_VERSION, TOKENS_SCHEMA  # noqa: E402
+DEMO = REPO / "data" / "demo_conversations.jsonl"
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CONV = [
+    {"role": "system", "content": "You are a concise assistant."},
+    {"role": "user", "content": "Tell me something about rivers."},
+    {"role": "assistant", "content": "The Nile flows north into the Mediterranean."},
+    {"role": "user", "content": "Tell me more."},
+    {"role": "assistant", "content": "The Danube crosses ten countries. Also, 20 plus 71 is 91."},
+]
+SHAREGPT_ROLE = {"system": "system", "user": "human", "assistant": "gpt"}
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("tiny_tokenizer")
+    tiny.build_tokenizer(tiny.corpus_texts(DEMO), d)
+    return str(d)
+
+
+@pytest.fixture
+def tok(tok_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tok_dir)
+
+
+def openai(conv, **extra):
+    return {**extra, "messages": conv}
+
+
+def sharegpt(conv, **extra):
+    return {**extra, "conversations": [{"from": SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in conv]}
+
+
+def write_jsonl(path: Path, lines: list) -> Path:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+def spans(mask: list[int]) -> list[tuple[int, int]]:
+    out, start = [], None
+    for k, v in enumerate(list(mask) + [0]):
+        if v and start is None:
+            start = k
+        elif not v and start is not None:
+            out.append((start, k))
+            start = None
+    return out
+
+
+def masked_texts(tokenizer, ids, mask) -> list[str]:
+    return [tokenizer.decode(ids[a:b]) for a, b in spans(mask)]
+
+
+def read_rejects(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "rejects.jsonl").read_text().splitlines()]
+
+
+def rows_by_id(out: Path) -> dict[str, dict]:
+    return {r["sample_id"]: r for r in read_tokens(out / "tokens.parquet").to_pylist()}
+
+
+def test_module_import_pulls_in_neither_torch_nor_transformers():
+    code = "import sys, eagle3.prepare; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "[]"
+
+
+def test_openai_and_sharegpt_shapes_give_identical_tokens(tmp_path, tok_dir):
+    src = write_jsonl(tmp_path / "c.jsonl", [openai(CONV, id="oa"), sharegpt(CONV, id="sg")])
+    loaded = dict(load_conversations(src))
+    assert loaded["oa"] == loaded["sg"] == CONV
+
+    summary = prepare_dataset(PrepareConfig(conversations=str(src), max_length=512), tok_dir, str(tmp_path / "out"))
+    rows = rows_by_id(tmp_path / "out")
+    assert summary["num_samples"] == 2 and summary["num_rejected"] == 0
+    assert rows["oa"]["input_ids"] == rows["sg"]["input_ids"]
+    assert rows["oa"]["loss_mask"] == rows["sg"]["loss_mask"]
+
+
+def test_mask_covers_exactly_assistant_content_and_end_token(tok):
+    ids, mask = tokenize_conversation(tok, CONV, 512, True)
+    assert len(ids) == len(mask)
+    assert masked_texts(tok, ids, mask) == [m["content"] + "<|end|>" for m in CONV if m["role"] == "assistant"]
+    unmasked = tok.decode([t for t, m in zip(ids, mask) if not m])
+    for m in CONV:
+        if m["role"] != "assistant":
+            assert m["content"] in unmasked
+    assert unmasked.count("<|assistant|>") == 2 and unmasked.count("<|user|>") == 2
+
+
+def test_every_demo_sample_masks_its_assistant_turns_only(tmp_path, tok_dir, tok):
+    out = tmp_path / "out"
+    summary = prepare_dataset(PrepareConfig(conversations=str(DEMO), max_length=512), tok_dir, str(out))
+    table = read_tokens(out)
+    assert summary["num_rejected"] == 0 and read_rejects(out) == []
+    assert summary["num_samples"] == table.num_rows == sum(1 for x in DEMO.read_text().splitlines() if x.strip())
+    rows = table.to_pylist()
+    assert summary["num_tokens"] == sum(r["num_tokens"] for r in rows) == sum(len(r["input_ids"]) for r in rows)
+    assert summary["num_loss_tokens"] == sum(sum(r["loss_mask"]) for r in rows)
+    assert summary["max_tokens"] == max(r["num_tokens"] for r in rows) <= 512
+    assert table.schema.metadata == TOKENS_SCHEMA.metadata
+
+    conversations = dict(load_conversations(DEMO))
+    multi_span = 0
+    for r in rows:
+        assistant = [m["content"] for m in conversations[r["sample_id"]] if m["role"] == "assistant"]
+        assert masked_texts(tok, r["input_ids"], r["loss_mask"]) == [c + "<|end|>" for c in assistant]
+        multi_span += len(assistant) > 1
+    assert multi_span > 10
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
+
+
+def test_overlong_sample_is_rejected_not_truncated(tmp_path, tok_dir, tok):
+    long_conv = [{"role": "user", "content": "Tell me more."},
+                 {"role": "assistant", "content": " ".join(["The Danube crosses ten countries."] * 30)}]
+    n_long = len(tokenize_conversation(tok, long_conv, None, True)[0])
+    assert n_long > 64
+    src = write_jsonl(tmp_path / "c.jsonl", [openai(CONV[1:3], id="short"), openai(long_conv, id="long")])
+    out = tmp_path / "out"
+    summary = prepare_dataset(PrepareConfig(conversations=str(src), max_length=64), tok_dir, str(out))
+
+    assert list(rows_by_id(out)) == ["short"]
+    assert read_rejects(out) == [{"sample_id": "long", "source": "c.jsonl:2", "line": 2,
+                                  "reason": f"line 2: {n_long} tokens > prepare.max_length=64"}]
+    assert summary["num_samples"] == 1 and summary["num_rejected"] == 1
+
+
+def test_malformed_lines_are_rejected_with_line_numbers_and_good_lines_kept(tmp_path, tok_dir):
+    good = CONV[1:3]
+    lines = [
+        openai(good),                                                         # 1
+        '{"messages": [',                                                     # 2
+        {"id": "nomsg", "text": "hi"},                                        # 3
+        "",                                                                   # 4 (blank: skipped)
+        openai([{"role": "tool", "content": "x"}] + good),                    # 5
+        openai([good[0], {"role": "assistant", "content": None}]),             # 6
+        sharegpt(good, id="sg-ok"),                                           # 7
+        {"conversations": [{"from": "robot", "value": "beep"}]},               # 8
+        openai([]),                                                           # 9
+        [1, 2],                                                               # 10
+    ]
+    src = write_jsonl(tmp_path / "mixed.jsonl", lines)
+    out = tmp_path / "out"
+    summary = prepare_dataset(PrepareConfig(conversations=str(src), max_length=512), tok_dir, str(out))
+
+    assert sorted(rows_by_id(out)) == ["mixed-1", "sg-ok"]
+    rejects = {r["line"]: r for r in read_rejects(out)}
+    assert sorted(rejects) == [2, 3, 5, 6, 8, 9, 10]
+    expect = {2: "invalid JSON", 3: "no 'messages' (OpenAI) or 'conversations' (ShareGPT)",
+              5: "unknown role 'tool'", 6: "content must be a string, found NoneType",
+              8: "unknown from 'robot'", 9: "must be a non-empty list", 10: "expected a JSON object, found list"}
+    for line, words in expect.items():
+        assert rejects[line]["reason"].startswith(f"line {line}: ")
+        assert words in rejects[line]["reason"]
+    assert rejects[3]["sample_id"] == "nomsg" and rejects[5]["sample_id"] == "mixed-5"
+    assert summary["num_samples"] == 2 and summary["num_rejected"] == 7
+
+
+def test_duplicate_id_rejects_the_second_occurrence(tmp_path, tok_dir):
+    first, second = CONV[1:3], CONV[3:5]
+    src = write_jsonl(tmp_path / "d.jsonl", [openai(first, id="x"), sharegpt(second, id="x"), openai(second, id="y")])
+    rejects: list[dict] = []
+    assert [sid for sid, _ in load_conversations(src, rejects)] == ["x", "y"]
+    assert rejects == [{"sample_id": "x", "source": "d.jsonl:2", "line": 2,
+                        "reason": "line 2: duplicate sample id 'x', first seen at d.jsonl:1"}]
+
+    out = tmp_path / "out"
+    prepare_dataset(PrepareConfig(conversations=str(src), max_length=512), tok_dir, str(out))
+    rows = rows_by_id(out)
+    assert sorted(rows) == ["x", "y"]
+    assert rows["x"]["input_ids"] != rows["y"]["input_ids"]
+    assert [r["line"] for r in read_rejects(out)] == [2]
+
+
+def test_directory_input_reads_files_in_sorted_order_and_max_samples_counts_records(tmp_path, tok_dir):
+    d = tmp_path / "convs"
+    d.mkdir()
+    write_jsonl(d / "b.jsonl", [openai(CONV[1:3]), openai(CONV[3:5])])
+    write_jsonl(d / "a.jsonl", [openai(CONV[1:3]), "not json", openai(CONV)])
+    (d / "notes.txt").write_text("ignored\n")
+    assert [sid for sid, _ in load_conversations(d)] == ["a-1", "a-3", "b-1", "b-2"]
+
+    out = tmp_path / "out"
+    summary = prepare_dataset(PrepareConfig(conversations=str(d), max_length=512, max_samples=4), tok_dir, str(out))
+    assert list(rows_by_id(out)) == ["a-1", "a-3", "b-1"]
+    assert summary["num_samples"] == 3 and summary["num_rejected"] == 1
+
+
+def test_sample_without_assistant_turn_is_rejected_and_all_ones_mask_when_asked(tmp_path, tok_dir, tok):
+    src = write_jsonl(tmp_path / "c.jsonl", [openai(CONV[:2], id="q"), openai(CONV, id="full")])
+    out = tmp_path / "out"
+    prepare_dataset(PrepareConfig(conversations=str(src), max_length=512), tok_dir, str(out))
+    assert list(rows_by_id(out)) == ["full"]
+    assert read_rejects(out)[0]["reason"] == "line 1: 0 loss tokens (no assistant content to learn from)"
+
+    ids, mask = tokenize_conversation(tok, CONV, 512, assistant_only_loss=False)
+    assert mask == [1] * len(ids) and ids == tokenize_conversation(tok, CONV, 512, True)[0]
+    out_all = tmp_path / "out_all"
+    cfg = PrepareConfig(conversations=str(src), max_length=512, assistant_only_loss=False)
+    assert prepare_dataset(cfg, tok_dir, str(out_all))["num_samples"] == 2
+
+
+def test_all_records_rejected_raises_and_leaves_no_tokens_file(tmp_path, tok_dir):
+    src = write_jsonl(tmp_path / "c.jsonl", ["{broken", openai(CONV[:2])])
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"kept 0 samples of 2 records.*c.jsonl:1: line 1: invalid JSON"):
+        prepare_dataset(PrepareConfig(conversations=str(src), max_length=512), tok_dir, str(out))
+    assert sorted(p.name for p in out.iterdir()) == ["rejects.jsonl"]
+
+
+def test_read_tokens_refuses_another_schema_version(tmp_path):
+    bumped = TOKENS_SCHEMA.with_metadata({"eagle3.kind": "tokens", "eagle3.schema_version": str(SCHEMA_VERSION + 98)})
+    table = pa.Table.from_pydict({"sample_id": ["a"], "input_ids": [[1, 2]], "loss_mask": [[0, 1]], "num_tokens": [2]},
+                                 schema=bumped)
+    pq.write_table(table, tmp_path / "tokens.parquet")
+    with pytest.raises(ValueError, match=rf"schema_version {SCHEMA_VERSION + 98}, this code reads {SCHEMA_VERSION}"):
+        read_tokens(tmp_path)
+
+    pq.write_table(table.replace_schema_metadata(TOKENS_SCHEMA.metadata), tmp_path / "ok.parquet")
+    assert read_tokens(tmp_path / "ok.parquet").column("input_ids").to_pylist() == [[1, 2]]
+
+
+def test_chatml_template_without_generation_markers(tok):
+    from tokenizers import AddedToken
+
+    tok.add_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)],
+                   special_tokens=True)
+    tok.chat_template = CHATML
+    ids, mask = tokenize_conversation(tok, CONV, 512, True)
+    assert tok.decode(ids).startswith("<|im_start|>system\nYou are a concise assistant.<|im_end|>\n")
+    assert masked_texts(tok, ids, mask) == [m["content"] + "<|im_end|>" for m in CONV if m["role"] == "assistant"]
+    unmasked = tok.decode([t for t, m in zip(ids, mask) if not m])
+    assert unmasked.count("<|im_start|>assistant\n") == 2
+
+
+def test_template_that_ignores_add_generation_prompt_keeps_headers_out(tok):
+    tok.chat_template = "{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}\n{% endfor %}"
+    conv = [{"role": "assistant", "content": "Mars has two small moons."}] + CONV[1:]
+    ids, mask = tokenize_conversation(tok, conv, 512, True)
+    assert masked_texts(tok, ids, mask) == [m["content"] for m in conv if m["role"] == "assistant"]
+    assert tok.decode([t for t, m in zip(ids, mask) if not m]).count("### assistant:\n") == 3
+
+
+def test_prefix_unstable_template_is_a_reject_reason(tmp_path, tok):
+    # Renders the final assistant turn differently from earlier ones (as reasoning
+    # templates do with an empty think block), so earlier renders are not prefixes.
+    tok.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>\n"
+        "{% if loop.last and m['role'] == 'assistant' %}(final) {% endif %}{{ m['content'] }}<|end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+    with pytest.raises(ValueError, match="not prefix-stable at message 2"):
+        tokenize_conversation(tok, CONV, 512, True)
+    # A single assistant turn is still stable. The template's "(final) " is header text
+    # (the probe render shows it before the content) and stays out of the mask; its
+    # space merges with the content's first word, so that token is in.
+    ids, mask = tokenize_conversation(tok, CONV[:3], 512, True)
+    assert masked_texts(tok, ids, mask) == [" " + CONV[2]["content"] + "<|end|>"]
+
+    tok.save_pretrained(tmp_path / "tok")
+    src = write_jsonl(tmp_path / "c.jsonl", [openai(CONV, id="multi"), openai(CONV[:3], id="single")])
+    out = tmp_path / "out"
+    prepare_dataset(PrepareConfig(conversations=str(src), max_length=512), str(tmp_path / "tok"), str(out))
+    assert list(rows_by_id(out)) == ["single"]
+    [reject] = read_rejects(out)
+    assert reject["sample_id"] == "multi" and reject["reason"].startswith("line 1: chat template is not prefix-stable")
