@@ -5,12 +5,14 @@ Owns: the prepared-token schema (prepare -> extract) and the hidden-states schem
 refuses a version mismatch. Imports no torch: encode/decode work on numpy arrays; the
 trainer views the decoded uint16 buffer as torch.bfloat16 without a copy.
 
-Arrow has no bfloat16. Hidden states are stored as their raw bit patterns:
-- hs_dtype "bfloat16": `hidden_states` is large_list<uint16>, the bf16 bits of a
-  row-major [num_tokens, num_layers, hidden_size] tensor (lossless w.r.t. a bf16 engine).
-- hs_dtype "float8_e4m3fn": `hidden_states` is large_list<uint8> (e4m3 bits) and
-  `hs_scale` is list<float32> of [num_tokens, num_layers]: one scale per token and layer
-  (amax / 448), so value = e4m3 * scale. Half the bytes of bf16, ~2-3 significant digits.
+Arrow has no bfloat16. Hidden states are stored per sample as one `large_binary` value
+holding the raw little-endian bytes of a row-major [num_tokens, num_layers, hidden_size]
+tensor. (A list<uint16> would be the typed spelling, but Parquet has no 16-bit physical
+type and widens it to INT32: twice the bytes on disk.)
+- hs_dtype "bfloat16": bf16 bit patterns, 2 bytes a value, lossless w.r.t. a bf16 engine.
+- hs_dtype "float8_e4m3fn": e4m3 bytes, and `hs_scale` is list<float32> of
+  [num_tokens, num_layers]: one scale per token and layer (amax / 448), so
+  value = e4m3 * scale. Half the bytes of bf16, ~2-3 significant digits.
 Layer order inside a token is the order of `layer_ids` in the schema metadata; the last
 id is the target's final layer (before its final norm), the others are the EAGLE-3
 auxiliary layers.
@@ -41,11 +43,10 @@ TOKENS_SCHEMA = pa.schema(
 def hidden_states_schema(*, layer_ids: list[int], hidden_size: int, hs_dtype: str = "bfloat16") -> pa.Schema:
     if hs_dtype not in HS_DTYPES:
         raise ValueError(f"hs_dtype={hs_dtype!r} is not one of {HS_DTYPES}")
-    value_type = pa.uint16() if hs_dtype == "bfloat16" else pa.uint8()
     return pa.schema(
         list(TOKENS_SCHEMA)
         + [
-            pa.field("hidden_states", pa.large_list(value_type), nullable=False),
+            pa.field("hidden_states", pa.large_binary(), nullable=False),
             pa.field("hs_scale", pa.list_(pa.float32()), nullable=True),
         ],
         metadata={
@@ -91,6 +92,8 @@ def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
 
 def encode_hidden_states(hs_TLD, hs_dtype: str) -> tuple[np.ndarray, np.ndarray | None]:
     """[T, L, D] array (numpy float32, or numpy uint16 holding bf16 bits) -> (flat values, scale).
+    The flat values' bytes (`values.tobytes()`, or the buffer itself) are what the
+    `hidden_states` column stores.
 
     A torch tensor is accepted too: bf16 tensors are taken bit-exact via a uint16 view.
     """
@@ -118,11 +121,19 @@ def encode_hidden_states(hs_TLD, hs_dtype: str) -> tuple[np.ndarray, np.ndarray 
     raise ValueError(f"hs_dtype={hs_dtype!r} is not one of {HS_DTYPES}")
 
 
-def decode_hidden_states(values: np.ndarray, scale: np.ndarray | None, num_tokens: int,
+def decode_hidden_states(values, scale: np.ndarray | None, num_tokens: int,
                          num_layers: int, hidden_size: int, hs_dtype: str) -> np.ndarray:
-    """Flat stored values -> [T, L, D]. bf16 stays as uint16 bits (zero-copy view for torch);
+    """Stored value (bytes, a pyarrow binary scalar/buffer, or a flat numpy array) -> [T, L, D].
+    bf16 stays as uint16 bits (a zero-copy view: torch.from_numpy(x).view(torch.bfloat16));
     fp8 is dequantised to float32."""
     shape = (num_tokens, num_layers, hidden_size)
+    if isinstance(values, pa.Scalar):
+        values = values.as_buffer()
+    if not isinstance(values, np.ndarray):
+        values = np.frombuffer(values, dtype=np.uint16 if hs_dtype == "bfloat16" else np.uint8)
+    if values.size != num_tokens * num_layers * hidden_size:
+        raise ValueError(f"hidden_states holds {values.size} values, expected {shape} = "
+                         f"{num_tokens * num_layers * hidden_size}")
     if hs_dtype == "bfloat16":
         return values.reshape(shape)
     import torch

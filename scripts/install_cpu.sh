@@ -16,5 +16,6 @@ $PIP install -r requirements/cpu.txt
 # `import transformers` next to torch+cpu ("operator torchvision::nms does not exist").
 $PIP uninstall -y torchvision torchaudio torchcodec || true
 $PIP install --no-deps speculators==0.9.0 hs-connectors==0.9.0
-$PIP install --no-deps -e .
+# compat mode: a .pth with the repo path, so packages added later import too (Ray workers included).
+$PIP install --no-deps -e . --config-settings editable_mode=compat
 rm -f "$VENV"/.installed-*; touch "$STAMP"

@@ -1,0 +1,22 @@
+"""Writes one extracted shard to Parquet. Runs as a Ray task next to the engine that made
+the table (node affinity), so the table crosses no network; the caller commits the shard
+in the manifest once this returns."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+
+def write_shard(table, path: str, compression: str | None) -> dict:
+    import pyarrow.parquet as pq
+
+    t0 = time.perf_counter()
+    final = Path(path)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    pq.write_table(table, tmp, compression=compression or "none", row_group_size=max(1, min(len(table), 64)),
+                   use_dictionary=["sample_id"], write_statistics=["sample_id", "num_tokens"])
+    os.replace(tmp, final)
+    return {"bytes": final.stat().st_size, "write_s": time.perf_counter() - t0, "rows": len(table),
+            "hs_bytes": table.column("hidden_states").nbytes}

@@ -1,0 +1,126 @@
+"""Seam: starting a vLLM engine for hidden-state extraction and draining what it captured.
+
+vLLM versions: 0.26 - 0.32. Public seams used: `LLM(...)` with the `extract_hidden_states`
+speculative method and a KV connector loaded by module path; `LLM.generate` with token-id
+prompts; each output's `kv_transfer_params["hidden_states_path"]`.
+Private seam: `llm.llm_engine.step()` to drain the connector. The connector extracts a
+request's hidden states one engine step after the request finishes (when the scheduler
+hands its blocks over), and `LLM.generate` returns as soon as all outputs are final, so
+with an in-process engine nobody runs that step; we run it. A multiprocess engine core
+keeps stepping by itself. Remove when generate waits for connector sends (upstream: none
+filed as of 0.32).
+Settings forced for correctness: prefix caching off (a cached prefix shortens the captured
+sequence: vLLM issue 44485), chunked prefill off and max_num_batched_tokens >= the longest
+sample (one prefill step per request, so hidden states come from one forward).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from compat.hidden_states_connector import CONNECTOR_NAME, MODULE_PATH
+
+
+def engine_env(*, in_process: bool, cpu_kvcache_space_gib: int) -> dict[str, str]:
+    """Environment the engine's process needs; set before `import vllm`."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(cpu_kvcache_space_gib)}
+    if in_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return env
+
+
+def extraction_engine_kwargs(
+    *,
+    model: str,
+    layer_ids: list[int],
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    sink: str,
+    storage_path: str,
+    dtype: str = "bfloat16",
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    max_num_seqs: int = 256,
+    gpu_memory_utilization: float = 0.85,
+    enforce_eager: bool = True,
+    load_format: str = "auto",
+    trust_remote_code: bool = False,
+    hf_overrides: dict | None = None,
+) -> dict:
+    if max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens={max_num_batched_tokens} < max_model_len={max_model_len}: with chunked "
+            "prefill off every sample must fit one step; raise extract.max_num_batched_tokens"
+        )
+    kwargs = dict(
+        model=model,
+        dtype=dtype,
+        tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        enable_prefix_caching=False,
+        enable_chunked_prefill=False,
+        enforce_eager=enforce_eager,
+        load_format=load_format,
+        trust_remote_code=trust_remote_code,
+        skip_tokenizer_init=True,
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
+        },
+        kv_transfer_config={
+            "kv_connector": CONNECTOR_NAME,
+            "kv_connector_module_path": MODULE_PATH,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {
+                "shared_storage_path": storage_path,
+                "sink": sink,
+                "use_synchronization_lock": sink == "shm",
+            },
+        },
+    )
+    if gpu_memory_utilization is not None:
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    if hf_overrides:
+        kwargs["hf_overrides"] = hf_overrides
+    return kwargs
+
+
+def run_prefill(llm, prompt_token_ids: list[list[int]], *, capture: bool = True, drain_timeout_s: float = 120.0):
+    """Prefill each prompt once (max_tokens=1). With capture, return [(hs_TLD, token_ids)] in
+    prompt order, the hidden states already out of the engine (no file left behind)."""
+    from vllm import SamplingParams
+
+    from compat.hidden_states_connector import SINK, take_hidden_states
+
+    prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    if not capture:
+        return outputs
+    paths = []
+    for out in outputs:
+        params = getattr(out, "kv_transfer_params", None) or {}
+        if "hidden_states_path" not in params:
+            raise RuntimeError(
+                f"[vLLM] request {out.request_id} finished without kv_transfer_params['hidden_states_path']: "
+                "the hidden-states connector is not active in this engine"
+            )
+        paths.append(params["hidden_states_path"])
+    deadline = time.monotonic() + drain_timeout_s
+    while any(p not in SINK and not os.path.exists(p) for p in paths):
+        if time.monotonic() > deadline:
+            missing = [p for p in paths if p not in SINK and not os.path.exists(p)]
+            raise TimeoutError(f"[vLLM] hidden states of {len(missing)} requests never arrived, e.g. {missing[:2]}")
+        if _in_process(llm):
+            llm.llm_engine.step()
+        else:
+            time.sleep(0.001)
+    return [take_hidden_states(p) for p in paths]
+
+
+def _in_process(llm) -> bool:
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"

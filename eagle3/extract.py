@@ -1,0 +1,191 @@
+"""Hidden-state extraction of one shard of prepared samples, without Ray.
+
+Owns: turning a tokens table (eagle3.schema.TOKENS_SCHEMA) into a hidden-states table
+(eagle3.schema.hidden_states_schema), with rejects for samples the engine cannot take.
+Two backends behind one interface:
+- VLLMBackend: the product. A vLLM engine with the `extract_hidden_states` speculative
+  method (all vLLM specifics live in compat/).
+- HFBackend: a transformers forward with hooks. The reference for correctness tests and
+  benchmarks, and a way to test the Ray orchestration on CPU without an engine start.
+Does not own: placement, scheduling of shards, writing files (actors/ and ray_jobs/).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from eagle3.config import ExtractConfig
+from eagle3.schema import encode_hidden_states, hidden_states_schema
+
+
+def target_text_config(model_dir: str) -> dict:
+    """The language model's config dict, also when it sits in a multimodal wrapper (`text_config`)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    for key in ("text_config", "language_config", "llm_config"):
+        if isinstance(cfg.get(key), dict) and "num_hidden_layers" in cfg[key]:
+            return cfg[key]
+    return cfg
+
+
+@dataclass
+class ExtractStats:
+    num_samples: int
+    num_rejected: int
+    num_tokens: int
+    seconds: float
+    rejects: list[dict]
+
+
+class VLLMBackend:
+    def __init__(self, model_dir: str, cfg: ExtractConfig, layer_ids: list[int], *, max_model_len: int,
+                 dtype: str = "bfloat16", trust_remote_code: bool = False):
+        from compat.vllm_engine import engine_env, extraction_engine_kwargs
+
+        in_process = cfg.tensor_parallel_size * cfg.pipeline_parallel_size == 1
+        self.sink = cfg.sink if cfg.sink != "auto" else ("memory" if in_process else "shm")
+        if self.sink == "memory" and not in_process:
+            raise ValueError(
+                f"extract.sink='memory' needs tensor_parallel_size*pipeline_parallel_size == 1, found "
+                f"{cfg.tensor_parallel_size}*{cfg.pipeline_parallel_size}; use sink 'shm' or 'auto'"
+            )
+        os.environ.update(engine_env(in_process=self.sink == "memory", cpu_kvcache_space_gib=cfg.cpu_kvcache_space_gib))
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+        self.storage_path = os.path.join(shm, f"eagle3-hs-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self.max_num_batched_tokens = cfg.max_num_batched_tokens or max(8192, max_model_len)
+        kwargs = extraction_engine_kwargs(
+            model=model_dir, layer_ids=layer_ids, max_model_len=max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens, sink=self.sink, storage_path=self.storage_path,
+            dtype=dtype, tensor_parallel_size=cfg.tensor_parallel_size,
+            pipeline_parallel_size=cfg.pipeline_parallel_size, max_num_seqs=cfg.max_num_seqs,
+            gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
+            load_format=cfg.load_format, trust_remote_code=trust_remote_code,
+        )
+        from vllm import LLM
+
+        self.llm = LLM(**kwargs)
+        self.max_len = min(max_model_len, self.max_num_batched_tokens)
+
+    def hidden_states(self, batch: list[list[int]]):
+        from compat.vllm_engine import run_prefill
+
+        return [hs for hs, _ in run_prefill(self.llm, batch)]
+
+    def prefill_only(self, batch: list[list[int]]):
+        from compat.vllm_engine import run_prefill
+
+        return run_prefill(self.llm, batch, capture=False)
+
+    def close(self):
+        import shutil
+
+        shutil.rmtree(self.storage_path, ignore_errors=True)
+
+
+class HFBackend:
+    """transformers forward, one sample at a time, hooks on the decoder layers.
+
+    Layer id k < n is `hidden_states[k]` (the residual stream after k layers); id n is the last
+    decoder layer's output taken by a hook, since transformers applies the final norm to
+    `hidden_states[-1]`.
+    """
+
+    def __init__(self, model_dir: str, layer_ids: list[int], *, dtype: str = "bfloat16", device: str | None = None,
+                 max_model_len: int = 1 << 30, trust_remote_code: bool = False):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code).to(self.device).eval()
+        self.layer_ids = layer_ids
+        self.max_len = max_model_len
+        decoder = self.model.get_decoder()
+        self._last = {}
+        decoder.layers[-1].register_forward_hook(
+            lambda _m, _i, out: self._last.__setitem__("h", out[0] if isinstance(out, tuple) else out))
+
+    def hidden_states(self, batch: list[list[int]]):
+        torch = self.torch
+        out = []
+        with torch.no_grad():
+            for ids in batch:
+                res = self.model(torch.tensor([ids], device=self.device), output_hidden_states=True)
+                n = len(res.hidden_states) - 1
+                per_layer = [self._last["h"][0] if k == n else res.hidden_states[k][0] for k in self.layer_ids]
+                out.append(torch.stack(per_layer, dim=1).to(torch.bfloat16).cpu())
+        return out
+
+    def close(self):
+        pass
+
+
+class Extractor:
+    """Turns tokens tables into encoded hidden-states tables with one backend."""
+
+    def __init__(self, model_dir: str, cfg: ExtractConfig, *, max_length: int, dtype: str = "bfloat16",
+                 trust_remote_code: bool = False, backend=None):
+        text_cfg = target_text_config(model_dir)
+        self.layer_ids = cfg.layer_ids(text_cfg["num_hidden_layers"])
+        self.hidden_size = text_cfg["hidden_size"]
+        self.cfg = cfg
+        self.schema = hidden_states_schema(layer_ids=self.layer_ids, hidden_size=self.hidden_size, hs_dtype=cfg.hs_dtype)
+        max_model_len = min(max_length, text_cfg.get("max_position_embeddings") or max_length)
+        if backend is not None:
+            self.backend = backend
+        elif cfg.backend == "vllm":
+            self.backend = VLLMBackend(model_dir, cfg, self.layer_ids, max_model_len=max_model_len, dtype=dtype,
+                                       trust_remote_code=trust_remote_code)
+        else:
+            self.backend = HFBackend(model_dir, self.layer_ids, dtype=dtype, max_model_len=max_model_len,
+                                     trust_remote_code=trust_remote_code)
+
+    def extract(self, tokens: pa.Table) -> tuple[pa.Table, ExtractStats]:
+        t0 = time.perf_counter()
+        ids_col = tokens.column("input_ids").to_pylist()
+        keep, rejects = [], []
+        for i, ids in enumerate(ids_col):
+            if len(ids) > self.backend.max_len:
+                rejects.append({"sample_id": tokens.column("sample_id")[i].as_py(),
+                                "reason": f"{len(ids)} tokens > the engine's limit {self.backend.max_len} "
+                                          "(max_model_len / max_num_batched_tokens); raise extract.max_num_batched_tokens "
+                                          "or prepare.max_length"})
+            else:
+                keep.append(i)
+        kept = tokens.take(pa.array(keep, pa.int64())) if len(keep) != len(ids_col) else tokens
+        hs_list = self.backend.hidden_states([ids_col[i] for i in keep]) if keep else []
+        values, scales = [], []
+        for i, hs in zip(keep, hs_list):
+            if hs.shape[0] != len(ids_col[i]) or hs.shape[1] != len(self.layer_ids) or hs.shape[2] != self.hidden_size:
+                raise RuntimeError(
+                    f"[extract] sample {i}: engine returned hidden states {tuple(hs.shape)}, expected "
+                    f"({len(ids_col[i])}, {len(self.layer_ids)}, {self.hidden_size})")
+            v, s = encode_hidden_states(hs, self.cfg.hs_dtype)
+            values.append(v)
+            scales.append(s)
+        offsets = np.zeros(len(values) + 1, dtype=np.int64)
+        if values:
+            np.cumsum([v.nbytes for v in values], out=offsets[1:])
+        flat = np.concatenate([v.view(np.uint8) for v in values]) if values else np.zeros(0, np.uint8)
+        hs_col = pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(values),
+                                                  [None, pa.py_buffer(offsets), pa.py_buffer(flat)])
+        if self.cfg.hs_dtype == "bfloat16":
+            scale_col = pa.nulls(len(values), type=pa.list_(pa.float32()))
+        else:
+            scale_col = pa.array([s.tolist() for s in scales], type=pa.list_(pa.float32()))
+        table = pa.Table.from_arrays(
+            [kept.column("sample_id"), kept.column("input_ids"), kept.column("loss_mask"), kept.column("num_tokens"),
+             hs_col, scale_col], schema=self.schema)
+        num_tokens = int(sum(len(ids_col[i]) for i in keep))
+        return table, ExtractStats(len(keep), len(rejects), num_tokens, time.perf_counter() - t0, rejects)
+
+    def close(self):
+        self.backend.close()

@@ -1,0 +1,91 @@
+"""Exactly-once bookkeeping of extraction shards.
+
+Owns: the layout of an extraction output directory and the commit protocol.
+    hidden_states/
+      MANIFEST.json            fingerprint of the input (so a resume never mixes datasets)
+      data/shard-000012.parquet
+      committed/shard-000012.json   written last, by atomic rename: the commit
+A shard counts only once its commit file exists. A data file without one is partial
+(a crash between write and commit) and is rewritten on resume. Data files are
+themselves written to a temporary name and renamed, so a reader never sees half a file.
+Shard k always holds rows [k * samples_per_shard, (k + 1) * samples_per_shard) of the
+prepared tokens table, so each sample belongs to exactly one shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    num_samples: int
+    samples_per_shard: int
+
+    @property
+    def num_shards(self) -> int:
+        return -(-self.num_samples // self.samples_per_shard)
+
+    def rows(self, shard: int) -> tuple[int, int]:
+        start = shard * self.samples_per_shard
+        return start, min(start + self.samples_per_shard, self.num_samples)
+
+
+class Manifest:
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.data_dir = self.root / "data"
+        self.commit_dir = self.root / "committed"
+
+    def open(self, fingerprint: dict) -> None:
+        """Create the layout, or check that an existing one was made for the same input."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.commit_dir.mkdir(parents=True, exist_ok=True)
+        path = self.root / "MANIFEST.json"
+        if path.exists():
+            found = json.loads(path.read_text())
+            if found != fingerprint:
+                diff = {k: (found.get(k), fingerprint.get(k)) for k in set(found) | set(fingerprint)
+                        if found.get(k) != fingerprint.get(k)}
+                raise ValueError(
+                    f"{self.root} holds shards of another input (differs in {diff}, as (found, now)); "
+                    "use a new output_dir, or delete that directory to start over")
+        else:
+            atomic_write_text(path, json.dumps(fingerprint, indent=1, sort_keys=True))
+
+    def data_path(self, shard: int) -> Path:
+        return self.data_dir / f"shard-{shard:06d}.parquet"
+
+    def committed(self) -> dict[int, dict]:
+        out = {}
+        if self.commit_dir.exists():
+            for p in sorted(self.commit_dir.glob("shard-*.json")):
+                out[int(p.stem.split("-")[1])] = json.loads(p.read_text())
+        return out
+
+    def commit(self, shard: int, record: dict) -> None:
+        if not self.data_path(shard).exists():
+            raise AssertionError(f"commit of shard {shard} before its data file exists")
+        atomic_write_text(self.commit_dir / f"shard-{shard:06d}.json", json.dumps(record, sort_keys=True))
+
+    def committed_files(self) -> list[str]:
+        return [str(self.data_path(s)) for s in sorted(self.committed())]
+
+
+def tokens_fingerprint(sample_ids: list[str], samples_per_shard: int, layer_ids: list[int], hs_dtype: str) -> dict:
+    h = hashlib.sha256()
+    for s in sample_ids:
+        h.update(s.encode())
+        h.update(b"\0")
+    return {"num_samples": len(sample_ids), "sample_ids_sha256": h.hexdigest(),
+            "samples_per_shard": samples_per_shard, "layer_ids": list(layer_ids), "hs_dtype": hs_dtype}

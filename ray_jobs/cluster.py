@@ -1,0 +1,55 @@
+"""Joining or starting the Ray cluster, and placement groups with a timeout that explains itself."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ROOT = str(Path(__file__).resolve().parents[1])
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+    """Join the cluster this job runs in (ray job submit sets RAY_ADDRESS), the given address,
+    or start a local one. Workers see this repository on their PYTHONPATH either way."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))}}
+    if address or os.environ.get("RAY_ADDRESS"):
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+    else:
+        ray.init(num_cpus=num_cpus, runtime_env=runtime_env, include_dashboard=False, log_to_driver=True)
+
+
+def wait_placement_groups(pgs: list, timeout_s: float, what: str, bundle: dict) -> list:
+    """Wait for placement groups; return those ready. None ready in time: a ValueError that says
+    what was asked, what the cluster has, and what to check."""
+    import ray
+
+    refs = {pg.ready(): pg for pg in pgs}
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    got = [refs[r] for r in ready]
+    if not got:
+        total = ray.cluster_resources()
+        avail = ray.available_resources()
+        for pg in pgs:
+            ray.util.remove_placement_group(pg)
+        raise ValueError(
+            f"no {what} could be placed within {timeout_s:.0f}s: each needs {bundle} on ONE node; "
+            f"cluster total {_fmt(total)}, available now {_fmt(avail)}. Check `ray status` (are the GPU nodes up? "
+            "does one node have tensor_parallel_size * pipeline_parallel_size GPUs?), other jobs holding GPUs, "
+            "or raise the timeout (extract.placement_timeout_s)")
+    return got
+
+
+def node_of(pg) -> str:
+    import ray
+
+    table = ray.util.placement_group_table(pg)
+    return next(iter(table["bundles_to_node_id"].values()))
+
+
+def _fmt(res: dict) -> str:
+    keep = {k: v for k, v in res.items() if k in ("CPU", "GPU", "memory") or not k.startswith("node:")}
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(keep.items()) if k != "memory") + "}"
