@@ -124,3 +124,40 @@ def run_prefill(llm, prompt_token_ids: list[list[int]], *, capture: bool = True,
 
 def _in_process(llm) -> bool:
     return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+
+
+def eagle3_engine_kwargs(*, target: str, draft: str, num_speculative_tokens: int, max_model_len: int,
+                         dtype: str = "bfloat16", enforce_eager: bool = True, gpu_memory_utilization: float = 0.85,
+                         trust_remote_code: bool = False) -> dict:
+    """Target + speculators-format EAGLE-3 draft, with stats on so spec-decode counters are kept."""
+    return dict(
+        model=target, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
+        enable_prefix_caching=False, gpu_memory_utilization=gpu_memory_utilization,
+        trust_remote_code=trust_remote_code, skip_tokenizer_init=True, disable_log_stats=False,
+        speculative_config={"model": draft, "method": "eagle3", "num_speculative_tokens": num_speculative_tokens},
+    )
+
+
+# Prometheus names (vLLM 0.26 - 0.32, vllm/v1/spec_decode/metrics.py); `LLM.get_metrics()` strips
+# no suffix: counters are read by these names.
+SPEC_DECODE_COUNTERS = {
+    "num_drafts": "vllm:spec_decode_num_drafts",
+    "num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+}
+SPEC_DECODE_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def spec_decode_counters(llm) -> dict:
+    """Spec-decode counters of this process's engines, summed over label sets."""
+    out = {k: 0 for k in SPEC_DECODE_COUNTERS}
+    per_pos: list[int] = []
+    for m in llm.get_metrics():
+        for key, name in SPEC_DECODE_COUNTERS.items():
+            if m.name == name:
+                out[key] += int(m.value)
+        if m.name == SPEC_DECODE_PER_POS:
+            vals = list(m.values)
+            per_pos = [a + b for a, b in zip(per_pos, vals)] if per_pos else [int(v) for v in vals]
+    out["accepted_per_pos"] = per_pos
+    return out

@@ -53,10 +53,15 @@ class PrepareConfig:
     """Take at most this many records (in file order); None = all."""
     assistant_only_loss: bool = True
     """loss_mask = 1 on assistant tokens only; False trains on every token."""
+    num_eval_prompts: int = 16
+    """The first N good records are held out of training: their prompts (up to the first
+    assistant turn) go to eval_prompts.jsonl for the acceptance-length evaluation."""
 
     def __post_init__(self):
         if self.max_length < 8:
             _fail("prepare", "max_length", self.max_length, "must be >= 8 tokens")
+        if self.num_eval_prompts < 0:
+            _fail("prepare", "num_eval_prompts", self.num_eval_prompts, "must be >= 0")
         if self.max_samples is not None and self.max_samples < 1:
             _fail("prepare", "max_samples", self.max_samples, "must be >= 1 or null")
 

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 TOKENS_FILE = "tokens.parquet"
 REJECTS_FILE = "rejects.jsonl"
+EVAL_PROMPTS_FILE = "eval_prompts.jsonl"
 
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
@@ -332,6 +333,19 @@ def _write_jsonl_atomic(final: Path, rows: list[dict]) -> None:
     os.replace(tmp, final)
 
 
+def eval_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of the conversation up to its first assistant turn, ending in the template's
+    generation prompt: what the target sees before it answers."""
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    r = _Renderer(tokenizer)
+    return r.ids(r.text(messages[:first], add_generation_prompt=True))
+
+
+def read_eval_prompts(out_dir: str | Path) -> list[list[int]]:
+    path = Path(out_dir) / EVAL_PROMPTS_FILE
+    return [json.loads(line)["prompt_token_ids"] for line in path.read_text().splitlines() if line.strip()]
+
+
 def prepare_dataset(cfg: PrepareConfig, tokenizer_dir: str, out_dir: str) -> dict[str, Any]:
     """Write out_dir/tokens.parquet (TOKENS_SCHEMA) and out_dir/rejects.jsonl; return counts.
 
@@ -353,6 +367,7 @@ def prepare_dataset(cfg: PrepareConfig, tokenizer_dir: str, out_dir: str) -> dic
     (out / TOKENS_FILE).unlink(missing_ok=True)
 
     rejects: list[dict] = []
+    eval_prompts: list[dict] = []
     num_samples = num_tokens = num_loss_tokens = max_tokens = 0
     writer = _TokensWriter(out / TOKENS_FILE)
     try:
@@ -370,12 +385,16 @@ def prepare_dataset(cfg: PrepareConfig, tokenizer_dir: str, out_dir: str) -> dic
             if n_loss == 0:
                 rejects.append(rec.reject(f"line {rec.line}: 0 loss tokens (no assistant content to learn from)"))
                 continue
+            if len(eval_prompts) < cfg.num_eval_prompts:
+                eval_prompts.append({"sample_id": rec.sample_id, "prompt_token_ids": eval_prompt(tokenizer, rec.messages)})
+                continue
             writer.add(rec.sample_id, input_ids, loss_mask)
             num_samples += 1
             num_tokens += len(input_ids)
             num_loss_tokens += n_loss
             max_tokens = max(max_tokens, len(input_ids))
         _write_jsonl_atomic(out / REJECTS_FILE, rejects)
+        _write_jsonl_atomic(out / EVAL_PROMPTS_FILE, eval_prompts)
         if num_samples == 0:
             first = "; ".join(f"{r['source']}: {r['reason']}" for r in rejects[:3])
             raise ValueError(f"prepare kept 0 samples of {len(rejects)} records from {cfg.conversations!r}; "
@@ -385,7 +404,8 @@ def prepare_dataset(cfg: PrepareConfig, tokenizer_dir: str, out_dir: str) -> dic
         writer.abort()
         raise
 
-    summary = {"num_samples": num_samples, "num_rejected": len(rejects), "num_tokens": num_tokens,
+    summary = {"num_samples": num_samples, "num_rejected": len(rejects), "num_eval_prompts": len(eval_prompts),
+               "num_tokens": num_tokens,
                "num_loss_tokens": num_loss_tokens, "max_tokens": max_tokens}
     log.info("prepare: %s -> %s: %s", cfg.conversations, out / TOKENS_FILE, summary)
     if rejects:

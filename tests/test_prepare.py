@@ -12,15 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# The venv's editable install maps no packages and pyproject sets no pytest `pythonpath`,
-# so `.venv/bin/pytest` would not find `eagle3`; drop this once either is fixed.
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-from eagle3 import tiny  # noqa: E402
-from eagle3.config import PrepareConfig  # noqa: E402
-from eagle3.prepare import load_conversations, prepare_dataset, read_tokens, tokenize_conversation  # noqa: E402
-from eagle3.schema import SCHEMA_VERSION, TOKENS_SCHEMA  # noqa: E402
+from eagle3 import tiny
+from eagle3.config import PrepareConfig
+from eagle3.prepare import load_conversations, prepare_dataset, read_tokens, tokenize_conversation
+from eagle3.schema import SCHEMA_VERSION, TOKENS_SCHEMA
 DEMO = REPO / "data" / "demo_conversations.jsonl"
 
 CHATML = (
@@ -99,7 +95,7 @@ def test_openai_and_sharegpt_shapes_give_identical_tokens(tmp_path, tok_dir):
     loaded = dict(load_conversations(src))
     assert loaded["oa"] == loaded["sg"] == CONV
 
-    summary = prepare_dataset(PrepareConfig(conversations=str(src), max_length=512), tok_dir, str(tmp_path / "out"))
+    summary = prepare_dataset(PrepareConfig(conversations=str(src), max_length=512, num_eval_prompts=0), tok_dir, str(tmp_path / "out"))
     rows = rows_by_id(tmp_path / "out")
     assert summary["num_samples"] == 2 and summary["num_rejected"] == 0
     assert rows["oa"]["input_ids"] == rows["sg"]["input_ids"]
@@ -119,7 +115,7 @@ def test_mask_covers_exactly_assistant_content_and_end_token(tok):
 
 def test_every_demo_sample_masks_its_assistant_turns_only(tmp_path, tok_dir, tok):
     out = tmp_path / "out"
-    summary = prepare_dataset(PrepareConfig(conversations=str(DEMO), max_length=512), tok_dir, str(out))
+    summary = prepare_dataset(PrepareConfig(conversations=str(DEMO), max_length=512, num_eval_prompts=0), tok_dir, str(out))
     table = read_tokens(out)
     assert summary["num_rejected"] == 0 and read_rejects(out) == []
     assert summary["num_samples"] == table.num_rows == sum(1 for x in DEMO.read_text().splitlines() if x.strip())
@@ -146,7 +142,7 @@ def test_overlong_sample_is_rejected_not_truncated(tmp_path, tok_dir, tok):
     assert n_long > 64
     src = write_jsonl(tmp_path / "c.jsonl", [openai(CONV[1:3], id="short"), openai(long_conv, id="long")])
     out = tmp_path / "out"
-    summary = prepare_dataset(PrepareConfig(conversations=str(src), max_length=64), tok_dir, str(out))
+    summary = prepare_dataset(PrepareConfig(conversations=str(src), max_length=64, num_eval_prompts=0), tok_dir, str(out))
 
     assert list(rows_by_id(out)) == ["short"]
     assert read_rejects(out) == [{"sample_id": "long", "source": "c.jsonl:2", "line": 2,
@@ -170,7 +166,7 @@ def test_malformed_lines_are_rejected_with_line_numbers_and_good_lines_kept(tmp_
     ]
     src = write_jsonl(tmp_path / "mixed.jsonl", lines)
     out = tmp_path / "out"
-    summary = prepare_dataset(PrepareConfig(conversations=str(src), max_length=512), tok_dir, str(out))
+    summary = prepare_dataset(PrepareConfig(conversations=str(src), max_length=512, num_eval_prompts=0), tok_dir, str(out))
 
     assert sorted(rows_by_id(out)) == ["mixed-1", "sg-ok"]
     rejects = {r["line"]: r for r in read_rejects(out)}
@@ -194,7 +190,7 @@ def test_duplicate_id_rejects_the_second_occurrence(tmp_path, tok_dir):
                         "reason": "line 2: duplicate sample id 'x', first seen at d.jsonl:1"}]
 
     out = tmp_path / "out"
-    prepare_dataset(PrepareConfig(conversations=str(src), max_length=512), tok_dir, str(out))
+    prepare_dataset(PrepareConfig(conversations=str(src), max_length=512, num_eval_prompts=0), tok_dir, str(out))
     rows = rows_by_id(out)
     assert sorted(rows) == ["x", "y"]
     assert rows["x"]["input_ids"] != rows["y"]["input_ids"]
@@ -210,7 +206,7 @@ def test_directory_input_reads_files_in_sorted_order_and_max_samples_counts_reco
     assert [sid for sid, _ in load_conversations(d)] == ["a-1", "a-3", "b-1", "b-2"]
 
     out = tmp_path / "out"
-    summary = prepare_dataset(PrepareConfig(conversations=str(d), max_length=512, max_samples=4), tok_dir, str(out))
+    summary = prepare_dataset(PrepareConfig(conversations=str(d), max_length=512, num_eval_prompts=0, max_samples=4), tok_dir, str(out))
     assert list(rows_by_id(out)) == ["a-1", "a-3", "b-1"]
     assert summary["num_samples"] == 3 and summary["num_rejected"] == 1
 
@@ -218,14 +214,14 @@ def test_directory_input_reads_files_in_sorted_order_and_max_samples_counts_reco
 def test_sample_without_assistant_turn_is_rejected_and_all_ones_mask_when_asked(tmp_path, tok_dir, tok):
     src = write_jsonl(tmp_path / "c.jsonl", [openai(CONV[:2], id="q"), openai(CONV, id="full")])
     out = tmp_path / "out"
-    prepare_dataset(PrepareConfig(conversations=str(src), max_length=512), tok_dir, str(out))
+    prepare_dataset(PrepareConfig(conversations=str(src), max_length=512, num_eval_prompts=0), tok_dir, str(out))
     assert list(rows_by_id(out)) == ["full"]
     assert read_rejects(out)[0]["reason"] == "line 1: 0 loss tokens (no assistant content to learn from)"
 
     ids, mask = tokenize_conversation(tok, CONV, 512, assistant_only_loss=False)
     assert mask == [1] * len(ids) and ids == tokenize_conversation(tok, CONV, 512, True)[0]
     out_all = tmp_path / "out_all"
-    cfg = PrepareConfig(conversations=str(src), max_length=512, assistant_only_loss=False)
+    cfg = PrepareConfig(conversations=str(src), max_length=512, num_eval_prompts=0, assistant_only_loss=False)
     assert prepare_dataset(cfg, tok_dir, str(out_all))["num_samples"] == 2
 
 
@@ -233,8 +229,8 @@ def test_all_records_rejected_raises_and_leaves_no_tokens_file(tmp_path, tok_dir
     src = write_jsonl(tmp_path / "c.jsonl", ["{broken", openai(CONV[:2])])
     out = tmp_path / "out"
     with pytest.raises(ValueError, match=r"kept 0 samples of 2 records.*c.jsonl:1: line 1: invalid JSON"):
-        prepare_dataset(PrepareConfig(conversations=str(src), max_length=512), tok_dir, str(out))
-    assert sorted(p.name for p in out.iterdir()) == ["rejects.jsonl"]
+        prepare_dataset(PrepareConfig(conversations=str(src), max_length=512, num_eval_prompts=0), tok_dir, str(out))
+    assert sorted(p.name for p in out.iterdir()) == ["eval_prompts.jsonl", "rejects.jsonl"]
 
 
 def test_read_tokens_refuses_another_schema_version(tmp_path):
@@ -289,7 +285,20 @@ def test_prefix_unstable_template_is_a_reject_reason(tmp_path, tok):
     tok.save_pretrained(tmp_path / "tok")
     src = write_jsonl(tmp_path / "c.jsonl", [openai(CONV, id="multi"), openai(CONV[:3], id="single")])
     out = tmp_path / "out"
-    prepare_dataset(PrepareConfig(conversations=str(src), max_length=512), str(tmp_path / "tok"), str(out))
+    prepare_dataset(PrepareConfig(conversations=str(src), max_length=512, num_eval_prompts=0), str(tmp_path / "tok"), str(out))
     assert list(rows_by_id(out)) == ["single"]
     [reject] = read_rejects(out)
     assert reject["sample_id"] == "multi" and reject["reason"].startswith("line 1: chat template is not prefix-stable")
+
+
+def test_eval_prompts_are_held_out_of_training(tok_dir, tmp_path):
+    out = tmp_path / "out"
+    summary = prepare_dataset(PrepareConfig(conversations=str(DEMO), max_length=512, num_eval_prompts=5), tok_dir, str(out))
+    held = [json.loads(line) for line in (out / "eval_prompts.jsonl").read_text().splitlines()]
+    trained = set(pq.read_table(out / "tokens.parquet").column("sample_id").to_pylist())
+    assert summary["num_eval_prompts"] == 5 and len(held) == 5
+    assert not {h["sample_id"] for h in held} & trained
+    from transformers import AutoTokenizer
+
+    text = AutoTokenizer.from_pretrained(tok_dir).decode(held[0]["prompt_token_ids"])
+    assert text.endswith("<|assistant|>\n") and "<|user|>" in text
