@@ -148,7 +148,7 @@ def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str,
                 r.alive = False
                 ray.util.remove_placement_group(r.pg)
                 try:
-                    replicas.extend(start_replicas(1, 30.0))
+                    replicas.extend(start_replicas(1, min(30.0, ecfg.placement_timeout_s)))
                 except ValueError as e:
                     log.warning("replica %d not replaced: %s", r.index, e)
 

@@ -1,0 +1,184 @@
+"""The job: prepare -> extract -> train -> export -> eval, on the Ray cluster it runs in.
+
+    python -m ray_jobs.run --config configs/demo.yaml
+    ray job submit --working-dir . -- python -m ray_jobs.run --config configs/gpu_8b.yaml
+
+Each stage writes under output_dir/<stage>/ with a provenance.json, and reuses what an
+earlier run of the same job committed (extraction resumes shard by shard). The driver
+imports neither vllm, torch nor deepspeed: heavy work runs in Ray tasks and actors.
+Output layout:
+    target/          the tiny demo target (only when target.model is null)
+    prepared/        tokens.parquet, rejects.jsonl, eval_prompts.jsonl
+    hidden_states/   data/shard-*.parquet, committed/, MANIFEST.json, rejects.jsonl
+    train/           DeepSpeed checkpoints, metrics, loss plot
+    draft/           the speculators-format EAGLE-3 draft (config.json, model.safetensors)
+    report.json      the run summary printed at the end
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from eagle3.config import JobConfig, load_job_config
+from eagle3.provenance import write_provenance
+
+log = logging.getLogger("eagle3")
+
+
+def _build_target(cfg: JobConfig, out: Path) -> str:
+    if cfg.target.model is not None:
+        if not (Path(cfg.target.model) / "config.json").exists():
+            raise ValueError(f"config target.model={cfg.target.model!r}: no config.json there; give a local HF model "
+                             "directory (weights are read from disk, never downloaded)")
+        return cfg.target.model
+    import ray
+
+    from eagle3.tiny import build_tiny_target
+
+    task = ray.remote(num_cpus=1)(build_tiny_target)
+    return str(ray.get(task.remote(str(out / "target"), str(Path(cfg.prepare.conversations).resolve()),
+                                   size=cfg.target.tiny_size, seed=cfg.target.tiny_seed)))
+
+
+def _prepare(cfg: JobConfig, target_dir: str, out: Path) -> dict:
+    import ray
+
+    from eagle3.prepare import prepare_dataset
+
+    task = ray.remote(num_cpus=1)(prepare_dataset)
+    summary = ray.get(task.remote(cfg.prepare, target_dir, str(out)))
+    write_provenance(out, cfg.to_dict(), "prepare", {"summary": summary})
+    return summary
+
+
+def _evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[list[int]]) -> list[dict]:
+    import ray
+
+    from actors.evaluator import EvaluatorActor
+
+    max_len = min(cfg.prepare.max_length, max(len(p) for p in prompts) + cfg.eval.max_tokens + 8)
+    gpu = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    results = []
+    for k in cfg.eval.num_speculative_tokens:
+        actor = ray.remote(EvaluatorActor).options(num_cpus=1, num_gpus=gpu).remote(cfg.extract.cpu_kvcache_space_gib)
+        try:
+            res = ray.get(actor.measure.remote(target_dir, draft_dir, prompts, num_speculative_tokens=k,
+                                               max_tokens=cfg.eval.max_tokens, max_model_len=max_len,
+                                               dtype=cfg.target.dtype,
+                                               trust_remote_code=cfg.target.trust_remote_code))
+        finally:
+            ray.kill(actor)
+        log.info("eval: num_speculative_tokens=%d acceptance length %.3f", k, res["acceptance_length"])
+        results.append(res)
+    return results
+
+
+def run(cfg: JobConfig) -> dict:
+    from ray_jobs.cluster import init_ray
+
+    out = Path(cfg.output_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    init_ray(cfg.ray.address, cfg.ray.num_cpus)
+    report: dict = {"output_dir": str(out), "stages": {}, "seconds": {}}
+    t0 = time.perf_counter()
+
+    def timed(name, fn, *args):
+        t = time.perf_counter()
+        result = fn(*args)
+        report["seconds"][name] = round(time.perf_counter() - t, 2)
+        return result
+
+    target_dir = timed("target", _build_target, cfg, out)
+    report["target"] = target_dir
+    if "prepare" in cfg.stages or not (out / "prepared" / "tokens.parquet").exists():
+        report["stages"]["prepare"] = timed("prepare", _prepare, cfg, target_dir, out / "prepared")
+
+    if "extract" in cfg.stages:
+        from ray_jobs.extract import run_extract
+
+        summary = timed("extract", run_extract, cfg, str(out / "prepared" / "tokens.parquet"), target_dir,
+                        str(out / "hidden_states"))
+        write_provenance(out / "hidden_states", cfg.to_dict(), "extract", {"summary": summary})
+        report["stages"]["extract"] = {k: v for k, v in summary.items() if k != "files"}
+
+    if "train" in cfg.stages or "export" in cfg.stages:
+        from actors.trainer import run_training
+        from eagle3.manifest import Manifest
+
+        files = Manifest(out / "hidden_states").committed_files()
+        if not files:
+            raise ValueError(f"no committed hidden-state shards under {out / 'hidden_states'}: run the extract stage first")
+        summary = timed("train", run_training, cfg.train, files, target_dir, str(out / "train"), str(out / "draft"))
+        write_provenance(out / "train", cfg.to_dict(), "train", {"summary": summary})
+        write_provenance(out / "draft", cfg.to_dict(), "export", {"trained_from": files})
+        report["stages"]["train"] = summary
+        report["draft"] = str(out / "draft")
+
+    if "eval" in cfg.stages and cfg.eval.enabled:
+        from eagle3.prepare import read_eval_prompts
+
+        prompts = read_eval_prompts(out / "prepared")[: cfg.eval.num_prompts]
+        if not prompts:
+            raise ValueError("no held-out prompts for eval: set prepare.num_eval_prompts > 0")
+        results = timed("eval", _evaluate, cfg, target_dir, str(out / "draft"), prompts)
+        report["stages"]["eval"] = results
+        (out / "eval.json").write_text(json.dumps(results, indent=1))
+
+    report["seconds"]["total"] = round(time.perf_counter() - t0, 2)
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    write_provenance(out, cfg.to_dict(), "job")
+    return report
+
+
+def format_summary(report: dict) -> str:
+    st = report["stages"]
+    lines = [f"eagle3 job finished in {report['seconds']['total']:.0f}s; outputs under {report['output_dir']}"]
+    lines.append(f"  target           {report['target']}")
+    if "prepare" in st:
+        p = st["prepare"]
+        lines.append(f"  prepared/        {p['num_samples']} samples, {p['num_tokens']} tokens "
+                     f"({p['num_loss_tokens']} in the loss), {p['num_rejected']} rejected")
+    if "extract" in st:
+        e = st["extract"]
+        lines.append(f"  hidden_states/   {e['num_samples']} samples, {e['num_tokens']} tokens, {e['bytes'] / 1e6:.1f} MB, "
+                     f"{e['bytes_per_token']:.0f} bytes/token, layers {e['layer_ids']}, {e['num_rejected']} rejected")
+    if "train" in st:
+        t = st["train"]
+        lines.append(f"  train/           {t.get('steps')} steps, loss {t.get('loss_first'):.4f} -> {t.get('loss_last'):.4f}, "
+                     f"{t.get('tokens_per_s', 0):.0f} tokens/s")
+        lines.append(f"  draft/           speculators-format EAGLE-3 draft: {report.get('draft')}")
+    if "eval" in st:
+        als = ", ".join(f"k={r['num_speculative_tokens']}: {r['acceptance_length']:.2f}" for r in st["eval"])
+        lines.append(f"  eval.json        acceptance length in vLLM: {als}")
+    lines.append("  time per stage   " + ", ".join(f"{k} {v:.0f}s" for k, v in report["seconds"].items()))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ray_jobs.run", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", help="YAML/JSON job config; omitted: the built-in demo defaults")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config value, e.g. --set train.num_steps=50 (value parsed as YAML)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import yaml
+
+    overrides = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            ap.error(f"--set {item!r}: expected KEY=VALUE")
+        overrides[key] = yaml.safe_load(value)
+    cfg = load_job_config(args.config, overrides)
+    report = run(cfg)
+    print(format_summary(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
