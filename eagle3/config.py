@@ -123,9 +123,11 @@ class ExtractConfig:
             _fail("extract", "aux_hidden_state_layer_ids", self.aux_hidden_state_layer_ids, "give at least one id or null")
 
     def layer_ids(self, num_hidden_layers: int) -> list[int]:
-        """All captured layer ids: the aux ids, then the last layer."""
+        """All captured layer ids, ascending: the aux ids, then the last layer. Ascending because
+        vLLM's extract_hidden_states fills its output slots in layer order, whatever order the
+        config lists them in (0.26: the layer loop; 0.32: an explicit sort)."""
         n = num_hidden_layers
-        aux = list(self.aux_hidden_state_layer_ids or (2, n // 2, n - 3))
+        aux = sorted(self.aux_hidden_state_layer_ids or (2, n // 2, n - 3))
         bad = [i for i in aux if not 0 <= i < n]
         if bad or len(set(aux)) != len(aux):
             raise ValueError(
@@ -164,6 +166,9 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    doctor: bool = True
+    """Run ray_jobs.doctor's checks (versions, seams, GPUs, disk, a 2-layer dry run) before any
+    weights load; the job stops on a failed check."""
     stages: tuple[str, ...] = ("prepare", "extract", "train", "export", "eval")
     """Which stages run; each reuses the committed outputs of earlier ones."""
 

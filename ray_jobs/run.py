@@ -30,7 +30,8 @@ from eagle3.provenance import write_provenance
 log = logging.getLogger("eagle3")
 
 
-def _build_target(cfg: JobConfig, out: Path) -> str:
+def resolve_target(cfg: JobConfig, out: Path) -> str:
+    """The target model directory: the user's, or the tiny demo target built under output_dir."""
     if cfg.target.model is not None:
         if not (Path(cfg.target.model) / "config.json").exists():
             raise ValueError(f"config target.model={cfg.target.model!r}: no config.json there; give a local HF model "
@@ -93,7 +94,14 @@ def run(cfg: JobConfig) -> dict:
         report["seconds"][name] = round(time.perf_counter() - t, 2)
         return result
 
-    target_dir = timed("target", _build_target, cfg, out)
+    target_dir = timed("target", resolve_target, cfg, out)
+    if cfg.doctor:
+        from ray_jobs.doctor import run_doctor
+
+        ok, table, _ = timed("doctor", run_doctor, cfg, target_dir)
+        print(table, flush=True)
+        if not ok:
+            raise SystemExit("doctor: a check failed (table above); nothing was loaded. Fix it, or set doctor: false")
     report["target"] = target_dir
     if "prepare" in cfg.stages or not (out / "prepared" / "tokens.parquet").exists():
         report["stages"]["prepare"] = timed("prepare", _prepare, cfg, target_dir, out / "prepared")

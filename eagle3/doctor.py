@@ -1,0 +1,176 @@
+"""Checks that take seconds and run before any weights load: one node's report.
+
+Owns: package versions against the tested matrix, the compat seams' probes, GPU hygiene,
+free disk against the dataset's estimated size, and the architecture-matched dry run
+(the target's own config.json cut to 2 decoder layers, random weights via vLLM's dummy
+loader, through the exact extraction code path). Each check returns a `Check` row;
+ray_jobs/doctor.py runs this on every node and prints the table.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+DRY_RUN_LAYERS = 2
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    warn: bool = False  # ok but worth reading
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_versions() -> list[Check]:
+    from compat.versions import TESTED, in_tested_range
+
+    rows = []
+    for name in TESTED:
+        ok, detail = in_tested_range(name)
+        rows.append(Check(f"version {name}", ok, detail,
+                          "" if ok else "install a version from the tested matrix (README, 'Tested versions')"))
+    return rows
+
+
+def check_seams(target_dir: str | None, trust_remote_code: bool) -> list[Check]:
+    from compat import probes
+
+    return [Check(name, ok, detail, fix) for name, ok, detail, fix in probes.run_all(target_dir, trust_remote_code)]
+
+
+def check_gpus(min_free_fraction: float = 0.9) -> list[Check]:
+    """Memory in use on each visible GPU and the processes holding it: a crashed engine's
+    zombie keeps its memory, and the next engine start fails 18 minutes later."""
+    try:
+        import pynvml  # nvidia-ml-py
+    except ImportError:
+        pynvml = None
+    import torch
+
+    if not torch.cuda.is_available():
+        return [Check("gpu hygiene", True, "no CUDA device on this node (CPU engine)")]
+    rows = []
+    if pynvml is not None:
+        pynvml.nvmlInit()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        indices = [int(i) for i in visible.split(",")] if visible else range(pynvml.nvmlDeviceGetCount())
+        for i in indices:
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+            holders = [f"pid {p.pid} ({(p.usedGpuMemory or 0) / 2**30:.1f} GiB)" for p in procs if p.pid != os.getpid()]
+            ok = mem.used / mem.total <= 1 - min_free_fraction and not holders
+            rows.append(Check(f"gpu {i} hygiene", ok,
+                              f"{mem.used / 2**30:.1f} of {mem.total / 2**30:.0f} GiB in use; holders: {holders or 'none'}",
+                              "" if ok else "kill the processes holding GPU memory (nvidia-smi; `ray stop` on a crashed "
+                                            "cluster) before starting engines"))
+        return rows
+    for i in range(torch.cuda.device_count()):
+        free, total = torch.cuda.mem_get_info(i)
+        ok = free / total >= min_free_fraction
+        rows.append(Check(f"gpu {i} hygiene", ok, f"{(total - free) / 2**30:.1f} of {total / 2**30:.0f} GiB in use",
+                          "" if ok else "free the GPU (nvidia-smi shows who holds it)"))
+    return rows
+
+
+def estimate_dataset_bytes(num_tokens: int, num_layers: int, hidden_size: int, hs_dtype: str) -> int:
+    per_value = 2 if hs_dtype == "bfloat16" else 1
+    scale = 4 * num_layers if hs_dtype != "bfloat16" else 0
+    return num_tokens * (num_layers * hidden_size * per_value + scale + 5)  # + input_ids (4) + loss_mask (1)
+
+
+def check_disk(output_dir: str, estimated_bytes: int, margin: float = 1.2) -> Check:
+    path = Path(output_dir).resolve()
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    ok = free >= estimated_bytes * margin
+    return Check("disk space", ok, f"{free / 1e9:.1f} GB free at {probe}; the dataset needs ~{estimated_bytes / 1e9:.2f} GB "
+                 f"(+{round((margin - 1) * 100)}% margin)",
+                 "" if ok else "point output_dir at a larger volume, use extract.hs_dtype=float8_e4m3fn (half), "
+                               "or extract fewer samples")
+
+
+def cut_config(target_dir: str, out_dir: str, num_layers: int = DRY_RUN_LAYERS) -> str:
+    """Copy the target's config.json (and tokenizer files) with the language model cut to
+    `num_layers` decoder layers; MoE and multimodal settings are kept as they are."""
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    cut = copy.deepcopy(cfg)
+    text = cut
+    for key in ("text_config", "language_config", "llm_config"):
+        if isinstance(cut.get(key), dict) and "num_hidden_layers" in cut[key]:
+            text = cut[key]
+    text["num_hidden_layers"] = num_layers
+    for key in ("layer_types", "mlp_only_layers"):
+        if isinstance(text.get(key), list):
+            text[key] = text[key][:num_layers]
+    if "first_k_dense_replace" in text:  # DeepSeek-style: keep one dense layer and one MoE layer
+        text["first_k_dense_replace"] = min(text["first_k_dense_replace"], 1)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cut, indent=1))
+    for p in Path(target_dir).iterdir():
+        if p.suffix in (".py", ".jinja") or p.name.startswith(("tokenizer", "special_tokens", "generation_config",
+                                                                 "preprocessor_config", "chat_template")):
+            shutil.copy(p, out / p.name)
+    return str(out)
+
+
+def dry_run(target_dir: str, extract_cfg, *, dtype: str, trust_remote_code: bool, num_tokens: int = 16) -> Check:
+    """One sample through the exact extraction path on the cut target; shapes checked."""
+    import dataclasses
+
+    import pyarrow as pa
+
+    from eagle3.extract import Extractor, target_text_config
+    from eagle3.schema import TOKENS_SCHEMA, decode_hidden_states, hs_layout
+
+    t0 = time.perf_counter()
+    tmp = tempfile.mkdtemp(prefix="eagle3-dryrun-")
+    extractor = None
+    try:
+        cut = cut_config(target_dir, tmp)
+        text = target_text_config(cut)
+        n = text["num_hidden_layers"]
+        full_aux = extract_cfg.layer_ids(target_text_config(target_dir)["num_hidden_layers"])[:-1]
+        cfg = dataclasses.replace(extract_cfg, aux_hidden_state_layer_ids=tuple(range(n))[: len(full_aux)] or (0,),
+                                  load_format="dummy", num_replicas=1, gpu_memory_utilization=0.3,
+                                  max_num_batched_tokens=max(256, num_tokens), max_num_seqs=4)
+        extractor = Extractor(cut, cfg, max_length=max(256, num_tokens), dtype=dtype, trust_remote_code=trust_remote_code)
+        ids = [(7 * i + 3) % min(int(text.get("vocab_size", 1000)), 1000) for i in range(num_tokens)]
+        tokens = pa.Table.from_pylist([{"sample_id": "dry-run", "input_ids": ids, "loss_mask": [1] * num_tokens,
+                                        "num_tokens": num_tokens}], schema=TOKENS_SCHEMA)
+        table, stats = extractor.extract(tokens)
+        layer_ids, hidden, hs_dtype = hs_layout(table.schema)
+        hs = decode_hidden_states(table.column("hidden_states")[0], None if hs_dtype == "bfloat16" else
+                                  __import__("numpy").asarray(table.column("hs_scale")[0].as_py(), dtype="float32"),
+                                  num_tokens, len(layer_ids), hidden, hs_dtype)
+        want = (num_tokens, len(layer_ids), text["hidden_size"])
+        ok = tuple(hs.shape) == want and stats.num_samples == 1
+        return Check("dry run", ok,
+                     f"{text.get('architectures') or json.loads((Path(cut) / 'config.json').read_text()).get('architectures')} "
+                     f"cut to {n} layers, dummy weights, backend {cfg.backend}: hidden states {tuple(hs.shape)} "
+                     f"(want {want}), layers {layer_ids}, {time.perf_counter() - t0:.0f}s",
+                     "" if ok else "the extraction path returned wrong shapes: report it with this table")
+    except Exception as e:  # noqa: BLE001 - a doctor reports every failure as a row, with its cause
+        return Check("dry run", False, f"{type(e).__name__}: {str(e)[:400]}",
+                     "the extraction path fails on this architecture before any weights load: see the traceback "
+                     "in the job log; `python -m ray_jobs.doctor --verbose` prints it\n" + traceback.format_exc()[-1500:])
+    finally:
+        if extractor is not None:
+            extractor.close()
+        shutil.rmtree(tmp, ignore_errors=True)

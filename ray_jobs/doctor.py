@@ -1,0 +1,110 @@
+"""Doctor: everything that can fail in seconds, checked before any weights load.
+
+    python -m ray_jobs.doctor --config FILE      (exit 1 on a failed check, with what to do)
+
+Runs one task per alive node of the Ray cluster (node affinity), each reporting package
+versions against the tested matrix, every compat seam, GPU hygiene and free disk at the
+output path; the architecture-matched dry run (target config cut to 2 layers, dummy
+weights, the exact extraction path) runs on one node per distinct node type. The job
+(ray_jobs/run.py) runs the same checks first. Tasks use max_calls=1: the dry run starts an
+engine, and its process must not be reused for other work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from eagle3.config import JobConfig, load_job_config
+
+
+def estimate_tokens(cfg: JobConfig) -> tuple[int, str]:
+    tokens = Path(cfg.output_dir) / "prepared" / "tokens.parquet"
+    if tokens.exists():
+        import pyarrow.parquet as pq
+
+        col = pq.read_table(tokens, columns=["num_tokens"]).column("num_tokens")
+        return int(sum(col.to_pylist())), "prepared tokens.parquet"
+    src = Path(cfg.prepare.conversations)
+    size = sum(p.stat().st_size for p in ([src] if src.is_file() else src.glob("*.jsonl"))) if src.exists() else 0
+    return size // 4, f"~4 bytes of {src} a token"
+
+
+def node_report(cfg: JobConfig, target_dir: str, num_tokens: int, with_dry_run: bool) -> dict:
+    import platform
+
+    from eagle3 import doctor
+    from eagle3.extract import target_text_config
+
+    rows = doctor.check_versions() + doctor.check_seams(target_dir, cfg.target.trust_remote_code)
+    rows += doctor.check_gpus()
+    text = target_text_config(target_dir)
+    layers = len(cfg.extract.layer_ids(text["num_hidden_layers"]))
+    rows.append(doctor.check_disk(cfg.output_dir, doctor.estimate_dataset_bytes(num_tokens, layers, text["hidden_size"],
+                                                                               cfg.extract.hs_dtype)))
+    if with_dry_run:
+        rows.append(doctor.dry_run(target_dir, cfg.extract, dtype=cfg.target.dtype,
+                                   trust_remote_code=cfg.target.trust_remote_code))
+    return {"host": platform.node(), "rows": [r.to_dict() for r in rows]}
+
+
+def run_doctor(cfg: JobConfig, target_dir: str, *, dry_run: bool = True) -> tuple[bool, str, list[dict]]:
+    """Run the checks on every alive node; return (all ok, printable table, reports)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    t0 = time.perf_counter()
+    num_tokens, how = estimate_tokens(cfg)
+    task = ray.remote(max_calls=1, num_cpus=0)(node_report)
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    # One dry run per node type (GPU count), on a node that has CPUs to start an engine.
+    seen, refs = set(), []
+    for n in sorted(nodes, key=lambda n: -n["Resources"].get("CPU", 0)):
+        kind = n["Resources"].get("GPU", 0)
+        do_dry = dry_run and n["Resources"].get("CPU", 0) >= 1 and kind not in seen
+        seen.add(kind) if do_dry else None
+        refs.append((n, task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False),
+                                     num_gpus=min(1, kind) if do_dry and kind else 0)
+                     .remote(cfg, target_dir, num_tokens, do_dry)))
+    reports, ok = [], True
+    lines = []
+    for node, ref in refs:
+        rep = ray.get(ref)
+        rep["node_ip"] = node["NodeManagerAddress"]
+        reports.append(rep)
+        lines.append(f"node {rep['node_ip']} ({rep['host']})")
+        for r in rep["rows"]:
+            ok &= r["ok"]
+            mark = "PASS" if r["ok"] else "FAIL"
+            lines.append(f"  {mark}  {r['name']:<44} {r['detail']}")
+            if not r["ok"] and r["fix"]:
+                lines.append(f"        -> {r['fix'].splitlines()[0]}")
+    lines.append(f"doctor: {'all checks passed' if ok else 'FAILED'} on {len(reports)} node(s) in "
+                 f"{time.perf_counter() - t0:.0f}s (dataset estimate from {how}: {num_tokens} tokens)")
+    return ok, "\n".join(lines), reports
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ray_jobs.doctor", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", help="YAML/JSON job config (omitted: the demo defaults)")
+    ap.add_argument("--no-dry-run", action="store_true", help="skip the engine dry run")
+    ap.add_argument("--json", help="also write the reports to this file")
+    args = ap.parse_args(argv)
+    cfg = load_job_config(args.config)
+    from ray_jobs.cluster import init_ray
+    from ray_jobs.run import resolve_target
+
+    init_ray(cfg.ray.address, cfg.ray.num_cpus)
+    target_dir = resolve_target(cfg, Path(cfg.output_dir).resolve())
+    ok, table, reports = run_doctor(cfg, target_dir, dry_run=not args.no_dry_run)
+    print(table, flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(reports, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
