@@ -17,6 +17,13 @@ def write_shard(table, path: str, compression: str | None) -> dict:
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     pq.write_table(table, tmp, compression=compression or "none", row_group_size=max(1, min(len(table), 64)),
                    use_dictionary=["sample_id"], write_statistics=["sample_id", "num_tokens"])
+    # fsync before the rename: the manifest commit that follows must never point at bytes that a
+    # crash could still lose from the page cache.
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(tmp, final)
     return {"bytes": final.stat().st_size, "write_s": time.perf_counter() - t0, "rows": len(table),
             "hs_bytes": table.column("hidden_states").nbytes}

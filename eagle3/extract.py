@@ -72,6 +72,9 @@ class VLLMBackend:
 
         self.llm = LLM(**kwargs)
         self.max_len = min(max_model_len, self.max_num_batched_tokens)
+        # One short prefill through the whole path now, so the first shard is not the one that pays
+        # for lazy initialisation (and a broken connector fails at start-up, not mid-job).
+        self.hidden_states([[(7 * i + 3) % 100 + 1 for i in range(16)]])
 
     def hidden_states(self, batch: list[list[int]]):
         from compat.vllm_engine import run_prefill
@@ -98,14 +101,21 @@ class HFBackend:
     """
 
     def __init__(self, model_dir: str, layer_ids: list[int], *, dtype: str = "bfloat16", device: str | None = None,
-                 max_model_len: int = 1 << 30, trust_remote_code: bool = False):
+                 max_model_len: int = 1 << 30, trust_remote_code: bool = False, batch_size: int = 1,
+                 random_weights: bool = False):
         import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         self.torch = torch
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code).to(self.device).eval()
+        self.batch_size = batch_size
+        if random_weights:  # benchmarks on dummy shapes: the same work as real weights, no files
+            config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+            with torch.device(self.device):
+                self.model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).eval()
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code).to(self.device).eval()
         self.layer_ids = layer_ids
         self.max_len = max_model_len
         decoder = self.model.get_decoder()
@@ -114,14 +124,27 @@ class HFBackend:
             lambda _m, _i, out: self._last.__setitem__("h", out[0] if isinstance(out, tuple) else out))
 
     def hidden_states(self, batch: list[list[int]]):
+        """Samples of equal length go through together, up to batch_size (no padding, so no
+        padding-dependent numerics); the copy to host is part of the work, as for vLLM."""
         torch = self.torch
-        out = []
+        out: list = [None] * len(batch)
+        order = sorted(range(len(batch)), key=lambda i: len(batch[i]))
+        groups, cur = [], []
+        for i in order:
+            if cur and (len(batch[i]) != len(batch[cur[0]]) or len(cur) == self.batch_size):
+                groups.append(cur)
+                cur = []
+            cur.append(i)
+        if cur:
+            groups.append(cur)
         with torch.no_grad():
-            for ids in batch:
-                res = self.model(torch.tensor([ids], device=self.device), output_hidden_states=True)
+            for g in groups:
+                res = self.model(torch.tensor([batch[i] for i in g], device=self.device), output_hidden_states=True)
                 n = len(res.hidden_states) - 1
-                per_layer = [self._last["h"][0] if k == n else res.hidden_states[k][0] for k in self.layer_ids]
-                out.append(torch.stack(per_layer, dim=1).to(torch.bfloat16).cpu())
+                per_layer = [self._last["h"] if k == n else res.hidden_states[k] for k in self.layer_ids]
+                stacked = torch.stack(per_layer, dim=2).to(torch.bfloat16).cpu()  # [B, T, L, D]
+                for j, i in enumerate(g):
+                    out[i] = stacked[j]
         return out
 
     def close(self):

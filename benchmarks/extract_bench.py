@@ -1,0 +1,265 @@
+"""Extraction throughput side by side, in one run, with the same engine settings and prompts.
+
+    python -m benchmarks.extract_bench --shapes 1b,8b --num-prompts 512 --prompt-len 1024 --out DIR
+
+Per shape (dummy-weight Llama, random token prompts, seeded):
+  (1) plain vLLM prefill, max_tokens=1                      -> the reference
+  (2) our extraction into the Ray object store (tables returned as refs, nothing written)
+  (3) our extraction into Arrow/Parquet on local disk: the product's run_extract loop
+      (replica + writer tasks + fsync + manifest commit), engine start excluded
+  (3b) the same with fp8 (e4m3 + per-token scale) storage
+  (4) transformers output_hidden_states + copy to host (batched, equal lengths)
+  (5) the disk's raw sequential write bandwidth (dd, direct I/O)
+and the ratios to (1). Each engine runs in its own Ray actor (its own process), one after
+the other, so GPU memory is returned between them. Writes JSON and a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return rng.integers(100, min(vocab, 32000), size=(n, length)).tolist()
+
+
+class PlainPrefill:
+    """(1): the same engine settings as extraction, without the hidden-states method."""
+
+    def __init__(self, model_dir: str, max_len: int, batched_tokens: int, cpu_kv_gib: int):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_gib))
+        from vllm import LLM
+
+        self.llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+                       enforce_eager=True, enable_prefix_caching=False, enable_chunked_prefill=False,
+                       max_model_len=max_len, max_num_batched_tokens=batched_tokens, gpu_memory_utilization=0.8)
+
+    def run(self, prompts: list[list[int]]) -> float:
+        from compat.vllm_engine import run_prefill
+
+        run_prefill(self.llm, prompts[: min(8, len(prompts))], capture=False)  # warm-up
+        t0 = time.perf_counter()
+        run_prefill(self.llm, prompts, capture=False)
+        return time.perf_counter() - t0
+
+
+class ObjectStoreExtract:
+    """(2): the product's ExtractorActor work (engine + encode into an Arrow table) with the
+    table returned to the object store by the actor call; nothing written."""
+
+    def __init__(self, model_dir: str, max_len: int, batched_tokens: int, cpu_kv_gib: int):
+        from actors.extractor import ExtractorActor
+        from eagle3.config import ExtractConfig
+
+        cfg = ExtractConfig(load_format="dummy", max_num_batched_tokens=batched_tokens, gpu_memory_utilization=0.8,
+                            cpu_kvcache_space_gib=cpu_kv_gib)
+        self.inner = ExtractorActor(model_dir, cfg, max_length=max_len, dtype="bfloat16", trust_remote_code=False,
+                                    replica=0)
+
+    def extract_shard(self, shard, tokens):
+        return self.inner.extract_shard(shard, tokens)
+
+
+def _tokens_table(prompts):
+    import pyarrow as pa
+
+    from eagle3.schema import TOKENS_SCHEMA
+
+    return pa.Table.from_pylist([{"sample_id": f"b{i:06d}", "input_ids": p, "loss_mask": [1] * len(p),
+                                  "num_tokens": len(p)} for i, p in enumerate(prompts)], schema=TOKENS_SCHEMA)
+
+
+def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
+    import pyarrow.parquet as pq
+    import ray
+
+    from benchmarks.shapes import SHAPES, write_shape
+    from eagle3.config import load_job_config
+    from ray_jobs.extract import run_extract
+
+    model_dir = write_shape(shape, work / f"model-{shape}")
+    prompts = _prompts(args.num_prompts, args.prompt_len, SHAPES[shape][5])
+    tokens = sum(len(p) for p in prompts)
+    batched = max(16384, args.prompt_len)
+    max_len = args.prompt_len + 8
+    res: dict = {"shape": shape, "hidden_size": SHAPES[shape][0], "num_layers": SHAPES[shape][1],
+                 "num_prompts": len(prompts), "prompt_len": args.prompt_len, "tokens": tokens}
+
+    def in_actor(cls, *a):
+        return ray.remote(num_gpus=gpu, num_cpus=1)(cls).remote(*a)
+
+    # (1) plain prefill
+    actor = in_actor(PlainPrefill, model_dir, max_len, batched, args.cpu_kv_gib)
+    secs = ray.get(actor.run.remote(prompts))
+    ray.kill(actor)
+    res["plain_prefill_tok_s"] = tokens / secs
+
+    # (2) extraction into the object store
+    actor = in_actor(ObjectStoreExtract, model_dir, max_len, batched, args.cpu_kv_gib)
+    table = _tokens_table(prompts)
+    ray.get(actor.extract_shard.options(num_returns=2).remote(-1, table.slice(0, 8))[1])  # warm-up
+    shard = args.samples_per_shard
+    t0 = time.perf_counter()
+    refs = [actor.extract_shard.options(num_returns=2).remote(i, table.slice(i * shard, shard))
+            for i in range(-(-len(prompts) // shard))]
+    stats = ray.get([r[1] for r in refs])
+    ray.wait([r[0] for r in refs], num_returns=len(refs), fetch_local=False)  # tables sealed in the store
+    secs = time.perf_counter() - t0
+    res["object_store_tok_s"] = tokens / secs
+    del refs
+    ray.kill(actor)
+
+    # (3) Arrow on local disk through the product's loop; (3b) fp8
+    tpath = work / f"tokens-{shape}.parquet"
+    pq.write_table(table, tpath)
+    for key, dt in (("arrow_disk", "bfloat16"), ("arrow_disk_fp8", "float8_e4m3fn")):
+        if key == "arrow_disk_fp8" and args.skip_fp8:
+            continue
+        out = Path(args.disk_dir) / f"bench-{shape}-{dt}"
+        shutil.rmtree(out, ignore_errors=True)
+        cfg = load_job_config(None, {"output_dir": str(work), "prepare.max_length": max_len,
+                                     "extract.load_format": "dummy", "extract.hs_dtype": dt,
+                                     "extract.samples_per_shard": shard, "extract.num_replicas": 1,
+                                     "extract.max_num_batched_tokens": batched,
+                                     "extract.gpu_memory_utilization": 0.8,
+                                     "extract.cpu_kvcache_space_gib": args.cpu_kv_gib})
+        summary = run_extract(cfg, str(tpath), model_dir, str(out), progress=False)
+        res[f"{key}_tok_s"] = tokens / summary["loop_s"]
+        res[f"{key}_bytes"] = summary["bytes"]
+        res[f"{key}_bytes_per_token"] = summary["bytes_per_token"]
+        res[f"{key}_write_gb_s"] = summary["bytes"] / summary["loop_s"] / 1e9
+        shutil.rmtree(out, ignore_errors=True)
+
+    # (4) transformers output_hidden_states + copy to host
+    if not args.skip_hf:
+        from eagle3.extract import HFBackend
+
+        class HF:
+            def __init__(self):
+                ids = load_job_config(None).extract.layer_ids(SHAPES[shape][1])
+                self.b = HFBackend(model_dir, ids, batch_size=args.hf_batch, random_weights=True)
+
+            def run(self, ps):
+                self.b.hidden_states(ps[: args.hf_batch])
+                t = time.perf_counter()
+                self.b.hidden_states(ps)
+                return time.perf_counter() - t
+
+        n_hf = min(len(prompts), args.hf_prompts)
+        actor = in_actor(HF)
+        secs = ray.get(actor.run.remote(prompts[:n_hf]))
+        ray.kill(actor)
+        res["hf_tok_s"] = n_hf * args.prompt_len / secs
+        res["hf_batch"] = args.hf_batch
+
+    base = res["plain_prefill_tok_s"]
+    for k in ("object_store", "arrow_disk", "arrow_disk_fp8", "hf"):
+        if f"{k}_tok_s" in res:
+            res[f"{k}_ratio"] = res[f"{k}_tok_s"] / base
+    return res
+
+
+def disk_bandwidth(path: str, gib: int) -> float | None:
+    """dd with direct I/O: GB/s of raw sequential writes where the shards go."""
+    target = Path(path) / "dd.bench"
+    try:
+        out = subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=16M", f"count={gib * 64}", "oflag=direct"],
+                             capture_output=True, text=True, timeout=600)
+    finally:
+        target.unlink(missing_ok=True)
+    for line in out.stderr.splitlines():
+        if "copied" in line:  # "... bytes (...) copied, 2.5 s, 1.7 GB/s"
+            nbytes = int(line.split()[0])
+            secs = float(line.split("copied,")[1].split()[0])
+            return nbytes / secs / 1e9
+    return None
+
+
+def versions() -> dict:
+    from eagle3.provenance import git_commit, package_versions
+
+    return {"packages": package_versions(), "git_commit": git_commit(), "python": platform.python_version()}
+
+
+def machine() -> str:
+    try:
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+    except OSError:
+        gpu = ""
+    return f"{platform.node()}: {os.cpu_count()} CPUs" + (f", GPUs: {gpu.replace(chr(10), '; ')}" if gpu else ", no GPU")
+
+
+def markdown(results: list[dict], meta: dict) -> str:
+    lines = [f"# Extraction benchmark ({meta['date']})", "", f"Machine: {meta['machine']}", "",
+             f"Versions: {json.dumps(meta['versions']['packages'])}; commit {meta['versions']['git_commit']}", "",
+             f"Disk raw sequential write (dd, direct I/O, {meta['dd_gib']} GiB): "
+             f"{meta['disk_gb_s']:.2f} GB/s" if meta.get("disk_gb_s") else "Disk bandwidth: not measured", "",
+             "| shape | prompts x len | (1) plain prefill tok/s | (2) object store | (3) Arrow on disk | (3b) fp8 on disk | (4) transformers | Arrow write GB/s (vs dd) | bytes/token bf16 / fp8 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        def cell(k):
+            return f"{r[k + '_tok_s']:,.0f} ({r[k + '_ratio']:.3f}x)" if k + "_tok_s" in r else "-"
+        wr = r.get("arrow_disk_write_gb_s")
+        dd = meta.get("disk_gb_s")
+        lines.append(f"| {r['shape']} (hidden {r['hidden_size']}, {r['num_layers']} layers) | {r['num_prompts']} x {r['prompt_len']} | "
+                     f"{r['plain_prefill_tok_s']:,.0f} | {cell('object_store')} | {cell('arrow_disk')} | {cell('arrow_disk_fp8')} | "
+                     f"{cell('hf')} | {wr:.2f}" + (f" ({wr / dd:.2f}x)" if dd else "") + " | "
+                     f"{r.get('arrow_disk_bytes_per_token', 0):,.0f} / {r.get('arrow_disk_fp8_bytes_per_token', 0):,.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.extract_bench")
+    ap.add_argument("--shapes", default="tiny")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--samples-per-shard", type=int, default=64)
+    ap.add_argument("--hf-batch", type=int, default=8)
+    ap.add_argument("--hf-prompts", type=int, default=64)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-fp8", action="store_true")
+    ap.add_argument("--disk-dir", default=tempfile.gettempdir(), help="where (3) writes: the machine's local disk")
+    ap.add_argument("--dd-gib", type=int, default=4)
+    ap.add_argument("--cpu-kv-gib", type=int, default=2)
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args(argv)
+
+    import ray
+
+    from ray_jobs.cluster import init_ray
+
+    init_ray()
+    gpu = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    work = Path(tempfile.mkdtemp(prefix="eagle3-bench-"))
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(), "versions": versions(),
+            "args": vars(args), "dd_gib": args.dd_gib}
+    meta["disk_gb_s"] = disk_bandwidth(args.disk_dir, args.dd_gib) if args.dd_gib else None
+    results = []
+    for shape in args.shapes.split(","):
+        results.append(bench_shape(shape, args, gpu, work))
+        print(json.dumps(results[-1]), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"extract{('-' + args.tag) if args.tag else ''}"
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    (out / f"{name}.md").write_text(markdown(results, meta))
+    print(markdown(results, meta))
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
