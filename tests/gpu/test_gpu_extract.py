@@ -1,0 +1,85 @@
+"""On the GPU (vLLM 0.26 there): hidden states against a transformers reference in bf16, the
+compat probes on that vLLM, and the doctor's dry run."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from eagle3.config import ExtractConfig
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def gpu_target(tmp_path_factory):
+    from eagle3.tiny import build_tiny_target
+    from tests.conftest import DEMO
+
+    # size 2: hidden 512, 12 layers; seeded, real (random) weights, so both engines compute the same model.
+    return str(build_tiny_target(tmp_path_factory.mktemp("gpu-target"), DEMO, size=2, seed=0))
+
+
+def test_compat_probes_pass_on_this_vllm(gpu_target):
+    from compat.probes import run_all
+    from compat.versions import installed
+
+    rows = run_all(gpu_target, trust_remote_code=False)
+    failed = [r for r in rows if not r[1]]
+    assert not failed, f"vLLM {installed('vllm')}: {failed}"
+
+
+def test_hidden_states_match_transformers_bf16_on_gpu(gpu_target):
+    import torch
+
+    from eagle3.extract import Extractor, HFBackend
+    from tests.test_extract import decoded_rows, tokens_table
+
+    lengths = (7, 41, 73, 300)
+    tokens = tokens_table(lengths)
+    ex = Extractor(gpu_target, ExtractConfig(backend="vllm", gpu_memory_utilization=0.3), max_length=512)
+    table, stats = ex.extract(tokens)
+    ex.close()
+    assert stats.num_samples == len(lengths)
+    assert table.column("input_ids").to_pylist() == tokens.column("input_ids").to_pylist()
+    ref_backend = HFBackend(gpu_target, ex.layer_ids, dtype="bfloat16", device="cuda")
+    refs = ref_backend.hidden_states(tokens.column("input_ids").to_pylist())
+    worst = 0.0
+    for (hs, layer_ids), ref in zip(decoded_rows(table), refs):
+        ref = ref.float()
+        assert hs.shape == ref.shape
+        for j in range(len(layer_ids)):
+            scale = ref[:, j].abs().max().item()
+            err = (hs[:, j] - ref[:, j]).abs().max().item()
+            worst = max(worst, err / scale)
+            # bf16 vs bf16 with different kernels (vLLM's fused ops vs transformers' eager):
+            # a few bf16 ulps of the largest value per layer.
+            assert err <= 0.04 * scale, f"layer {layer_ids[j]}: {err:.4f} vs max {scale:.3f}"
+    print(f"worst relative max-abs error over layers and samples: {worst:.4f}")
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "gpu_hs_error.txt"), "w") as f:
+            f.write(f"vLLM vs transformers, bf16 on GPU, lengths {lengths}: worst rel max-abs err {worst:.4f}\n")
+    del torch
+
+
+def test_doctor_dry_run_on_gpu(gpu_target):
+    """In its own process, as the doctor runs it (max_calls=1 tasks): vLLM 0.26 cannot start a second
+    in-process engine in a process that already had one ("Expected 1 CacheOnlyAttentionLayer, got 0")."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, sys; from eagle3.doctor import dry_run; from eagle3.config import ExtractConfig; "
+            f"r = dry_run({gpu_target!r}, ExtractConfig(), dtype='bfloat16', trust_remote_code=False); "
+            "print('ROW' + json.dumps(r.to_dict()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    line = next(x for x in out.stdout.splitlines() if x.startswith("ROW"))
+    row = json.loads(line[3:])
+    assert row["ok"], row["detail"] + row["fix"]
+    assert "hidden states (16, 3, 512)" in row["detail"]
+    from eagle3.doctor import check_gpus
+
+    rows = check_gpus(min_free_fraction=0.0)
+    assert rows and all("GiB in use" in r.detail for r in rows)
