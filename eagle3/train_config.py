@@ -1,8 +1,25 @@
-"""Training-stage config (consumed by eagle3.trainer / actors.trainer). Torch-free."""
+"""Training-stage config (consumed by eagle3.trainer, eagle3.deepspeed_backend, actors.trainer).
+
+Owns: every knob of draft training and its validation. Torch-free (drivers load configs
+before any heavy import), so the loss names speculators knows are listed here and a
+test checks them against speculators' own table.
+Does not own: the aux layer ids (read from the hidden-states schema the extract stage
+wrote) or the ZeRO/bf16 translation into DeepSpeed (eagle3.deepspeed_backend).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+# speculators.losses.utils._EAGER_LOSS_FN_MAP keys (speculators 0.9); tests/test_train.py
+# fails if speculators renames or drops one.
+LOSS_NAMES = ("kl_div", "rkl", "jsd", "ce", "tv", "nla", "lk_hybrid")
+DRAFT_ATTN_IMPLS = ("sdpa", "eager", "simple_flex_attention")
+
+
+def _fail(name: str, value: Any, fix: str) -> None:
+    raise ValueError(f"config train.{name}={value!r}: {fix}")
 
 
 @dataclass(frozen=True)
@@ -10,8 +27,104 @@ class TrainConfig:
     """DeepSpeed EAGLE-3 draft training."""
 
     num_workers: int = 1
-    """Ray Train workers (one DeepSpeed rank each; one GPU each on a GPU cluster)."""
+    """Ray Train workers (one DeepSpeed data-parallel rank each; one GPU each on a GPU cluster)."""
     num_steps: int = 20
-    """Optimizer steps."""
+    """Optimizer steps (each = gradient_accumulation_steps micro-batches per rank). Data is
+    cycled in epochs as needed: training length is set in steps, not epochs."""
     lr: float = 3e-4
+    """Peak AdamW learning rate, reached after warmup_steps."""
     seed: int = 0
+    """Seeds the draft's initial weights and the data shuffle (order depends on seed and epoch)."""
+
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage 0-3. 0: plain data parallel; 1/2: shard optimizer state / gradients
+    (the default: the draft's frozen embeddings and lm_head stay replicated, trainable state
+    is sharded); 3: shard parameters too (only worth it for very wide drafts; slower)."""
+    bf16: bool | None = None
+    """bf16 mixed precision (fp32 master weights in the optimizer). None: on with GPUs, off on
+    CPU (CPUs without AMX run bf16 matmuls slower than fp32). True is allowed on CPU."""
+    micro_batch_tokens: int = 8192
+    """Tokens per micro-batch per rank: samples are packed (document-masked) into one
+    [1, micro_batch_tokens] sequence. A sample longer than this is truncated with a warning."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step. Tokens per step ~= micro_batch_tokens * this * num_workers."""
+    warmup_steps: int = 2
+    """Linear warmup: steps 1..W+1 run at lr * (0, 1, ..., W) / (W + 1), then cosine decay
+    (DeepSpeed WarmupCosineLR; its first step always runs at lr 0). Must be <= num_steps."""
+    min_lr: float = 0.0
+    """Cosine decay floor reached at num_steps; must be <= lr."""
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay (speculators' default)."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip; 0 disables clipping."""
+
+    ttt_steps: int = 3
+    """Training-time-test unroll depth: the draft is trained on its own predictions this many
+    steps ahead. Also written as the exported draft's default speculative_tokens."""
+    ttt_step_loss_decay: float = 1.0
+    """Loss weight multiplier per TTT step (1.0 = every step weighted equally)."""
+    num_draft_layers: int = 1
+    """Decoder layers in the draft (EAGLE-3 uses 1; each adds latency to every draft token)."""
+    draft_vocab_size: int | None = None
+    """Draft LM-head vocabulary: the most frequent loss-masked target tokens (d2t/t2d mapping).
+    None: min(32000, target vocab). Equal to the target vocab: no mapping."""
+    loss: str = "kl_div"
+    """Distillation loss against the target's next-token distribution; a speculators loss name."""
+    norm_before_fc: bool = False
+    """EAGLE 3.1: RMSNorm the concatenated aux hidden states before the fc projection. vLLM reads
+    it from the exported config since vllm-project/vllm#38111."""
+    norm_output: bool = False
+    """EAGLE 3.1: feed post-norm hidden states across TTT steps. Needs a vLLM with
+    vllm-project/vllm#46488, older ones ignore it silently (lower acceptance)."""
+    draft_attn_impl: str = "sdpa"
+    """Draft attention in training: sdpa (CPU and GPU), eager, or simple_flex_attention
+    (speculators' default; GPU-only in practice, compiled flex attention)."""
+
+    shuffle_buffer_size: int = 256
+    """Samples held per rank for the streaming shuffle (memory: this many decoded samples)."""
+    checkpoint_every: int = 50
+    """Save a DeepSpeed checkpoint every this many steps (and always after the last step)."""
+    num_checkpoints_to_keep: int | None = 2
+    """Checkpoints kept in the run's storage (oldest deleted first); None keeps all."""
+
+    def __post_init__(self):
+        if self.num_workers < 1:
+            _fail("num_workers", self.num_workers, "must be >= 1")
+        if self.num_steps < 1:
+            _fail("num_steps", self.num_steps, "must be >= 1")
+        if not self.lr > 0:
+            _fail("lr", self.lr, "must be > 0")
+        if self.zero_stage not in (0, 1, 2, 3):
+            _fail("zero_stage", self.zero_stage, "use 0, 1, 2 or 3")
+        if self.bf16 not in (None, True, False):
+            _fail("bf16", self.bf16, "use true, false or null (auto: true on GPU)")
+        if self.micro_batch_tokens < 16:
+            _fail("micro_batch_tokens", self.micro_batch_tokens, "must be >= 16 tokens")
+        if self.gradient_accumulation_steps < 1:
+            _fail("gradient_accumulation_steps", self.gradient_accumulation_steps, "must be >= 1")
+        if not 0 <= self.warmup_steps <= self.num_steps:
+            _fail("warmup_steps", self.warmup_steps, f"must be in [0, num_steps={self.num_steps}]")
+        if not 0 <= self.min_lr <= self.lr:
+            _fail("min_lr", self.min_lr, f"must be in [0, lr={self.lr}]")
+        if self.weight_decay < 0:
+            _fail("weight_decay", self.weight_decay, "must be >= 0")
+        if self.grad_clip < 0:
+            _fail("grad_clip", self.grad_clip, "must be >= 0 (0 disables clipping)")
+        if self.ttt_steps < 1:
+            _fail("ttt_steps", self.ttt_steps, "must be >= 1")
+        if not self.ttt_step_loss_decay > 0:
+            _fail("ttt_step_loss_decay", self.ttt_step_loss_decay, "must be > 0")
+        if self.num_draft_layers < 1:
+            _fail("num_draft_layers", self.num_draft_layers, "must be >= 1")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            _fail("draft_vocab_size", self.draft_vocab_size, "must be >= 1 or null (min(32000, target vocab))")
+        if self.loss not in LOSS_NAMES:
+            _fail("loss", self.loss, f"use one of {list(LOSS_NAMES)}")
+        if self.draft_attn_impl not in DRAFT_ATTN_IMPLS:
+            _fail("draft_attn_impl", self.draft_attn_impl, f"use one of {list(DRAFT_ATTN_IMPLS)}")
+        if self.shuffle_buffer_size < 1:
+            _fail("shuffle_buffer_size", self.shuffle_buffer_size, "must be >= 1 (1 = no shuffle within shards)")
+        if self.checkpoint_every < 1:
+            _fail("checkpoint_every", self.checkpoint_every, "must be >= 1 step")
+        if self.num_checkpoints_to_keep is not None and self.num_checkpoints_to_keep < 1:
+            _fail("num_checkpoints_to_keep", self.num_checkpoints_to_keep, "must be >= 1 or null (keep all)")

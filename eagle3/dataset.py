@@ -1,0 +1,325 @@
+"""Streaming reader of the extract stage's hidden-states shards, for draft training.
+
+Owns: reading Parquet shards written with `eagle3.schema.hidden_states_schema` without
+loading them whole, turning each row into the tensors speculators' Eagle3DraftModel takes
+(shifted with speculators' own `shift_batch`), the seeded epoch-dependent shuffle, the
+split across data-parallel ranks, the resumable position, packing samples into
+micro-batches (speculators' `CollateFn`), and token frequencies for the draft vocabulary.
+Does not own: the schema (eagle3.schema) or what a batch is trained with (eagle3.trainer).
+
+Order of one epoch, for one rank (all of it derived from (seed, epoch, rank), no data read):
+1. the shards are permuted with rng(seed, epoch), identically on every rank;
+2. rank r takes the shards at positions r, r + W, r + 2W, ... of that permutation (W ranks),
+   so each shard is read by exactly one rank per epoch (no rank reads another's bytes);
+   ranks can get one shard more than others, which is harmless because training length
+   is counted in optimizer steps and each rank cycles its own epochs;
+3. the rank's rows, in file order, go through a shuffle buffer of `shuffle_buffer_size`
+   samples (rng(seed, epoch, rank)): fill, then emit a random slot and refill it.
+Because the order is computed from indices alone, resuming at `samples_seen` skips the
+consumed rows without decoding them and skips Parquet row groups that hold none of the
+rows still to come.
+
+Memory: at most `shuffle_buffer_size` decoded samples plus what Arrow holds while reading
+one Parquet row group: it reads a row group's hidden_states chunk whole whatever the batch
+size (measured: 1.3 GiB peak RSS streaming 4-row batches out of one 512 MiB row group), so
+the extract stage's row-group size bounds the transient read memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from eagle3.schema import decode_hidden_states, hs_layout
+
+logger = logging.getLogger(__name__)
+
+READ_BATCH_ROWS = 4
+"""Rows per Arrow record batch when reading hidden states."""
+
+
+def resolve_files(files: str | Path | Sequence[str | Path]) -> list[str]:
+    """An explicit list of shard files (kept in order), or a directory: an extraction output
+    (its committed shards only, per eagle3.manifest) or a plain directory of *.parquet (sorted)."""
+    if isinstance(files, (str, Path)):
+        root = Path(files)
+        if not root.is_dir():
+            raise ValueError(f"expected a directory of Parquet shards or a list of files, found {str(root)!r}")
+        if (root / "MANIFEST.json").exists():
+            from eagle3.manifest import Manifest
+
+            found = Manifest(root).committed_files()
+        else:
+            found = sorted(str(p) for p in root.glob("*.parquet"))
+        if not found:
+            raise ValueError(f"no committed *.parquet shards in {str(root)!r}; run the extract stage first")
+        return found
+    out = [str(f) for f in files]
+    if not out:
+        raise ValueError("expected at least one hidden-states shard file, found an empty list")
+    missing = [f for f in out if not Path(f).is_file()]
+    if missing:
+        raise ValueError(f"hidden-states shards do not exist: {missing[:5]}; check the extract manifest")
+    return out
+
+
+def token_frequencies(files: str | Path | Sequence[str | Path], vocab_size: int | None = None) -> np.ndarray:
+    """Counts of every loss-masked token id over all shards: int64 array [vocab_size].
+
+    Reads only the input_ids and loss_mask columns. vocab_size None: max id + 1.
+    Feeds speculators' build_vocab_mappings_from_distribution (d2t/t2d).
+    """
+    counts = np.zeros(vocab_size or 0, dtype=np.int64)
+    for path in resolve_files(files):
+        pf = pq.ParquetFile(path)
+        hs_layout(pf.schema_arrow)  # refuse other schema versions before reading
+        for batch in pf.iter_batches(batch_size=4096, columns=["input_ids", "loss_mask"]):
+            ids_col, mask_col = batch.column("input_ids"), batch.column("loss_mask")
+            if not np.array_equal(ids_col.value_lengths().to_numpy(), mask_col.value_lengths().to_numpy()):
+                raise ValueError(f"{path}: input_ids and loss_mask lengths differ in some rows; the shard is corrupt")
+            ids = ids_col.flatten().to_numpy()
+            mask = mask_col.flatten().to_numpy().astype(bool)
+            kept = ids[mask]
+            if kept.size and vocab_size is not None and kept.max() >= vocab_size:
+                raise ValueError(
+                    f"{path}: token id {int(kept.max())} >= target vocab_size {vocab_size}; "
+                    "the shards were extracted with another tokenizer/target"
+                )
+            minlength = max(vocab_size or 0, int(kept.max()) + 1 if kept.size else 0, counts.size)
+            if counts.size < minlength:
+                counts = np.pad(counts, (0, minlength - counts.size))
+            counts += np.bincount(kept, minlength=minlength)[: counts.size]
+    return counts
+
+
+@dataclass
+class _Shard:
+    path: str
+    row_group_rows: list[int]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.row_group_rows)
+
+
+class HiddenStatesDataset:
+    """One data-parallel rank's view of the hidden-states shards.
+
+    `samples(epoch, start)` yields, per sample (after speculators' shift_batch, so position t
+    pairs token x_{t+1} and target y_{t+1} with hidden state g_t):
+      input_ids [T-1] long, loss_mask [T-1] bool, hidden_states [T-1, num_aux*H] bf16 (aux
+      layers concatenated in schema layer order), verifier_last_hidden_states [T-1, H] bf16
+      (the last layer id: the target's final layer before its final norm), lengths [1],
+      position_ids [T-1] (starting at 1).
+    """
+
+    def __init__(self, files: str | Path | Sequence[str | Path], *, seed: int = 0, rank: int = 0,
+                 world_size: int = 1, shuffle_buffer_size: int = 256):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+        self.files = resolve_files(files)
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.shuffle_buffer_size = max(1, shuffle_buffer_size)
+        self.shards: list[_Shard] = []
+        layout = None
+        for path in self.files:
+            pf = pq.ParquetFile(path)
+            this = hs_layout(pf.schema_arrow)
+            if layout is None:
+                layout = this
+            elif this != layout:
+                raise ValueError(
+                    f"{path} has (layer_ids, hidden_size, hs_dtype)={this}, {self.files[0]} has {layout}: "
+                    "all shards of one training run must come from one extraction"
+                )
+            md = pf.metadata
+            self.shards.append(_Shard(path, [md.row_group(i).num_rows for i in range(md.num_row_groups)]))
+        self.layer_ids, self.hidden_size, self.hs_dtype = layout
+        if len(self.layer_ids) < 2:
+            raise ValueError(f"layer_ids={self.layer_ids}: need at least one aux layer plus the last layer")
+        if len(self.shards) < world_size:
+            raise ValueError(
+                f"{len(self.shards)} shard files for {world_size} data-parallel ranks: each rank needs at "
+                "least one shard; write smaller shards (extract.samples_per_shard) or use fewer workers"
+            )
+        self.num_samples = sum(s.num_rows for s in self.shards)
+
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        """The EAGLE-3 auxiliary layer ids (all captured ids but the last)."""
+        return list(self.layer_ids[:-1])
+
+    def rank_shards(self, epoch: int) -> list[int]:
+        perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))
+        return [int(i) for i in perm[self.rank :: self.world_size]]
+
+    def epoch_order(self, epoch: int) -> list[tuple[int, int]]:
+        """(shard index, row) in the order this rank yields them in `epoch`. Reads no data."""
+        rng = np.random.default_rng([self.seed, epoch, self.rank])
+        buffer: list[tuple[int, int]] = []
+        out: list[tuple[int, int]] = []
+        for s in self.rank_shards(epoch):
+            for row in range(self.shards[s].num_rows):
+                if len(buffer) < self.shuffle_buffer_size:
+                    buffer.append((s, row))
+                    continue
+                j = int(rng.integers(len(buffer)))
+                out.append(buffer[j])
+                buffer[j] = (s, row)
+        order = rng.permutation(len(buffer))
+        out.extend(buffer[int(j)] for j in order)
+        return out
+
+    def samples(self, epoch: int, start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+        """This rank's samples of `epoch` in shuffled order, skipping the first `start`."""
+        order = self.epoch_order(epoch)[start:]
+        if not order:
+            return
+        needed = set(order)
+        pending: dict[tuple[int, int], dict] = {}
+        rows = self._read_rows(epoch, needed)
+        for key in order:
+            while key not in pending:
+                got_key, sample = next(rows)
+                pending[got_key] = sample
+            yield pending.pop(key)
+
+    def _read_rows(self, epoch: int, needed: set[tuple[int, int]]) -> Iterator[tuple[tuple[int, int], dict]]:
+        """Rows of this rank's shards, file order, decoding only `needed` ones."""
+        L, H = len(self.layer_ids), self.hidden_size
+        columns = ["input_ids", "loss_mask", "num_tokens", "hidden_states", "hs_scale"]
+        for s in self.rank_shards(epoch):
+            shard = self.shards[s]
+            starts = np.concatenate([[0], np.cumsum(shard.row_group_rows)]).astype(int)
+            groups = [g for g in range(len(shard.row_group_rows))
+                      if any((s, r) in needed for r in range(starts[g], starts[g + 1]))]
+            if not groups:
+                continue
+            pf = pq.ParquetFile(shard.path)
+            for g in groups:
+                row = int(starts[g])
+                for batch in pf.iter_batches(batch_size=READ_BATCH_ROWS, row_groups=[g], columns=columns):
+                    for j in range(batch.num_rows):
+                        if (s, row) in needed:
+                            yield (s, row), _decode_row(batch, j, L, H, self.hs_dtype, shard.path, row)
+                        row += 1
+
+
+def _decode_row(batch, j: int, num_layers: int, hidden_size: int, hs_dtype: str, path: str, row: int) -> dict:
+    T = int(batch.column("num_tokens")[j].as_py())
+
+    def list_values(name):
+        col = batch.column(name)
+        offsets = col.offsets.to_numpy()
+        return col.values.to_numpy(zero_copy_only=True)[offsets[j] : offsets[j + 1]]
+
+    input_ids = list_values("input_ids")
+    loss_mask = list_values("loss_mask")
+    if len(input_ids) != T or len(loss_mask) != T:
+        raise ValueError(f"{path} row {row}: num_tokens={T} but input_ids has {len(input_ids)} and loss_mask "
+                         f"{len(loss_mask)} values; the shard is corrupt")
+    scale = list_values("hs_scale") if hs_dtype == "float8_e4m3fn" else None
+    try:
+        # A pa.Buffer slice of the record batch: no copy until the aux concat below.
+        hs = decode_hidden_states(batch.column("hidden_states")[j].as_buffer(), scale, T, num_layers,
+                                  hidden_size, hs_dtype)
+    except ValueError as e:
+        raise ValueError(f"{path} row {row}: {e}; the shard is corrupt") from None
+    if hs_dtype == "bfloat16":
+        # Arrow buffers are read-only and torch warns on wrapping them. This view is only read
+        # (the aux concat and the last-layer clone below copy out of it), never written.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            hs_TLD = torch.from_numpy(hs).view(torch.bfloat16)
+    else:
+        hs_TLD = torch.from_numpy(hs).to(torch.bfloat16)
+    sample = {
+        "input_ids": torch.from_numpy(input_ids.astype(np.int64)),
+        "loss_mask": torch.from_numpy(loss_mask.astype(bool)),
+        "hidden_states": hs_TLD[:, :-1, :].reshape(T, (num_layers - 1) * hidden_size),
+        "verifier_last_hidden_states": hs_TLD[:, -1, :].clone(),
+        "lengths": torch.tensor([T], dtype=torch.long),
+        "position_ids": torch.arange(T, dtype=torch.long),
+    }
+    from speculators.models.eagle3.data import shift_batch
+
+    return shift_batch(sample)
+
+
+class PackedBatches:
+    """Endless micro-batches for one rank: samples packed into [1, micro_batch_tokens] by
+    speculators' CollateFn (document_ids mark samples, -1 marks padding), epochs cycled.
+
+    `state_dict()` = {"epoch", "samples_seen"}: samples of that epoch inside batches already
+    returned. A sample that did not fit the last batch is re-read after a resume.
+    Batches do not straddle epochs.
+    """
+
+    def __init__(self, dataset: HiddenStatesDataset, micro_batch_tokens: int,
+                 hidden_states_dtype: torch.dtype = torch.bfloat16, state: dict | None = None):
+        from speculators.train.data import CollateFn
+
+        self.dataset = dataset
+        self.micro_batch_tokens = micro_batch_tokens
+        self.collate = CollateFn(max_len=micro_batch_tokens, hidden_size=dataset.hidden_size,
+                                 num_target_layers=len(dataset.aux_layer_ids), dtype=hidden_states_dtype)
+        self.num_truncated = 0
+        self.num_skipped = 0
+        self.load_state_dict(state or {"epoch": 0, "samples_seen": 0})
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "samples_seen": self.samples_seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.samples_seen = int(state["epoch"]), int(state["samples_seen"])
+        self._stream = self.dataset.samples(self.epoch, self.samples_seen)
+        self._pending: dict | None = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        for _ in range(2):  # an exhausted epoch gets one retry in the next epoch
+            batch, num_samples = [], 0
+            used = 0
+            while True:
+                sample = self._pending or next(self._stream, None)
+                self._pending = None
+                if sample is None:
+                    break
+                n = int(sample["lengths"][0])
+                if n < 1:
+                    self.num_skipped += 1
+                    num_samples += 1
+                    continue
+                if batch and used + n > self.micro_batch_tokens:
+                    self._pending = sample
+                    break
+                if n > self.micro_batch_tokens:
+                    if self.num_truncated == 0:
+                        logger.warning("sample of %d tokens truncated to micro_batch_tokens=%d (counted in "
+                                       "num_truncated; raise train.micro_batch_tokens to keep whole samples)",
+                                       n, self.micro_batch_tokens)
+                    self.num_truncated += 1
+                batch.append(sample)
+                num_samples += 1
+                used += n
+                if used >= self.micro_batch_tokens:
+                    break
+            if batch:
+                self.samples_seen += num_samples
+                return self.collate(batch)
+            if self.samples_seen == 0 and num_samples == 0:
+                raise ValueError(
+                    f"rank {self.dataset.rank} got no samples in epoch {self.epoch} "
+                    f"(shards {self.dataset.rank_shards(self.epoch)}); the shards are empty"
+                )
+            self.load_state_dict({"epoch": self.epoch + 1, "samples_seen": 0})
+        raise ValueError(f"rank {self.dataset.rank}: two consecutive epochs without a usable sample (all < 2 tokens)")

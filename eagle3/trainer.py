@@ -1,0 +1,277 @@
+"""EAGLE-3 draft training on one data-parallel rank, without Ray: the plain class the Ray
+Train worker (actors.trainer) delegates to.
+
+Owns: building the draft with speculators (Eagle3DraftModel.from_training_args, a Llama
+decoder config derived from the target, d2t/t2d from loss-masked token frequencies, frozen
+embed_tokens / lm_head / final norm read from the target, including multimodal wrappers),
+the step (micro-batches, speculators' TTT loss and per-step accuracies, metrics reduced
+across ranks), and checkpoint contents (DeepSpeed's save/load_checkpoint plus a client state
+with every rank's data position and RNG states).
+Does not own: DeepSpeed configuration (eagle3.deepspeed_backend hands over a ready engine),
+process launch (actors.trainer), the data order (eagle3.dataset), the export format
+(eagle3.export).
+
+Usage on each rank:
+    trainer = Eagle3Trainer(cfg, target_dir, data_files, rank=r, world_size=w)
+    trainer.attach_engine(deepspeed_backend.initialize(trainer.model, cfg, w))
+    trainer.load_checkpoint(ckpt_dir)        # optional resume
+    trainer.fit(checkpoint_dir=...)          # or train_step() in your own loop
+    trainer.export(out_dir)                  # every rank (a collective under ZeRO-3)
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from eagle3.dataset import HiddenStatesDataset, PackedBatches, token_frequencies
+from eagle3.train_config import TrainConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_DRAFT_VOCAB = 32000
+_MODEL_INPUTS = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids",
+                 "verifier_last_hidden_states")
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _all_gather_object(obj, world_size: int) -> list:
+    dist = _dist()
+    if dist is None or world_size == 1:
+        return [obj]
+    out = [None] * world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class Eagle3Trainer:
+    """One rank's draft, data stream and step counter."""
+
+    def __init__(self, cfg: TrainConfig, target_dir: str | Path, data_files: str | Path | Sequence[str | Path],
+                 *, rank: int = 0, world_size: int = 1):
+        from speculators.models.eagle3.core import Eagle3DraftModel
+        from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+        from compat.speculators_verifier import draft_layer_config, ensure_text_verifier_weights, verifier_text_config
+
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.target_dir = str(Path(target_dir).resolve())
+        self.dataset = HiddenStatesDataset(data_files, seed=cfg.seed, rank=rank, world_size=world_size,
+                                           shuffle_buffer_size=cfg.shuffle_buffer_size)
+        text_cfg = verifier_text_config(self.target_dir)
+        if text_cfg.hidden_size != self.dataset.hidden_size:
+            raise ValueError(f"hidden states have hidden_size={self.dataset.hidden_size}, the target at "
+                             f"{self.target_dir} has {text_cfg.hidden_size}: train against the target they "
+                             "were extracted from")
+        if self.dataset.layer_ids[-1] != text_cfg.num_hidden_layers:
+            raise ValueError(f"the shards' last layer id is {self.dataset.layer_ids[-1]}, the target has "
+                             f"num_hidden_layers={text_cfg.num_hidden_layers}: the last captured layer must be "
+                             "the target's final layer; re-extract against this target")
+        self.target_vocab_size = int(text_cfg.vocab_size)
+        self.draft_vocab_size = cfg.draft_vocab_size or min(DEFAULT_MAX_DRAFT_VOCAB, self.target_vocab_size)
+        if self.draft_vocab_size > self.target_vocab_size:
+            raise ValueError(f"config train.draft_vocab_size={cfg.draft_vocab_size}: larger than the target vocab "
+                             f"({self.target_vocab_size}); use at most that, or null")
+        d2t = t2d = None
+        if self.draft_vocab_size < self.target_vocab_size:
+            counts = token_frequencies(self.dataset.files, self.target_vocab_size)
+            freq = {int(i): int(counts[i]) for i in np.flatnonzero(counts)}
+            d2t, t2d = build_vocab_mappings_from_distribution(freq, self.draft_vocab_size, self.target_vocab_size)
+        torch.manual_seed(cfg.seed)  # same initial draft on every rank
+        self.model = Eagle3DraftModel.from_training_args(
+            draft_layer_config(self.target_dir, cfg.num_draft_layers),
+            t2d=t2d, d2t=d2t,
+            verifier_name_or_path=self.target_dir,
+            target_layer_ids=self.dataset.aux_layer_ids,
+            draft_vocab_size=self.draft_vocab_size,
+            norm_before_residual=True,
+            norm_before_fc=cfg.norm_before_fc,
+            norm_output=cfg.norm_output,
+            ttt_steps=cfg.ttt_steps,
+            draft_attn_impl=cfg.draft_attn_impl,
+        )
+        ensure_text_verifier_weights(self.model, self.target_dir)
+        self.engine = None
+        self.batches: PackedBatches | None = None
+        self.global_step = 0
+        self.tokens_seen = 0
+        self.loss_first: float | None = None
+        self.loss_last: float | None = None
+        self.resumed_from_step: int | None = None
+        self.run_tokens = 0
+        self.run_seconds = 0.0
+
+    # -- setup -----------------------------------------------------------------------------
+    def attach_engine(self, engine) -> None:
+        """Take the engine deepspeed_backend.initialize built around self.model."""
+        from speculators.losses import resolve_loss_config
+
+        self.engine = engine
+        self.device = engine.device if isinstance(engine.device, torch.device) else torch.device(engine.device)
+        dtype = next(p.dtype for p in engine.module.parameters() if p.is_floating_point())
+        # speculators' fused losses are Triton kernels: GPU only.
+        self.loss_config = resolve_loss_config(self.cfg.loss, "fused" if self.device.type == "cuda" else "eager")
+        self.batches = PackedBatches(self.dataset, self.cfg.micro_batch_tokens, hidden_states_dtype=dtype)
+
+    def _need_engine(self):
+        if self.engine is None:
+            raise RuntimeError("no engine: call attach_engine(deepspeed_backend.initialize(trainer.model, cfg, "
+                               "world_size)) first")
+
+    # -- training --------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        """One optimizer step (gradient_accumulation_steps micro-batches); metrics averaged over
+        all ranks: loss (sum over TTT steps), loss_i, full_acc_i, cond_acc_i per TTT step i,
+        tokens (packed, all ranks), loss_tokens (loss-masked), lr (used by this step)."""
+        self._need_engine()
+        lr = float(self.engine.get_lr()[0])
+        sums: dict[str, torch.Tensor] = {}
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        tokens = loss_tokens = 0
+        gas = self.cfg.gradient_accumulation_steps
+        for _ in range(gas):
+            batch = next(self.batches)
+            inputs = {k: batch[k].to(self.device) for k in _MODEL_INPUTS}
+            _, loss, metrics = self.engine(**inputs, ttt_steps=self.cfg.ttt_steps,
+                                           ttt_step_loss_decay=self.cfg.ttt_step_loss_decay,
+                                           loss_config=self.loss_config)
+            self.engine.backward(loss)
+            self.engine.step()
+            loss_sum += loss.detach().double().cpu()
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0) + v.detach().double().cpu()
+            tokens += int((batch["document_ids"] >= 0).sum())
+            loss_tokens += int(batch["loss_mask"].sum())
+        keys = sorted(sums)
+        vec = torch.stack([loss_sum, torch.tensor(float(gas), dtype=torch.float64),
+                           torch.tensor(float(tokens), dtype=torch.float64),
+                           torch.tensor(float(loss_tokens), dtype=torch.float64)] + [sums[k] for k in keys])
+        dist = _dist()
+        if dist is not None and self.world_size > 1:
+            vec = vec.to(self.device) if dist.get_backend() == "nccl" else vec
+            dist.all_reduce(vec)
+            vec = vec.cpu()
+        vals = dict(zip(["_loss", "_micro", "_tokens", "_loss_tokens"] + keys, vec.tolist(), strict=True))
+        self.global_step += 1
+        self.tokens_seen += int(vals["_tokens"])
+        self.run_tokens += int(vals["_tokens"])
+        out = {"step": self.global_step, "loss": vals["_loss"] / vals["_micro"], "lr": lr,
+               "tokens": int(vals["_tokens"]), "loss_tokens": int(vals["_loss_tokens"])}
+        for i in range(self.cfg.ttt_steps):
+            out[f"loss_{i}"] = vals[f"loss_{i}_sum"] / max(vals[f"loss_{i}_total"], 1.0)
+            for acc in ("full_acc", "cond_acc"):
+                total = vals[f"{acc}_{i}_total"]
+                out[f"{acc}_{i}"] = vals[f"{acc}_{i}_sum"] / total if total > 0 else 0.0
+        if self.loss_first is None:
+            self.loss_first = out["loss"]
+        self.loss_last = out["loss"]
+        return out
+
+    def checkpoint_due(self) -> bool:
+        """After the step just taken: every checkpoint_every steps, and after the last one."""
+        return self.global_step % self.cfg.checkpoint_every == 0 or self.global_step >= self.cfg.num_steps
+
+    def fit(self, *, checkpoint_dir: str | Path | None = None,
+            on_step: Callable[[dict], None] | None = None) -> list[dict]:
+        """Train until cfg.num_steps; checkpoint into checkpoint_dir when due (if given), then
+        call on_step(metrics). Returns this call's metrics per step."""
+        self._need_engine()
+        history = []
+        t0 = time.perf_counter()
+        start = self.global_step
+        while self.global_step < self.cfg.num_steps:
+            m = self.train_step()
+            history.append(m)
+            if self.global_step == start + 1:
+                logger.info("rank %d step %d: loss %.4f (first step of this run)", self.rank, m["step"], m["loss"])
+            if checkpoint_dir is not None and self.checkpoint_due():
+                self.save_checkpoint(checkpoint_dir)
+            if on_step is not None:
+                on_step(m)
+        self.run_seconds += time.perf_counter() - t0
+        if history:
+            logger.info("rank %d step %d: loss %.4f (loss at step %d: %.4f), %.0f tokens/s", self.rank,
+                        self.global_step, history[-1]["loss"], history[0]["step"], history[0]["loss"],
+                        self.tokens_per_s)
+        return history
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.run_tokens / self.run_seconds if self.run_seconds > 0 else 0.0
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint_dir: str | Path) -> str:
+        """DeepSpeed checkpoint (weights, optimizer, scheduler) tagged step_NNNNNNNN under
+        checkpoint_dir, with every rank's data position and RNG states in its client state.
+        Every rank must call it. Returns the tag's directory."""
+        self._need_engine()
+        client_state = {
+            "global_step": self.global_step,
+            "tokens_seen": self.tokens_seen,
+            "loss_first": self.loss_first,
+            "world_size": self.world_size,
+            "data_states": _all_gather_object(self.batches.state_dict(), self.world_size),
+            "rng_states": _all_gather_object(_rng_state(), self.world_size),
+        }
+        tag = f"step_{self.global_step:08d}"
+        self.engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=client_state)
+        return str(Path(checkpoint_dir) / tag)
+
+    def load_checkpoint(self, checkpoint_dir: str | Path, tag: str | None = None) -> int:
+        """Resume from checkpoint_dir (tag None: the one its `latest` file names); returns the step."""
+        self._need_engine()
+        path, client_state = self.engine.load_checkpoint(str(checkpoint_dir), tag=tag)
+        if path is None:
+            raise ValueError(f"no DeepSpeed checkpoint found in {checkpoint_dir} (tag={tag!r}, "
+                             "no 'latest' file?): pass a directory written by save_checkpoint")
+        if client_state.get("world_size") != self.world_size:
+            raise ValueError(f"checkpoint {path} was written by {client_state.get('world_size')} ranks, this run "
+                             f"has {self.world_size}: data positions are per rank; resume with "
+                             f"train.num_workers={client_state.get('world_size')}")
+        self.global_step = int(client_state["global_step"])
+        self.tokens_seen = int(client_state["tokens_seen"])
+        self.loss_first = client_state.get("loss_first")
+        self.resumed_from_step = self.global_step
+        self.batches.load_state_dict(client_state["data_states"][self.rank])
+        _set_rng_state(client_state["rng_states"][self.rank])
+        logger.info("rank %d resumed from %s at step %d, data position %s", self.rank, path, self.global_step,
+                    client_state["data_states"][self.rank])
+        return self.global_step
+
+    # -- export ----------------------------------------------------------------------------
+    def export(self, out_dir: str | Path) -> Path | None:
+        """speculators-format draft for vLLM (see eagle3.export). Every rank must call it;
+        rank 0 writes and gets the directory, others None."""
+        from eagle3.export import export_draft
+
+        self._need_engine()
+        return export_draft(self.engine, out_dir, self.target_dir, train_config=self.cfg,
+                            extra_provenance={"steps": self.global_step, "tokens_seen": self.tokens_seen,
+                                              "loss_first": self.loss_first, "loss_last": self.loss_last,
+                                              "data_files": list(self.dataset.files)})
