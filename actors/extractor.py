@@ -4,6 +4,8 @@ Placed by ray_jobs/extract.py on its own placement group (tensor_parallel_size *
 pipeline_parallel_size GPUs of one node, or one CPU bundle on a CPU cluster). Its
 outputs leave as Ray object refs: `extract_shard` has two returns, the encoded Arrow
 table (which the driver hands to a writer task without fetching it) and small stats.
+Run it with max_concurrency=2 (MAX_CONCURRENCY): while one call's table is serialised into
+the object store, the next call already has the engine (Extractor holds an engine lock).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import os
 import socket
 import time
+
+MAX_CONCURRENCY = 2
 
 
 class ExtractorActor:

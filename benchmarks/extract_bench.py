@@ -96,8 +96,8 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
     res: dict = {"shape": shape, "hidden_size": SHAPES[shape][0], "num_layers": SHAPES[shape][1],
                  "num_prompts": len(prompts), "prompt_len": args.prompt_len, "tokens": tokens}
 
-    def in_actor(cls, *a):
-        return ray.remote(num_gpus=gpu, num_cpus=1)(cls).remote(*a)
+    def in_actor(cls, *a, concurrency=1):
+        return ray.remote(num_gpus=gpu, num_cpus=1, max_concurrency=concurrency)(cls).remote(*a)
 
     # (1) plain prefill
     actor = in_actor(PlainPrefill, model_dir, max_len, batched, args.cpu_kv_gib)
@@ -106,7 +106,9 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
     res["plain_prefill_tok_s"] = tokens / secs
 
     # (2) extraction into the object store
-    actor = in_actor(ObjectStoreExtract, model_dir, max_len, batched, args.cpu_kv_gib)
+    from actors.extractor import MAX_CONCURRENCY
+
+    actor = in_actor(ObjectStoreExtract, model_dir, max_len, batched, args.cpu_kv_gib, concurrency=MAX_CONCURRENCY)
     table = _tokens_table(prompts)
     ray.get(actor.extract_shard.options(num_returns=2).remote(-1, table.slice(0, 8))[1])  # warm-up
     shard = args.samples_per_shard

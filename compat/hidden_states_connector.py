@@ -13,6 +13,9 @@ This subclass adds a `sink` (kv_connector_extra_config["sink"]):
 - "shm": the stock file protocol, with a synchronous CPU copy where there is no
   accelerator. Files should live in memory-backed storage (/dev/shm); the reader
   deletes each file right after loading it (`take_hidden_states`).
+Also `hs_dtype` (kv_connector_extra_config["hs_dtype"]): "float8_e4m3fn" quantises on the
+device before the copy to host (one scale per token and layer, amax / 448), halving the
+bytes that cross PCIe and that the host touches afterwards.
 Remove when: vLLM offers an in-process hidden-states sink and a CPU-safe copy upstream.
 """
 
@@ -32,8 +35,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 CONNECTOR_NAME = "RayHiddenStatesConnector"
 MODULE_PATH = __name__
 
-# hidden_states_path -> (hidden_states [T, L, H] on host, token_ids [T], copy-done event or None)
-SINK: dict[str, tuple[torch.Tensor, torch.Tensor, object]] = {}
+FP8_MAX = 448.0
+
+# hidden_states_path -> ({"hidden_states": [T, L, H] on host, "token_ids": [T], "hs_scale": [T, L] or
+# absent}, copy-done event)
+SINK: dict[str, tuple[dict, object]] = {}
 _SINK_LOCK = threading.Lock()
 
 
@@ -55,6 +61,10 @@ class RayHiddenStatesConnector(ExampleHiddenStatesConnector):
         self._sink = self._kv_transfer_config.get_from_extra_config("sink", "shm")
         if self._sink not in ("memory", "shm"):
             raise ValueError(f"[compat] kv_connector_extra_config sink={self._sink!r}: use 'memory' or 'shm'")
+        self._hs_dtype = self._kv_transfer_config.get_from_extra_config("hs_dtype", "bfloat16")
+        if self._hs_dtype not in ("bfloat16", "float8_e4m3fn"):
+            raise ValueError(f"[compat] kv_connector_extra_config hs_dtype={self._hs_dtype!r}: "
+                             "use 'bfloat16' or 'float8_e4m3fn'")
 
     def _submit_async_write(self, pending) -> None:
         if not self._is_tp_rank_zero:
@@ -67,7 +77,8 @@ class RayHiddenStatesConnector(ExampleHiddenStatesConnector):
         token_ids = pending.token_ids.clone()
 
         if kv_cache.device.type == "cpu":
-            host = extract_from_kv_cache(kv_cache, slot_mapping, num_tokens).clone()
+            # Fancy indexing already copies out of the cache: no clone needed.
+            host = {k: v.contiguous() for k, v in self._encode(extract_from_kv_cache(kv_cache, slot_mapping, num_tokens)).items()}
             done = _Done()
         else:
             # As upstream: gather on a side stream, async copy into pinned memory, event marks done.
@@ -77,14 +88,17 @@ class RayHiddenStatesConnector(ExampleHiddenStatesConnector):
             stream.wait_event(ready)
             with torch.cuda.stream(stream):
                 gathered = extract_from_kv_cache(kv_cache, slot_mapping.to(kv_cache.device, non_blocking=True), num_tokens)
-                host = torch.empty_like(gathered, device="cpu", pin_memory=True)
-                host.copy_(gathered, non_blocking=True)
+                host = {}
+                for key, dev in self._encode(gathered).items():
+                    host[key] = torch.empty(dev.shape, dtype=dev.dtype, device="cpu", pin_memory=True)
+                    host[key].copy_(dev, non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
+        host["token_ids"] = token_ids
 
         if self._sink == "memory":
             with _SINK_LOCK:
-                SINK[pending.filename] = (host, token_ids, done)
+                SINK[pending.filename] = (host, done)
             lock_fd = self._lock_fds.pop(pending.req_id, None)
             if lock_fd is not None:
                 os.close(lock_fd)
@@ -94,22 +108,31 @@ class RayHiddenStatesConnector(ExampleHiddenStatesConnector):
             if lock_fd is None and self.use_lock:
                 lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
                 fcntl.flock(lock_fd, fcntl.LOCK_EX)
-            future = self._executor.submit(
-                self._write_tensors, {"hidden_states": host, "token_ids": token_ids}, done, pending.filename, lock_fd
-            )
+            future = self._executor.submit(self._write_tensors, host, done, pending.filename, lock_fd)
             self._req_futures[pending.req_id] = future
         self._req_copy_events[pending.req_id] = done
 
+    def _encode(self, hs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """[T, L, H] in the engine dtype -> what goes to host: bf16 as is, or e4m3 bytes + scales."""
+        if self._hs_dtype == "bfloat16":
+            return {"hidden_states": hs.to(torch.bfloat16)}
+        x = hs.float()
+        scale = x.abs().amax(dim=-1) / FP8_MAX
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = (x / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).view(torch.uint8)
+        return {"hidden_states": q, "hs_scale": scale}
 
-def take_hidden_states(path: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The captured (hidden_states [T, L, H], token_ids [T]) of one request; removes them from
-    the sink or from disk, so nothing is left behind once the caller holds them."""
+
+def take_hidden_states(path: str) -> dict[str, torch.Tensor]:
+    """The captured tensors of one request: hidden_states [T, L, H] (bf16, or e4m3 bytes as uint8),
+    token_ids [T] and, for fp8, hs_scale [T, L]. Removes them from the sink or from disk, so
+    nothing is left behind once the caller holds them."""
     with _SINK_LOCK:
         item = SINK.pop(path, None)
     if item is not None:
-        hs, token_ids, done = item
+        tensors, done = item
         done.synchronize()
-        return hs, token_ids
+        return tensors
     lock_path = path + ".lock"
     if os.path.exists(lock_path):
         with open(lock_path) as lf:
@@ -123,4 +146,4 @@ def take_hidden_states(path: str) -> tuple[torch.Tensor, torch.Tensor]:
     os.remove(path)
     if os.path.exists(lock_path):
         os.remove(lock_path)
-    return data["hidden_states"], data["token_ids"]
+    return data

@@ -38,6 +38,7 @@ def extraction_engine_kwargs(
     max_num_batched_tokens: int,
     sink: str,
     storage_path: str,
+    hs_dtype: str = "bfloat16",
     dtype: str = "bfloat16",
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
@@ -79,6 +80,7 @@ def extraction_engine_kwargs(
             "kv_connector_extra_config": {
                 "shared_storage_path": storage_path,
                 "sink": sink,
+                "hs_dtype": hs_dtype,
                 "use_synchronization_lock": sink == "shm",
             },
         },
@@ -91,8 +93,9 @@ def extraction_engine_kwargs(
 
 
 def run_prefill(llm, prompt_token_ids: list[list[int]], *, capture: bool = True, drain_timeout_s: float = 120.0):
-    """Prefill each prompt once (max_tokens=1). With capture, return [(hs_TLD, token_ids)] in
-    prompt order, the hidden states already out of the engine (no file left behind)."""
+    """Prefill each prompt once (max_tokens=1). With capture, return one dict per prompt, in
+    prompt order, as `take_hidden_states` gives it: the hidden states are already out of the
+    engine (no file left behind)."""
     from vllm import SamplingParams
 
     from compat.hidden_states_connector import SINK, take_hidden_states

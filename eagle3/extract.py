@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ class VLLMBackend:
         kwargs = extraction_engine_kwargs(
             model=model_dir, layer_ids=layer_ids, max_model_len=max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens, sink=self.sink, storage_path=self.storage_path,
-            dtype=dtype, tensor_parallel_size=cfg.tensor_parallel_size,
+            hs_dtype=cfg.hs_dtype, dtype=dtype, tensor_parallel_size=cfg.tensor_parallel_size,
             pipeline_parallel_size=cfg.pipeline_parallel_size, max_num_seqs=cfg.max_num_seqs,
             gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
             load_format=cfg.load_format, trust_remote_code=trust_remote_code,
@@ -77,9 +78,15 @@ class VLLMBackend:
         self.hidden_states([[(7 * i + 3) % 100 + 1 for i in range(16)]])
 
     def hidden_states(self, batch: list[list[int]]):
+        """Per sample: a [T, L, D] bf16 tensor, or (uint8 e4m3 [T, L, D], scale [T, L]) when the
+        connector quantised on the device (extract.hs_dtype float8_e4m3fn)."""
         from compat.vllm_engine import run_prefill
 
-        return [hs for hs, _ in run_prefill(self.llm, batch)]
+        out = []
+        for item in run_prefill(self.llm, batch):
+            hs = item["hidden_states"]
+            out.append((hs, item["hs_scale"]) if "hs_scale" in item else hs)
+        return out
 
     def prefill_only(self, batch: list[list[int]]):
         from compat.vllm_engine import run_prefill
@@ -151,12 +158,21 @@ class HFBackend:
         pass
 
 
+def _binary_chunk(values: np.ndarray) -> pa.Array:
+    """One sample's bytes as a length-1 large_binary array over the same memory (no copy): the
+    object store put (or the Parquet writer) is the only copy the bytes see on the host."""
+    data = pa.py_buffer(values.view(np.uint8).reshape(-1))
+    offsets = pa.py_buffer(np.array([0, data.size], dtype=np.int64))
+    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), 1, [None, offsets, data])
+
+
 class Extractor:
     """Turns tokens tables into encoded hidden-states tables with one backend."""
 
     def __init__(self, model_dir: str, cfg: ExtractConfig, *, max_length: int, dtype: str = "bfloat16",
                  trust_remote_code: bool = False, backend=None):
         text_cfg = target_text_config(model_dir)
+        self._engine_lock = threading.Lock()
         self.layer_ids = cfg.layer_ids(text_cfg["num_hidden_layers"])
         self.hidden_size = text_cfg["hidden_size"]
         self.cfg = cfg
@@ -184,26 +200,30 @@ class Extractor:
             else:
                 keep.append(i)
         kept = tokens.take(pa.array(keep, pa.int64())) if len(keep) != len(ids_col) else tokens
-        hs_list = self.backend.hidden_states([ids_col[i] for i in keep]) if keep else []
-        values, scales = [], []
+        with self._engine_lock:  # the engine serves one call at a time; encoding overlaps the next call
+            hs_list = self.backend.hidden_states([ids_col[i] for i in keep]) if keep else []
+        chunks, scales = [], []
         for i, hs in zip(keep, hs_list):
-            if hs.shape[0] != len(ids_col[i]) or hs.shape[1] != len(self.layer_ids) or hs.shape[2] != self.hidden_size:
+            if isinstance(hs, tuple):  # quantised on the device already
+                hs, scale = hs
+                v, s = hs.contiguous().numpy().reshape(-1), scale.float().contiguous().numpy().reshape(-1)
+            else:
+                v, s = encode_hidden_states(hs, self.cfg.hs_dtype)
+            want = len(ids_col[i]) * len(self.layer_ids) * self.hidden_size
+            if tuple(hs.shape) != (len(ids_col[i]), len(self.layer_ids), self.hidden_size) or v.size != want:
                 raise RuntimeError(
                     f"[extract] sample {i}: engine returned hidden states {tuple(hs.shape)}, expected "
                     f"({len(ids_col[i])}, {len(self.layer_ids)}, {self.hidden_size})")
-            v, s = encode_hidden_states(hs, self.cfg.hs_dtype)
-            values.append(v)
+            chunks.append(_binary_chunk(v))
             scales.append(s)
-        offsets = np.zeros(len(values) + 1, dtype=np.int64)
-        if values:
-            np.cumsum([v.nbytes for v in values], out=offsets[1:])
-        flat = np.concatenate([v.view(np.uint8) for v in values]) if values else np.zeros(0, np.uint8)
-        hs_col = pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(values),
-                                                  [None, pa.py_buffer(offsets), pa.py_buffer(flat)])
+        hs_col = pa.chunked_array(chunks, type=pa.large_binary())
         if self.cfg.hs_dtype == "bfloat16":
-            scale_col = pa.nulls(len(values), type=pa.list_(pa.float32()))
+            scale_col = pa.nulls(len(chunks), type=pa.list_(pa.float32()))
         else:
-            scale_col = pa.array([s.tolist() for s in scales], type=pa.list_(pa.float32()))
+            offsets = np.zeros(len(scales) + 1, dtype=np.int32)
+            np.cumsum([len(s) for s in scales], out=offsets[1:])
+            flat = np.concatenate(scales) if scales else np.zeros(0, np.float32)
+            scale_col = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, type=pa.float32()))
         table = pa.Table.from_arrays(
             [kept.column("sample_id"), kept.column("input_ids"), kept.column("loss_mask"), kept.column("num_tokens"),
              hs_col, scale_col], schema=self.schema)

@@ -19,7 +19,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     if address or os.environ.get("RAY_ADDRESS"):
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
     else:
-        ray.init(num_cpus=num_cpus, runtime_env=runtime_env, include_dashboard=False, log_to_driver=True)
+        # The dashboard is where users watch the job, and Ray Train queries its controller through it.
+        ray.init(num_cpus=num_cpus, runtime_env=runtime_env, include_dashboard=True, log_to_driver=True)
 
 
 def wait_placement_groups(pgs: list, timeout_s: float, what: str, bundle: dict) -> list:

@@ -57,19 +57,32 @@ def decoded_rows(table: pa.Table):
         yield (t.view(torch.bfloat16).float() if hs_dtype == "bfloat16" else t), layer_ids
 
 
+def _in_engine_process(ray, tiny_target, cfg: ExtractConfig, fn_name: str, *args):
+    """Run an Extractor method in its own Ray actor: vLLM keeps one KV-connector per process (a
+    process-global), so each extraction engine needs a fresh process, as in production."""
+    from eagle3.extract import Extractor
+
+    class Host:
+        def __init__(self):
+            self.ex = Extractor(tiny_target, cfg, max_length=256)
+
+        def call(self, name, *a):
+            return getattr(self.ex, name)(*a) if name == "extract" else getattr(self.ex.backend, name)(*a)
+
+    host = ray.remote(num_cpus=1)(Host).remote()
+    try:
+        return ray.get(host.call.remote(fn_name, *args))
+    finally:
+        ray.kill(host)
+
+
 @pytest.mark.slow
-def test_vllm_hidden_states_equal_transformers_forward(tiny_target):
+def test_vllm_hidden_states_equal_transformers_forward(tiny_target, ray_local):
     """Batch of 3 prompts of mixed lengths through the real vLLM CPU engine, in-memory sink."""
     import torch
 
-    from eagle3.extract import Extractor
-
     tokens = tokens_table(LENGTHS)
-    ex = Extractor(tiny_target, ExtractConfig(backend="vllm"), max_length=256)
-    try:
-        table, stats = ex.extract(tokens)
-    finally:
-        ex.close()
+    table, stats = _in_engine_process(ray_local, tiny_target, ExtractConfig(backend="vllm"), "extract", tokens)
     assert stats.num_samples == 3 and stats.num_rejected == 0 and stats.num_tokens == sum(LENGTHS)
     # Row by row, token ids and loss masks are the input's, in order.
     assert table.column("sample_id").to_pylist() == tokens.column("sample_id").to_pylist()
@@ -211,3 +224,20 @@ def test_shards_spread_over_nodes_and_survive_node_removal(tiny_target, tmp_path
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+@pytest.mark.slow
+def test_vllm_fp8_is_quantised_in_the_connector(tiny_target, ray_local):
+    """hs_dtype float8_e4m3fn: the connector quantises before the copy to host (one scale per token
+    and layer); stored bytes are half of bf16 and values within e4m3's 3-bit mantissa."""
+    tokens = tokens_table(LENGTHS)
+    cfg = ExtractConfig(backend="vllm", hs_dtype="float8_e4m3fn")
+    raw = _in_engine_process(ray_local, tiny_target, cfg, "hidden_states", [tokens.column("input_ids")[0].as_py()])[0]
+    table, stats = _in_engine_process(ray_local, tiny_target, cfg, "extract", tokens)
+    q, scale = raw  # what left the engine: e4m3 bytes and [T, L] scales, not bf16
+    assert str(q.dtype) == "torch.uint8" and tuple(scale.shape) == (LENGTHS[0], 4)
+    assert pa.compute.sum(pa.compute.binary_length(table.column("hidden_states"))).as_py() == sum(LENGTHS) * 4 * 256
+    for (hs, layer_ids), ids in zip(decoded_rows(table), tokens.column("input_ids").to_pylist()):
+        ref = reference_hidden_states(tiny_target, ids, layer_ids)
+        rel = ((hs - ref).abs().amax(dim=-1) / ref.abs().amax(dim=-1)).max().item()
+        assert rel <= 0.1, rel  # e4m3 rounding (<= 6.25%) on top of bf16-vs-fp32 engine differences
