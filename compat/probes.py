@@ -99,14 +99,18 @@ def probe_target_arch(target_dir: str):
     if not archs:
         return ("target architecture", False, "config.json names no `architectures`", "add the HF architectures list")
     arch = archs[0]
-    try:
-        cls = ModelRegistry._try_load_model_cls(arch)
-    except Exception as e:  # noqa: BLE001 - reported as a failed row with its cause
-        cls, err = None, f"{type(e).__name__}: {e}"
-    else:
-        err = "not registered in this vLLM"
+    cls, err = None, "not registered in this vLLM"
+    if arch in ModelRegistry.models:
+        # Load it ourselves: the registry's own loader logs the import error and returns None, which
+        # would read as "not registered" (e.g. Qwen2.5-VL without torchvision).
+        try:
+            cls = ModelRegistry.models[arch].load_model_cls()
+        except Exception as e:  # noqa: BLE001 - reported as a failed row with its cause
+            err = f"registered, but its module fails to import: {type(e).__name__}: {e}"
     if cls is None:
-        return ("target architecture", False, f"{arch}: {err}", "use a vLLM that supports this architecture")
+        return ("target architecture", False, f"{arch}: {err}",
+                "install what the import needs on this node" if arch in ModelRegistry.models
+                else "use a vLLM that supports this architecture")
     ok = supports_eagle3(cls)
     return ("target architecture", ok, f"{arch}: {'implements' if ok else 'does NOT implement'} SupportsEagle3",
             "" if ok else "vLLM cannot capture aux hidden states of this architecture (e.g. Mixtral, Qwen2-VL): "

@@ -147,7 +147,11 @@ def dry_run(target_dir: str, extract_cfg, *, dtype: str, trust_remote_code: bool
         text = target_text_config(cut)
         n = text["num_hidden_layers"]
         full_aux = extract_cfg.layer_ids(target_text_config(target_dir)["num_hidden_layers"])[:-1]
-        cfg = dataclasses.replace(extract_cfg, aux_hidden_state_layer_ids=tuple(range(n))[: len(full_aux)] or (0,),
+        # The job's aux ids on the cut model: id 0 (the embeddings) only if the job captures it, since
+        # DeepSeek-V2/V3 (Kimi-K2.x) in vLLM 0.26-0.32 crash on id 0 (residual is None before layer 0);
+        # every other id becomes a decoder layer of the cut model.
+        cut_aux = tuple(sorted({0 if k == 0 else min(k, n - 1) for k in full_aux}))
+        cfg = dataclasses.replace(extract_cfg, aux_hidden_state_layer_ids=cut_aux or (0,),
                                   load_format="dummy", num_replicas=1, gpu_memory_utilization=0.3,
                                   max_num_batched_tokens=max(256, num_tokens), max_num_seqs=4)
         extractor = Extractor(cut, cfg, max_length=max(256, num_tokens), dtype=dtype, trust_remote_code=trust_remote_code)
@@ -162,7 +166,7 @@ def dry_run(target_dir: str, extract_cfg, *, dtype: str, trust_remote_code: bool
         want = (num_tokens, len(layer_ids), text["hidden_size"])
         ok = tuple(hs.shape) == want and stats.num_samples == 1
         return Check("dry run", ok,
-                     f"{text.get('architectures') or json.loads((Path(cut) / 'config.json').read_text()).get('architectures')} "
+                     f"{json.loads((Path(cut) / 'config.json').read_text()).get('architectures') or text.get('architectures')} "
                      f"cut to {n} layers, dummy weights, backend {cfg.backend}: hidden states {tuple(hs.shape)} "
                      f"(want {want}), layers {layer_ids}, {time.perf_counter() - t0:.0f}s",
                      "" if ok else "the extraction path returned wrong shapes: report it with this table")

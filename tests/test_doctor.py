@@ -1,0 +1,186 @@
+"""Doctor: the architecture-matched dry run through the real vLLM CPU engine (a dense Llama, a
+Qwen3-MoE, and Kimi-K2.5's multimodal wrapper around a DeepSeek-V3 MLA + MoE text model), the
+full doctor as a command on a real local Ray cluster, and the failures that must stop a job in
+seconds, each with what to do."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import model_configs  # noqa: E402
+
+# Failing doctors must answer in seconds: a local Ray start (~8 s) plus imports and probes.
+FAIL_FAST_S = 45
+
+
+def _env() -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    # An in-process engine earlier in this pytest process sets this; a child decides for itself.
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    return env
+
+
+def _doctor(tmp_path: Path, target: str, *args: str) -> tuple[subprocess.CompletedProcess, float, Path]:
+    # address "local": a cluster of its own, even when other Ray clusters run on this machine.
+    cfg = {"output_dir": str(tmp_path / "out"), "target": {"model": target}, "ray": {"address": "local"}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
+    report = tmp_path / "doctor.json"
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "ray_jobs.doctor", "--config", str(tmp_path / "job.yaml"),
+                          "--json", str(report), *args], cwd=REPO, env=_env(), capture_output=True, text=True,
+                         timeout=300)
+    return out, time.perf_counter() - t0, report
+
+
+def _rows(report: Path) -> dict[str, dict]:
+    reports = json.loads(report.read_text())
+    assert len(reports) == 1  # one node
+    return {r["name"]: r for r in reports[0]["rows"]}
+
+
+# --- dry run -----------------------------------------------------------------------------------------
+# Each dry run starts its engine in a fresh child process, as the doctor does (a max_calls=1 Ray task):
+# vLLM sets up its parallel state once per process, so e.g. a MoE engine after a dense one in the same
+# process fails ("expert parallel group is not initialized").
+
+DRY_RUN_CHILD = """
+import json, sys
+from eagle3.config import ExtractConfig
+from eagle3.doctor import dry_run
+
+if __name__ == "__main__":
+    cfg = ExtractConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(sys.argv[2]).items()})
+    check = dry_run(sys.argv[1], cfg, dtype="bfloat16", trust_remote_code=False)
+    print("CHECK " + json.dumps(check.to_dict()))
+"""
+
+
+def _dry_run(tmp_path: Path, target: str, **extract) -> dict:
+    script = tmp_path / "dry_run_child.py"
+    script.write_text(DRY_RUN_CHILD)
+    out = subprocess.run([sys.executable, str(script), target, json.dumps(extract)], cwd=REPO, env=_env(),
+                         capture_output=True, text=True, timeout=300)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("CHECK ")]
+    assert lines, f"rc {out.returncode}\n{out.stderr[-4000:]}"
+    check = json.loads(lines[-1][len("CHECK "):])
+    assert check["ok"], f"{check['detail']}\n{check['fix']}"
+    assert check["name"] == "dry run" and "dummy weights, backend vllm" in check["detail"]
+    return check
+
+
+@pytest.mark.slow
+def test_dry_run_dense_llama(tiny_target, tmp_path):
+    """The tiny Llama (8 layers) cut to 2; default aux ids (2, 4, 5) land on layer 1, plus the last."""
+    check = _dry_run(tmp_path, tiny_target)
+    assert check["detail"].startswith("['LlamaForCausalLM'] cut to 2 layers")
+    assert "hidden states (16, 2, 256) (want (16, 2, 256)), layers [1, 2]" in check["detail"]
+
+
+@pytest.mark.slow
+def test_dry_run_moe(tmp_path):
+    """Qwen3-MoE (4 experts, top-2) cut to 2 layers; aux id 0 (the embeddings) asked for and kept."""
+    target = model_configs.write_qwen3_moe_target(tmp_path / "qwen3-moe")
+    check = _dry_run(tmp_path, target, aux_hidden_state_layer_ids=[0, 3, 5])
+    assert check["detail"].startswith("['Qwen3MoeForCausalLM'] cut to 2 layers")
+    assert "hidden states (16, 3, 256) (want (16, 3, 256)), layers [0, 1, 2]" in check["detail"]
+
+
+@pytest.mark.slow
+def test_dry_run_multimodal_wrapper_kimi_k25(tmp_path):
+    """Kimi-K2.5's wrapper (language model in `text_config`, a MoonViT vision tower) around a
+    DeepSeek-V3 text model: MLA attention, one dense layer then MoE layers with a shared expert.
+
+    With the 'shm' sink, i.e. a multiprocess engine: on vLLM 0.32's CPU backend an in-process engine
+    for this architecture dies at start, because vLLM's kimi_k25 module imports numba/llvmlite and
+    the CPU kernel-override scan trips over llvmlite
+    (tests/test_compat.py::test_cpu_kernel_override_scan_breaks_on_llvmlite)."""
+    target = model_configs.write_kimi_k25_target(tmp_path / "kimi-k25")
+    check = _dry_run(tmp_path, target, sink="shm")
+    assert check["detail"].startswith("['KimiK25ForConditionalGeneration'] cut to 2 layers")
+    # The text model's hidden size (256), not the vision tower's (128).
+    assert "hidden states (16, 2, 256) (want (16, 2, 256)), layers [1, 2]" in check["detail"]
+
+
+# --- the full doctor -----------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_doctor_passes_on_tiny_target(tiny_target, tmp_path):
+    out, seconds, report = _doctor(tmp_path, tiny_target)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    table = out.stdout
+    for name in ("version vllm", "version speculators", "version torch", "seam vllm hidden-states connector",
+                 "seam vllm engine args + step + metrics", "seam vllm spec-decode metric names",
+                 "seam speculators draft config -> vLLM eagle3", "target architecture", "trust_remote_code",
+                 "gpu hygiene", "disk space", "dry run"):
+        assert f"  PASS  {name}" in table, f"no PASS row for {name!r} in\n{table}"
+    assert "FAIL" not in table and "doctor: all checks passed on 1 node(s)" in table
+    rows = _rows(report)
+    assert all(r["ok"] for r in rows.values())
+    assert "hidden states (16, 2, 256) (want (16, 2, 256))" in rows["dry run"]["detail"]
+    assert rows["target architecture"]["detail"] == "LlamaForCausalLM: implements SupportsEagle3"
+
+
+def test_doctor_fails_fast_on_architecture_without_eagle3(tiny_target, tmp_path):
+    """Mixtral is served by vLLM but cannot give aux hidden states (no SupportsEagle3)."""
+    target = model_configs.write_mixtral_target(tmp_path / "mixtral", tokenizer_from=tiny_target)
+    out, seconds, report = _doctor(tmp_path, target, "--no-dry-run")
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "  FAIL  target architecture" in out.stdout and "MixtralForCausalLM: does NOT implement SupportsEagle3" in out.stdout
+    assert "        -> vLLM cannot capture aux hidden states of this architecture" in out.stdout
+    assert "doctor: FAILED on 1 node(s)" in out.stdout
+    rows = _rows(report)
+    assert [n for n, r in rows.items() if not r["ok"]] == ["target architecture"]
+    assert seconds < FAIL_FAST_S, f"{seconds:.0f}s"
+
+
+def test_doctor_fails_fast_on_remote_code_without_trust(tiny_target, tmp_path):
+    """A target that ships its own code (auto_map) while target.trust_remote_code is off (the default)."""
+    target = model_configs.write_remote_code_target(tmp_path / "remote", tiny_target)
+    out, seconds, report = _doctor(tmp_path, target, "--no-dry-run")
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "  FAIL  trust_remote_code" in out.stdout
+    assert "        -> read that code, then set target.trust_remote_code: true" in out.stdout
+    rows = _rows(report)
+    assert [n for n, r in rows.items() if not r["ok"]] == ["trust_remote_code"]
+    assert seconds < FAIL_FAST_S, f"{seconds:.0f}s"
+
+
+def test_disk_check_fails_when_the_dataset_does_not_fit(tmp_path):
+    import shutil
+
+    from eagle3.doctor import check_disk, estimate_dataset_bytes
+
+    free = shutil.disk_usage(tmp_path).free
+    assert check_disk(str(tmp_path / "not" / "yet"), estimate_dataset_bytes(1000, 4, 256, "bfloat16")).ok
+    row = check_disk(str(tmp_path / "not" / "yet"), free)  # fits, but not with the 20% margin
+    assert not row.ok and row.name == "disk space"
+    assert f"free at {tmp_path}" in row.detail and "(+20% margin)" in row.detail
+    assert "point output_dir at a larger volume" in row.fix and "float8_e4m3fn" in row.fix
+    # fp8 storage halves the hidden-state bytes (plus a per-token, per-layer scale): the fix is real.
+    bf16, fp8 = (estimate_dataset_bytes(10**6, 4, 4096, d) for d in ("bfloat16", "float8_e4m3fn"))
+    assert fp8 < 0.51 * bf16
+
+
+def test_version_outside_tested_matrix_fails_with_fix(monkeypatch):
+    from packaging.version import Version
+
+    from compat import versions
+    from eagle3.doctor import check_versions
+
+    assert all(r.ok for r in check_versions())
+    monkeypatch.setitem(versions.TESTED, "vllm", (Version("0.40"), Version("0.41")))
+    rows = {r.name: r for r in check_versions()}
+    bad = rows["version vllm"]
+    assert not bad.ok and f"vllm {versions.installed('vllm')} (OUTSIDE tested >=0.40,<0.41)" == bad.detail
+    assert "tested matrix" in bad.fix
+    assert [n for n, r in rows.items() if not r.ok] == ["version vllm"]
