@@ -172,8 +172,8 @@ def dry_run(target_dir: str, extract_cfg, *, dtype: str, trust_remote_code: bool
                      "" if ok else "the extraction path returned wrong shapes: report it with this table")
     except Exception as e:  # noqa: BLE001 - a doctor reports every failure as a row, with its cause
         return Check("dry run", False, f"{type(e).__name__}: {str(e)[:400]}",
-                     "the extraction path fails on this architecture before any weights load: see the traceback "
-                     "in the job log; `python -m ray_jobs.doctor --verbose` prints it\n" + traceback.format_exc()[-1500:])
+                     "the extraction path fails on this architecture before any weights load; the traceback "
+                     "follows\n" + traceback.format_exc()[-1500:])
     finally:
         if extractor is not None:
             extractor.close()

@@ -57,6 +57,9 @@ def export_draft(model_or_engine, out_dir: str | Path, target_dir: str | Path, *
     out.mkdir(parents=True, exist_ok=True)
     config = copy.deepcopy(module.config)
     config.speculators_config.verifier = VerifierConfig.from_pretrained(str(target))
+    from compat.draft_config import vllm_draft_config_fixups
+
+    vllm_draft_config_fixups(config)
     original = module.config
     module.config = config  # save_pretrained writes self.config; restored below
     try:

@@ -76,9 +76,10 @@ class TrainConfig:
     norm_output: bool = False
     """EAGLE 3.1: feed post-norm hidden states across TTT steps. Needs a vLLM with
     vllm-project/vllm#46488, older ones ignore it silently (lower acceptance)."""
-    draft_attn_impl: str = "sdpa"
-    """Draft attention in training: sdpa (CPU and GPU), eager, or simple_flex_attention
-    (speculators' default; GPU-only in practice, compiled flex attention)."""
+    draft_attn_impl: str | None = None
+    """Draft attention in training: sdpa, eager, or simple_flex_attention (speculators' default:
+    compiled flex attention with block masks). None: flex attention on GPU, sdpa on CPU. sdpa
+    builds dense [T, ttt_steps * T] masks, so its cost per token grows with micro_batch_tokens."""
 
     shuffle_buffer_size: int = 256
     """Samples held per rank for the streaming shuffle (memory: this many decoded samples)."""
@@ -120,7 +121,7 @@ class TrainConfig:
             _fail("draft_vocab_size", self.draft_vocab_size, "must be >= 1 or null (min(32000, target vocab))")
         if self.loss not in LOSS_NAMES:
             _fail("loss", self.loss, f"use one of {list(LOSS_NAMES)}")
-        if self.draft_attn_impl not in DRAFT_ATTN_IMPLS:
+        if self.draft_attn_impl is not None and self.draft_attn_impl not in DRAFT_ATTN_IMPLS:
             _fail("draft_attn_impl", self.draft_attn_impl, f"use one of {list(DRAFT_ATTN_IMPLS)}")
         if self.shuffle_buffer_size < 1:
             _fail("shuffle_buffer_size", self.shuffle_buffer_size, "must be >= 1 (1 = no shuffle within shards)")

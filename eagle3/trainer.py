@@ -114,7 +114,7 @@ class Eagle3Trainer:
             norm_before_fc=cfg.norm_before_fc,
             norm_output=cfg.norm_output,
             ttt_steps=cfg.ttt_steps,
-            draft_attn_impl=cfg.draft_attn_impl,
+            draft_attn_impl=cfg.draft_attn_impl or ("simple_flex_attention" if torch.cuda.is_available() else "sdpa"),
         )
         ensure_text_verifier_weights(self.model, self.target_dir)
         self.engine = None

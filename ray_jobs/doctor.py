@@ -42,7 +42,12 @@ def node_report(cfg: JobConfig, target_dir: str, num_tokens: int, with_dry_run: 
     rows = doctor.check_versions() + doctor.check_seams(target_dir, cfg.target.trust_remote_code)
     rows += doctor.check_gpus()
     text = target_text_config(target_dir)
-    layers = len(cfg.extract.layer_ids(text["num_hidden_layers"]))
+    try:
+        layers = len(cfg.extract.layer_ids(text["num_hidden_layers"]))
+    except ValueError as e:
+        rows.append(doctor.Check("aux layer ids", False, str(e), "set extract.aux_hidden_state_layer_ids to ids "
+                                 "that exist in this target"))
+        return {"host": platform.node(), "rows": [r.to_dict() for r in rows]}
     rows.append(doctor.check_disk(cfg.output_dir, doctor.estimate_dataset_bytes(num_tokens, layers, text["hidden_size"],
                                                                                cfg.extract.hs_dtype)))
     if with_dry_run:
