@@ -82,8 +82,12 @@ class ExtractConfig:
     """Unit of work handed out to replicas and committed to the manifest."""
     hs_dtype: str = "bfloat16"
     """Storage of hidden states: bfloat16 (lossless) or float8_e4m3fn (per-token scale, half the bytes)."""
+    file_format: str = "arrow"
+    """Shard files: 'arrow' (Arrow IPC, memory-mapped by the trainer, written at near disk speed)
+    or 'parquet' (smaller with compression, ~3x slower to write). See eagle3/shards.py."""
     compression: str | None = None
-    """Parquet compression codec (None, 'zstd', 'lz4', 'snappy')."""
+    """None, or a codec: 'lz4'/'zstd' (both formats), 'snappy'/'gzip' (Parquet only). Hidden
+    states are noisy floats: expect little gain for much CPU."""
     max_num_batched_tokens: int | None = None
     """vLLM scheduler budget; None = max(8192, prepare.max_length). Must be >= the longest sample,
     since chunked prefill is off for extraction."""
@@ -111,8 +115,11 @@ class ExtractConfig:
     def __post_init__(self):
         if self.hs_dtype not in ("bfloat16", "float8_e4m3fn"):
             _fail("extract", "hs_dtype", self.hs_dtype, "use bfloat16 or float8_e4m3fn")
-        if self.compression not in (None, "zstd", "lz4", "snappy", "gzip"):
-            _fail("extract", "compression", self.compression, "use null, zstd, lz4, snappy or gzip")
+        if self.file_format not in ("arrow", "parquet"):
+            _fail("extract", "file_format", self.file_format, "use arrow or parquet")
+        codecs = (None, "zstd", "lz4") if self.file_format == "arrow" else (None, "zstd", "lz4", "snappy", "gzip")
+        if self.compression not in codecs:
+            _fail("extract", "compression", self.compression, f"use one of {list(codecs)} with {self.file_format} files")
         if self.backend not in ("vllm", "hf"):
             _fail("extract", "backend", self.backend, "use vllm or hf")
         if self.sink not in ("auto", "memory", "shm"):

@@ -34,32 +34,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 
 from eagle3.schema import decode_hidden_states, hs_layout
+from eagle3.shards import ShardFile
 
 logger = logging.getLogger(__name__)
 
-READ_BATCH_ROWS = 4
-"""Rows per Arrow record batch when reading hidden states."""
-
-
 def resolve_files(files: str | Path | Sequence[str | Path]) -> list[str]:
     """An explicit list of shard files (kept in order), or a directory: an extraction output
-    (its committed shards only, per eagle3.manifest) or a plain directory of *.parquet (sorted)."""
+    (its committed shards only, per eagle3.manifest) or a plain directory of *.arrow / *.parquet
+    shard files (sorted)."""
     if isinstance(files, (str, Path)):
         root = Path(files)
         if not root.is_dir():
-            raise ValueError(f"expected a directory of Parquet shards or a list of files, found {str(root)!r}")
+            raise ValueError(f"expected a directory of shard files or a list of files, found {str(root)!r}")
         if (root / "MANIFEST.json").exists():
             from eagle3.manifest import Manifest
 
             found = Manifest(root).committed_files()
         else:
-            found = sorted(str(p) for p in root.glob("*.parquet"))
+            found = sorted(str(p) for p in root.iterdir() if p.suffix in (".arrow", ".parquet"))
         if not found:
-            raise ValueError(f"no committed *.parquet shards in {str(root)!r}; run the extract stage first")
+            raise ValueError(f"no committed shard files in {str(root)!r}; run the extract stage first")
         return found
     out = [str(f) for f in files]
     if not out:
@@ -78,9 +75,9 @@ def token_frequencies(files: str | Path | Sequence[str | Path], vocab_size: int 
     """
     counts = np.zeros(vocab_size or 0, dtype=np.int64)
     for path in resolve_files(files):
-        pf = pq.ParquetFile(path)
-        hs_layout(pf.schema_arrow)  # refuse other schema versions before reading
-        for batch in pf.iter_batches(batch_size=4096, columns=["input_ids", "loss_mask"]):
+        pf = ShardFile(path)
+        hs_layout(pf.schema)  # refuse other schema versions before reading
+        for batch in pf.iter_batches(columns=["input_ids", "loss_mask"]):
             ids_col, mask_col = batch.column("input_ids"), batch.column("loss_mask")
             if not np.array_equal(ids_col.value_lengths().to_numpy(), mask_col.value_lengths().to_numpy()):
                 raise ValueError(f"{path}: input_ids and loss_mask lengths differ in some rows; the shard is corrupt")
@@ -130,8 +127,8 @@ class HiddenStatesDataset:
         self.shards: list[_Shard] = []
         layout = None
         for path in self.files:
-            pf = pq.ParquetFile(path)
-            this = hs_layout(pf.schema_arrow)
+            pf = ShardFile(path)
+            this = hs_layout(pf.schema)
             if layout is None:
                 layout = this
             elif this != layout:
@@ -139,8 +136,7 @@ class HiddenStatesDataset:
                     f"{path} has (layer_ids, hidden_size, hs_dtype)={this}, {self.files[0]} has {layout}: "
                     "all shards of one training run must come from one extraction"
                 )
-            md = pf.metadata
-            self.shards.append(_Shard(path, [md.row_group(i).num_rows for i in range(md.num_row_groups)]))
+            self.shards.append(_Shard(path, list(pf.batch_rows)))
         self.layer_ids, self.hidden_size, self.hs_dtype = layout
         if len(self.layer_ids) < 2:
             raise ValueError(f"layer_ids={self.layer_ids}: need at least one aux layer plus the last layer")
@@ -202,10 +198,10 @@ class HiddenStatesDataset:
                       if any((s, r) in needed for r in range(starts[g], starts[g + 1]))]
             if not groups:
                 continue
-            pf = pq.ParquetFile(shard.path)
+            pf = ShardFile(shard.path)
             for g in groups:
                 row = int(starts[g])
-                for batch in pf.iter_batches(batch_size=READ_BATCH_ROWS, row_groups=[g], columns=columns):
+                for batch in pf.iter_batches([g], columns=columns):
                     for j in range(batch.num_rows):
                         if (s, row) in needed:
                             yield (s, row), _decode_row(batch, j, L, H, self.hs_dtype, shard.path, row)

@@ -3,7 +3,7 @@
 Owns: the layout of an extraction output directory and the commit protocol.
     hidden_states/
       MANIFEST.json            fingerprint of the input (so a resume never mixes datasets)
-      data/shard-000012.parquet
+      data/shard-000012.arrow  (or .parquet: eagle3.shards)
       committed/shard-000012.json   written last, by atomic rename: the commit
 A shard counts only once its commit file exists. A data file without one is partial
 (a crash between write and commit) and is rewritten on resume. Data files are
@@ -42,8 +42,11 @@ class ShardPlan:
 
 
 class Manifest:
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, file_format: str = "arrow"):
+        from eagle3.shards import SUFFIX
+
         self.root = Path(root)
+        self.suffix = SUFFIX[file_format]
         self.data_dir = self.root / "data"
         self.commit_dir = self.root / "committed"
 
@@ -64,7 +67,7 @@ class Manifest:
             atomic_write_text(path, json.dumps(fingerprint, indent=1, sort_keys=True))
 
     def data_path(self, shard: int) -> Path:
-        return self.data_dir / f"shard-{shard:06d}.parquet"
+        return self.data_dir / f"shard-{shard:06d}{self.suffix}"
 
     def committed(self) -> dict[int, dict]:
         out = {}
@@ -76,16 +79,21 @@ class Manifest:
     def commit(self, shard: int, record: dict) -> None:
         if not self.data_path(shard).exists():
             raise AssertionError(f"commit of shard {shard} before its data file exists")
+        record = {**record, "file": self.data_path(shard).name}
         atomic_write_text(self.commit_dir / f"shard-{shard:06d}.json", json.dumps(record, sort_keys=True))
 
     def committed_files(self) -> list[str]:
-        return [str(self.data_path(s)) for s in sorted(self.committed())]
+        """Data files of the committed shards, in shard order (each commit names its file)."""
+        return [str(self.data_dir / rec["file"]) if "file" in rec else str(self.data_path(s))
+                for s, rec in sorted(self.committed().items())]
 
 
-def tokens_fingerprint(sample_ids: list[str], samples_per_shard: int, layer_ids: list[int], hs_dtype: str) -> dict:
+def tokens_fingerprint(sample_ids: list[str], samples_per_shard: int, layer_ids: list[int], hs_dtype: str,
+                       file_format: str = "arrow") -> dict:
     h = hashlib.sha256()
     for s in sample_ids:
         h.update(s.encode())
         h.update(b"\0")
     return {"num_samples": len(sample_ids), "sample_ids_sha256": h.hexdigest(),
-            "samples_per_shard": samples_per_shard, "layer_ids": list(layer_ids), "hs_dtype": hs_dtype}
+            "samples_per_shard": samples_per_shard, "layer_ids": list(layer_ids), "hs_dtype": hs_dtype,
+            "file_format": file_format}

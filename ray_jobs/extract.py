@@ -1,8 +1,8 @@
 """Extraction driver: engine replicas on placement groups, shards handed out dynamically,
-tables written by tasks next to their engine, each shard committed exactly once.
+tables written (Arrow IPC or Parquet) by tasks next to their engine, each shard committed exactly once.
 
 What crosses this process is small: shard numbers, tokens slices (kilobytes), stats and
-object refs. Hidden states go engine actor -> object store -> writer task -> Parquet.
+object refs. Hidden states go engine actor -> object store -> writer task -> shard file.
 Backpressure: a replica holds at most `max_inflight_shards` shards that are extracted
 but not yet written, so the object store holds a bounded number of tables.
 Failures: a shard whose replica or writer died is handed out again; a dead replica is
@@ -82,9 +82,9 @@ def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str,
     text_cfg = target_text_config(target_dir)
     layer_ids = ecfg.layer_ids(text_cfg["num_hidden_layers"])
     plan = ShardPlan(len(tokens), ecfg.samples_per_shard)
-    manifest = Manifest(Path(out_dir))
+    manifest = Manifest(Path(out_dir), ecfg.file_format)
     manifest.open(tokens_fingerprint(tokens.column("sample_id").to_pylist(), ecfg.samples_per_shard, layer_ids,
-                                     ecfg.hs_dtype))
+                                     ecfg.hs_dtype, ecfg.file_format))
     committed = manifest.committed()
     todo = deque(s for s in range(plan.num_shards) if s not in committed)
     skipped = len(committed)

@@ -9,7 +9,7 @@ imports neither vllm, torch nor deepspeed: heavy work runs in Ray tasks and acto
 Output layout:
     target/          the tiny demo target (only when target.model is null)
     prepared/        tokens.parquet, rejects.jsonl, eval_prompts.jsonl
-    hidden_states/   data/shard-*.parquet, committed/, MANIFEST.json, rejects.jsonl
+    hidden_states/   data/shard-*.arrow, committed/, MANIFEST.json, rejects.jsonl
     train/           DeepSpeed checkpoints, metrics, loss plot
     draft/           the speculators-format EAGLE-3 draft (config.json, model.safetensors)
     report.json      the run summary printed at the end
@@ -118,7 +118,7 @@ def run(cfg: JobConfig) -> dict:
         from actors.trainer import run_training
         from eagle3.manifest import Manifest
 
-        files = Manifest(out / "hidden_states").committed_files()
+        files = Manifest(out / "hidden_states", cfg.extract.file_format).committed_files()
         if not files:
             raise ValueError(f"no committed hidden-state shards under {out / 'hidden_states'}: run the extract stage first")
         summary = timed("train", run_training, cfg.train, files, target_dir, str(out / "train"), str(out / "draft"))

@@ -126,7 +126,9 @@ def _job(tmp_path, **extract):
 
 
 def _dataset_ids(files):
-    return [sid for f in files for sid in pq.read_table(f, columns=["sample_id"]).column("sample_id").to_pylist()]
+    from eagle3.shards import read_shards
+
+    return read_shards(files, ["sample_id"]).column("sample_id").to_pylist()
 
 
 def test_extract_commits_each_sample_once_and_resumes(tiny_target, tmp_path, ray_local):
@@ -145,11 +147,12 @@ def test_extract_commits_each_sample_once_and_resumes(tiny_target, tmp_path, ray
     reject = json.loads((out / "rejects.jsonl").read_text())
     assert reject["sample_id"] == "s0040" and "300 tokens" in reject["reason"]
     assert first["bytes_per_token"] >= 4 * 256 * 2  # four bf16 layers of 256 per token
+    assert all(f.endswith(".arrow") for f in first["files"])
 
     # A crash between write and commit leaves a data file without its commit; a crash mid-write
     # leaves a temp file. The rerun redoes exactly those shards and skips the rest.
     (out / "committed" / "shard-000002.json").unlink()
-    (out / "data" / "shard-000004.parquet").write_bytes(b"partial")
+    (out / "data" / "shard-000004.arrow").write_bytes(b"partial")
     (out / "committed" / "shard-000004.json").unlink()
     second = run_extract(cfg, str(tmp_path / "tokens.parquet"), tiny_target, str(out), progress=False)
     assert second["shards_skipped"] == 5
@@ -241,3 +244,22 @@ def test_vllm_fp8_is_quantised_in_the_connector(tiny_target, ray_local):
         ref = reference_hidden_states(tiny_target, ids, layer_ids)
         rel = ((hs - ref).abs().amax(dim=-1) / ref.abs().amax(dim=-1)).max().item()
         assert rel <= 0.1, rel  # e4m3 rounding (<= 6.25%) on top of bf16-vs-fp32 engine differences
+
+
+@pytest.mark.parametrize("file_format,compression", [("arrow", None), ("arrow", "zstd"), ("parquet", None),
+                                                      ("parquet", "zstd")])
+def test_shard_formats_round_trip(tiny_target, tmp_path, file_format, compression):
+    """Both shard formats hold the same table; IPC files read back through a memory map."""
+    from actors.writer import write_shard
+    from eagle3.extract import Extractor
+    from eagle3.shards import ShardFile
+
+    ex = Extractor(tiny_target, ExtractConfig(backend="hf"), max_length=256)
+    table, _ = ex.extract(tokens_table(LENGTHS))
+    path = tmp_path / f"s{'.arrow' if file_format == 'arrow' else '.parquet'}"
+    stats = write_shard(table, str(path), compression)
+    assert stats["rows"] == 3 and stats["bytes"] == path.stat().st_size
+    back = ShardFile(path)
+    assert back.format == file_format and back.num_rows == 3
+    assert back.read().equals(table.combine_chunks())
+    assert not list(tmp_path.glob(".*tmp*"))  # the temp file was renamed, nothing left behind

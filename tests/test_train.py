@@ -156,7 +156,7 @@ def test_train_config_validation_names_field_value_and_fix():
         TrainConfig(num_steps=20, warmup_steps=30)
     with pytest.raises(ValueError, match=r"train\.draft_attn_impl='flash'"):
         TrainConfig(draft_attn_impl="flash")
-    assert TrainConfig().ttt_steps == 3 and TrainConfig().draft_attn_impl == "sdpa"
+    assert TrainConfig().ttt_steps == 3 and TrainConfig().draft_attn_impl is None  # None: flex on GPU, sdpa on CPU
 
 
 def test_loss_names_are_speculators_eager_losses():

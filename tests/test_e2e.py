@@ -1,0 +1,131 @@
+"""End to end: the real job (python -m ray_jobs.run) through a real local Ray cluster, a real vLLM
+CPU engine, a real DeepSpeed engine and vLLM speculative decoding with the exported draft; then
+assertions on what it produced. Also the same driver under `ray job submit`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("e2e")
+    t0 = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml", "--set", f"output_dir={out}",
+         "--set", "eval.num_speculative_tokens=[1, 3]", "--set", "train.num_steps=20"],
+        cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return out, proc.stdout, time.time() - t0
+
+
+def test_job_prints_where_outputs_are(demo_run):
+    out, stdout, _ = demo_run
+    assert f"outputs under {out}" in stdout
+    for line in ("prepared/", "hidden_states/", "bytes/token", "loss", "acceptance length in vLLM", "time per stage"):
+        assert line in stdout
+    for stage in ("prepared", "hidden_states", "train", "draft"):
+        prov = json.loads((out / stage / "provenance.json").read_text())
+        assert prov["schema_version"] == 1 and "ray" in prov["packages"] and prov["git_commit"]
+        assert prov["config"]["output_dir"] == str(out)
+
+
+def test_hidden_states_rows_line_up_with_tokens_and_match_transformers(demo_run):
+    import torch
+
+    from eagle3.manifest import Manifest
+    from eagle3.schema import hs_layout
+    from tests.test_extract import decoded_rows, reference_hidden_states
+
+    out, _, _ = demo_run
+    tokens = pq.read_table(out / "prepared" / "tokens.parquet")
+    files = Manifest(out / "hidden_states").committed_files()
+    from eagle3.shards import read_shards
+
+    table = read_shards(files)
+    assert table.num_rows == tokens.num_rows == 232
+    layer_ids, hidden, hs_dtype = hs_layout(table.schema)
+    assert (layer_ids, hidden, hs_dtype) == ([2, 4, 5, 8], 256, "bfloat16")
+    by_id = {sid: i for i, sid in enumerate(tokens.column("sample_id").to_pylist())}
+    assert sorted(by_id) == sorted(table.column("sample_id").to_pylist())  # each sample exactly once
+    for r in range(table.num_rows):
+        i = by_id[table.column("sample_id")[r].as_py()]
+        assert table.column("input_ids")[r].as_py() == tokens.column("input_ids")[i].as_py()
+        assert table.column("loss_mask")[r].as_py() == tokens.column("loss_mask")[i].as_py()
+    # Against a transformers forward: a few samples of different lengths from different shards.
+    rows = list(decoded_rows(table))
+    lengths = table.column("num_tokens").to_pylist()
+    picks = sorted({int(np.argmin(lengths)), int(np.argmax(lengths)), table.num_rows // 2})
+    target = str(out / "target")
+    for r in picks:
+        hs, _ = rows[r]
+        assert torch.isfinite(hs).all()
+        ref = reference_hidden_states(target, table.column("input_ids")[r].as_py(), layer_ids)
+        err = ((hs - ref).abs().amax(dim=(0, 2)) / ref.abs().amax(dim=(0, 2)))
+        assert (err <= 0.03).all(), f"row {r} ({lengths[r]} tokens): per-layer rel err {err.tolist()}"
+
+
+def test_training_lowered_loss_and_vllm_served_the_draft(demo_run):
+    out, _, _ = demo_run
+    report = json.loads((out / "report.json").read_text())
+    train = report["stages"]["train"]
+    assert train["steps"] == 20 and np.isfinite(train["loss_last"]) and train["loss_last"] < train["loss_first"]
+    draft = out / "draft"
+    cfg = json.loads((draft / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(out / "target")
+    assert (draft / "model.safetensors").stat().st_size > 0
+    evals = json.loads((out / "eval.json").read_text())
+    assert [e["num_speculative_tokens"] for e in evals] == [1, 3]
+    for e in evals:
+        # vLLM loaded the draft as eagle3, proposed tokens and generated every requested token.
+        assert e["num_drafts"] > 0 and e["num_draft_tokens"] == e["num_drafts"] * e["num_speculative_tokens"]
+        assert e["num_generated_tokens"] == e["num_prompts"] * 48
+        assert 1.0 <= e["acceptance_length"] <= 1 + e["num_speculative_tokens"]
+
+
+def test_rerun_resumes_without_redoing_extraction(demo_run, tmp_path):
+    """Resubmitting skips committed shards (prepare reruns: it is cheap and deterministic)."""
+    out, _, _ = demo_run
+    proc = subprocess.run([sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml",
+                           "--set", f"output_dir={out}", "--set", "stages=[prepare, extract]", "--set", "doctor=false"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["stages"]["extract"]["shards_skipped"] == report["stages"]["extract"]["num_shards"] == 4
+
+
+def test_same_driver_runs_under_ray_job_submit(tmp_path):
+    # Ray 2.60 turns token authentication on; the CLI client must hold the cluster's token.
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=os.urandom(16).hex())
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    subprocess.run([ray_bin, "stop", "--force"], capture_output=True, env=env, timeout=120)
+    start = subprocess.run([ray_bin, "start", "--head", "--num-cpus=2", "--dashboard-port=8265",
+                            "--include-dashboard=true"], capture_output=True, text=True, env=env, timeout=180)
+    assert start.returncode == 0, start.stderr[-2000:]
+    try:
+        out = tmp_path / "submitted"
+        sub = subprocess.run(
+            [ray_bin, "job", "submit", "--address", "http://127.0.0.1:8265", "--working-dir", str(REPO),
+             "--runtime-env-json", json.dumps({"excludes": [".venv", "runs", ".gpu*", ".git"]}), "--",
+             sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml", "--set", f"output_dir={out}",
+             "--set", "stages=[prepare]", "--set", "doctor=false"],
+            capture_output=True, text=True, env=env, timeout=600)
+        assert sub.returncode == 0, sub.stdout[-3000:] + sub.stderr[-3000:]
+        assert "succeeded" in sub.stdout
+        assert pq.read_table(out / "prepared" / "tokens.parquet").num_rows == 232
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], capture_output=True, env=env, timeout=120)
