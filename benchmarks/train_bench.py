@@ -1,0 +1,648 @@
+"""Training throughput, in one run: our DeepSpeed trainer (actors.trainer.run_training, Ray Train,
+one worker) against speculators' own trainer (`speculators train` under torchrun, one process),
+on the same samples and the same machine. Target: ours / theirs >= 1.0x on the GPU.
+
+On one H200 (kind nvidia-h200; about 5.5 minutes in all, under 6: see "Time" below): the three
+part-carrying commands of ../shared/gpu/README.md, then as the fourth (carry [".gpu3"]):
+
+    . .gpu3/unpack.sh .gpu3 && python -m benchmarks.train_bench --shape 1b --tag h200-1b --out $OUT
+
+and copy the files that come back (train-h200-1b.json / .md, and -ours_steps.jsonl,
+-speculators_steps.jsonl, -speculators.log beside them) into benchmarks/results/. 1b preset: 161
+random-token prompts x 1024 tokens, 8 samples = 8184 tokens per optimizer step, 20 steps per
+trainer, steps 6..20 measured, draft attention simple_flex_attention. The exit status is 0 unless
+our trainer failed; a speculators failure is recorded in the result (its first exception line in
+the table, the traceback in the JSON).
+On CPU, where speculators' trainer cannot run as shipped (it needs an accelerator: `model.to(
+local_rank)`, `torch.accelerator.synchronize()`, Triton fused losses), only ours runs:
+
+    python -m benchmarks.train_bench --shape tiny --extract-backend hf --skip-speculators --out /tmp/tb
+
+What one run does:
+1. Builds the target: a Llama of benchmarks/shapes.py's shape with seeded random bf16 weights,
+   saved with save_pretrained (on the GPU when there is one, in a Ray task), so both trainers read
+   the verifier's embed_tokens / lm_head / norm from it. No tokenizer: nothing reads one
+   (speculators resolves a mask token from the tokenizer unless --mask-token-id is given; EAGLE-3
+   does not use it, so it is given).
+2. Extracts hidden states of N random-token prompts of L tokens with ray_jobs.extract.run_extract
+   (vLLM, or transformers with --extract-backend hf) into our shard files (Arrow IPC, the
+   extract stage's default format).
+3. Converts exactly those samples to speculators' layout (benchmarks/speculators_data.py),
+   checking every sample's token ids against the prompts sent to extraction.
+4. Trains S optimizer steps with ours, then S with theirs (Ray shut down and the GPU released
+   in between), one process each.
+5. Writes <out>/train[-TAG].json and .md: machine, versions, shapes, settings, both tokens/s, the
+   ratio ours / theirs, per-phase times, speculators' exact command line. If speculators' trainer
+   fails, its error text goes into the result and ours is still reported.
+
+How tokens/s is measured, the same way for both: every optimizer step ends with a log record
+(ours: actors.trainer's rank-0 "step i/S ..." line, in the Ray Train worker; theirs: the
+"speculators.metrics" record of every step, log_freq 1). A logging handler writes each record's
+time stamp (LogRecord.created) and the step's packed tokens to a JSON-lines file (ours: installed
+in Ray workers by a worker_process_setup_hook; theirs: by benchmarks.speculators_data's launch
+entry). Steady-state tokens/s = tokens of steps K+1..S / (time stamp of step S - time stamp of step
+K): first steps (CUDA/Triton warm-up, DataLoader worker start, Ray Train set-up) are excluded, and
+each step's time includes its data loading. Both trainers synchronise with the device before
+that record (ours copies the loss to the host; theirs synchronises for its step profile), so a
+time stamp is the end of a step's device work. Also reported: ours' whole-run figure from
+run_training and theirs' own profile (sum of tokens / sum of step_ms over the same steps).
+
+Settings kept equal: one draft layer (full attention), TTT 3 steps with loss decay 1.0, kl_div
+(fused Triton kernel on GPU in both), draft attention --draft-attn-impl in both (auto: flex
+attention on GPU, both trainers' default there; sdpa on CPU), speculators' torch.compile of the
+draft's forward on CUDA (its code, in both),
+draft vocabulary min(32000, target vocab) with the same d2t/t2d (computed once, as our trainer
+does), AdamW with the same lr and weight decay 0.01, clipping 1.0, bf16, no norm_before_fc / no
+norm_output (our defaults; speculators' eagle3 defaults turn both on), the same token budget per
+step: one packed sequence of --micro-batch-tokens (speculators' --total-seq-len), which holds k
+samples in both (speculators packs by unshifted length L, ours by shifted length L - 1; checked
+equal), so both steps see k * (L - 1) tokens; aux layers (2, n//2, n-3). Speculators holds out its
+validation split (one sample, never trained on); its epoch is exactly S steps. Our shuffle buffer
+is k samples, so that, as on a real data set much larger than the buffer, each steady-state step
+reads its samples from the shards (a buffer of the whole benchmark set would serve them from memory).
+What differs is what is compared: ours = DeepSpeed ZeRO-2 engine (bf16 weights, fp32 master copy in
+the optimizer, FusedAdam) reading memory-mapped Arrow IPC shards in the training process (a Ray
+Train worker of 1 CPU, so torch runs 1 host thread there); theirs = DDP over fp32 weights under
+torch.autocast(bf16), torch AdamW, one safetensors file per sample read by its DataLoader's
+worker processes (speculators' default 12).
+
+Time (one H200; estimated from the parts measured there, gpu/README.md and
+benchmarks/results/extract-h200-1b-run1.md, not yet from a run of this script): Ray start ~10 s,
+target build ~20 s, vLLM engine start ~50 s + extraction of 165k tokens (2.6 GB of shards) ~10 s,
+conversion ~10 s, ours ~2 min (Ray Train start, FusedAdam build ~38 s once per machine,
+torch.compile of the draft's forward in step 1, 20 steps, checkpoint, export), theirs ~1.5 min
+(start, 12 DataLoader workers, compile, 20 steps, checkpoint, validation): ~5.5 min. If that is
+too close, `--num-steps 12 --skip-steps 4` takes ~20 s off, `--extract-backend hf` ~50 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+logger = logging.getLogger("eagle3.train_bench")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+STEP_LOG_ENV = "EAGLE3_TRAIN_BENCH_STEP_LOG"
+OUR_STEP_FORMAT = "step %d/%d loss %.4f full_acc_0 %.3f lr %.2e tokens %d"
+"""actors.trainer's rank-0 per-step log line, whose arguments the step clock reads;
+tests/test_train_bench.py fails if actors/trainer.py stops logging it."""
+MAX_DRAFT_VOCAB = 32000  # eagle3.trainer.DEFAULT_MAX_DRAFT_VOCAB (the trainer module imports torch)
+SPECULATORS_NEEDS_ACCELERATOR = (
+    "speculators' trainer needs an accelerator as shipped (model.to(local_rank), "
+    "torch.accelerator.synchronize(), Triton fused losses); not run on this CPU-only machine")
+
+
+@dataclass(frozen=True)
+class Preset:
+    prompt_len: int
+    """Tokens per prompt (every prompt has exactly this many)."""
+    micro_batch_tokens: int
+    """Token budget of one optimizer step: ours' micro_batch_tokens, speculators' --total-seq-len."""
+    num_steps: int
+    """Optimizer steps each trainer runs."""
+    skip_steps: int
+    """Leading steps left out of the steady-state figure (>= 1: step K's end starts the clock)."""
+
+
+PRESETS = {
+    "tiny": Preset(prompt_len=256, micro_batch_tokens=2048, num_steps=8, skip_steps=3),
+    "1b": Preset(prompt_len=1024, micro_batch_tokens=8192, num_steps=20, skip_steps=5),
+}
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    shape: str
+    prompt_len: int
+    micro_batch_tokens: int
+    num_steps: int
+    skip_steps: int
+    samples_per_step: int
+    """Samples packed into one step (the same in both trainers)."""
+    num_train_prompts: int
+    """num_steps * samples_per_step: speculators' training split, exactly one epoch of num_steps."""
+    num_val_prompts: int
+    """Speculators' held-out validation split (it requires one); ours trains on every prompt."""
+    lr: float
+    warmup_steps: int
+    seed: int
+    draft_attn_impl: str
+    ttt_steps: int = 3
+    num_draft_layers: int = 1
+    loss: str = "kl_div"
+    weight_decay: float = 0.01
+
+    @property
+    def num_prompts(self) -> int:
+        return self.num_train_prompts + self.num_val_prompts
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.samples_per_step * (self.prompt_len - 1)
+
+    @property
+    def train_data_ratio(self) -> float:
+        """speculators' --train-data-ratio giving a training split of exactly num_train_prompts rows
+        (it takes int(len * ratio) rows; the ratio must be < 1)."""
+        return (self.num_train_prompts + 0.5) / self.num_prompts
+
+
+def resolve_settings(args: argparse.Namespace) -> BenchSettings:
+    preset = PRESETS[args.shape]
+    L = args.prompt_len or preset.prompt_len
+    B = args.micro_batch_tokens or preset.micro_batch_tokens
+    S = args.num_steps or preset.num_steps
+    K = preset.skip_steps if args.skip_steps is None else args.skip_steps
+    if L < 2:
+        raise ValueError(f"--prompt-len={L}: must be >= 2 (training pairs token t+1 with hidden state t)")
+    ours_k, theirs_k = B // (L - 1), B // L
+    if theirs_k < 1 or ours_k != theirs_k:
+        raise ValueError(
+            f"--micro-batch-tokens={B} with --prompt-len={L}: speculators packs {theirs_k} samples per step (by "
+            f"length {L}), ours {ours_k} (by shifted length {L - 1}); pick L so that both are equal and >= 1, "
+            f"e.g. a divisor of {B}")
+    if not 1 <= K < S:
+        raise ValueError(f"--skip-steps={K}: must be in [1, --num-steps={S}) (the end of step K starts the clock)")
+    return BenchSettings(shape=args.shape, prompt_len=L, micro_batch_tokens=B, num_steps=S, skip_steps=K,
+                         samples_per_step=ours_k, num_train_prompts=S * ours_k, num_val_prompts=1, lr=args.lr,
+                         warmup_steps=min(args.warmup_steps, S), seed=args.seed,
+                         draft_attn_impl=args.draft_attn_impl)
+
+
+# ---------------------------------------------------------------------------------------------
+# step clocks
+
+
+class _OurStepClock(logging.Handler):
+    """actors.trainer's per-step record -> one JSON line {t, step, tokens, loss}."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = Path(path)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg != OUR_STEP_FORMAT or not isinstance(record.args, tuple) or len(record.args) != 6:
+            return
+        step, _num_steps, loss, _acc, _lr, tokens = record.args
+        with self.path.open("a") as f:
+            f.write(json.dumps({"t": record.created, "step": int(step), "tokens": int(tokens),
+                                "loss": float(loss)}) + "\n")
+
+
+def install_step_clock() -> None:
+    """Ray worker_process_setup_hook (every worker process of the benchmark's cluster runs it):
+    when EAGLE3_TRAIN_BENCH_STEP_LOG is set, time-stamp actors.trainer's per-step records there."""
+    path = os.environ.get(STEP_LOG_ENV)
+    if not path:
+        return
+    log = logging.getLogger("actors.trainer")
+    log.setLevel(logging.INFO)
+    log.addHandler(_OurStepClock(path))
+
+
+def read_step_log(path: str | Path) -> list[dict]:
+    p = Path(path)
+    if not p.exists():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def steady_state(records: list[dict], skip_steps: int, num_steps: int) -> dict:
+    """Tokens/s over steps skip_steps+1..num_steps from per-step time stamps (see the module docstring)."""
+    by_step = {int(r["step"]): r for r in records}
+    want = list(range(1, num_steps + 1))
+    missing = [s for s in want if s not in by_step]
+    if missing:
+        raise ValueError(f"step log has steps {sorted(by_step)[:5]}..{sorted(by_step)[-5:] if by_step else []} "
+                         f"({len(by_step)} records); missing steps {missing[:10]} of 1..{num_steps}")
+    window = [by_step[s] for s in want[skip_steps:]]
+    seconds = window[-1]["t"] - by_step[skip_steps]["t"]
+    tokens = sum(int(r["tokens"]) for r in window)
+    if seconds <= 0:
+        raise ValueError(f"step time stamps do not increase: step {skip_steps} at {by_step[skip_steps]['t']}, "
+                         f"step {num_steps} at {window[-1]['t']}")
+    return {"tokens_per_s": tokens / seconds, "steps_measured": len(window), "first_step_measured": skip_steps + 1,
+            "tokens_measured": tokens, "seconds_measured": seconds,
+            "tokens_per_step": sorted({int(r["tokens"]) for r in window}),
+            "seconds_skipped_steps": [round(by_step[s]["t"] - by_step[s - 1]["t"], 4) for s in want[1:skip_steps]],
+            "loss_first": by_step[1].get("loss"), "loss_last": by_step[num_steps].get("loss")}
+
+
+# ---------------------------------------------------------------------------------------------
+# stages
+
+
+def build_target(shape: str, out_dir: str, seed: int) -> dict:
+    """A Llama of `shape` with seeded random bf16 weights, saved in HF format (runs in a Ray task:
+    on the GPU when the task has one)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from benchmarks.shapes import write_shape
+
+    t0 = time.perf_counter()
+    write_shape(shape, out_dir)
+    config = AutoConfig.from_pretrained(out_dir)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out_dir)
+    num_params = sum(p.numel() for p in model.parameters())
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return {"device": device, "num_params": num_params, "seconds": time.perf_counter() - t0}
+
+
+def _wait_gpu_released(what: str, timeout_s: float = 60.0, max_used_mib: int = 4096) -> int | None:
+    """Ray kills actors asynchronously: wait until no process holds the GPU's memory any more
+    before the next stage takes it. Returns the MiB in use (None without nvidia-smi)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+        used = max((int(x) for x in out.split() if x.strip().isdigit()), default=0)
+        if used <= max_used_mib:
+            return used
+        if time.monotonic() > deadline:
+            logger.warning("before %s: GPU memory still %d MiB in use after %.0f s; going on (may run out of "
+                           "memory)", what, used, timeout_s)
+            return used
+        time.sleep(1.0)
+
+
+def speculators_flags(s: BenchSettings, *, target_dir: str, data_path: str, save_path: str, log_dir: str,
+                      aux_layer_ids: list[int], draft_vocab_size: int, d2t_path: str | None,
+                      t2d_path: str | None) -> list[str]:
+    """`speculators train` flags matching our TrainConfig (see the module docstring)."""
+    flags = [
+        "--verifier-name-or-path", target_dir, "--data-path", data_path, "--save-path", save_path,
+        "--log-dir", log_dir, "--speculator-type", "eagle3",
+        "--num-layers", str(s.num_draft_layers), "--draft-arch", "llama",
+        "--full-attention-indices", *map(str, range(s.num_draft_layers)),
+        "--target-layer-ids", *map(str, aux_layer_ids),
+        "--mask-token-id", "0",  # EAGLE-3 does not use it; given, no tokenizer is read
+        "--no-norm-before-fc", "--no-norm-output", "--draft-attn-impl", s.draft_attn_impl,
+        "--total-seq-len", str(s.micro_batch_tokens), "--hidden-states-dtype", "bfloat16",
+        "--hidden-states-backend", "file", "--on-missing", "raise", "--train-data-ratio", repr(s.train_data_ratio),
+        "--loss-fn", s.loss, "--loss-implementation", "fused", "--ttt-steps", str(s.ttt_steps),
+        "--ttt-step-loss-decay", "1.0",
+        "--optimizer", "adamw", "--lr", repr(s.lr), "--weight-decay", repr(s.weight_decay),
+        "--scheduler-type", "cosine", "--scheduler-warmup-steps", str(s.warmup_steps),
+        "--epochs", "1", "--max-steps", str(s.num_steps), "--log-freq", "1", "--checkpoint-freq", "1",
+        "--no-resume-from-checkpoint", "--seed", str(s.seed),
+    ]
+    if d2t_path is not None:  # without a mapping speculators' draft head has the full target vocabulary
+        flags += ["--draft-vocab-size", str(draft_vocab_size), "--d2t-path", d2t_path, "--t2d-path", t2d_path]
+    return flags
+
+
+def check_speculators_flags(flags: list[str], s: BenchSettings) -> dict:
+    """Resolve the flags with speculators' own parser and config schema (what its CLI does before
+    training) and check that they mean what we intend, and that its packing sampler gives exactly
+    num_steps batches of samples_per_step samples. Raises ValueError otherwise. Runs on CPU."""
+    import numpy as np
+    from speculators.train.config import TrainConfig as SpecTrainConfig
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+
+    try:
+        cfg = SpecTrainConfig.resolve(list(flags))
+    except SystemExit as e:
+        raise ValueError(f"speculators' argument parser refused the flags (exit {e.code}): {flags}") from None
+    flat = cfg.flatten()
+    want = {"speculator_type": "eagle3", "num_layers": s.num_draft_layers, "ttt_steps": s.ttt_steps,
+            "ttt_step_loss_decay": 1.0, "lr": s.lr, "weight_decay": s.weight_decay, "optimizer": "adamw",
+            "total_seq_len": s.micro_batch_tokens, "max_steps": s.num_steps, "epochs": 1, "loss_fn": s.loss,
+            "norm_before_fc": False, "norm_output": False, "draft_attn_impl": s.draft_attn_impl,
+            "full_attention_indices": list(range(s.num_draft_layers)), "on_missing": "raise", "log_freq": 1,
+            "hidden_states_dtype": "bfloat16", "embed_requires_grad": False}
+    wrong = {k: (flat.get(k), v) for k, v in want.items() if flat.get(k) != v}
+    if wrong:
+        raise ValueError(f"speculators resolved these settings otherwise than intended (found, wanted): {wrong}")
+    split = int(s.num_prompts * cfg.data.train_data_ratio)
+    if split != s.num_train_prompts:
+        raise ValueError(f"--train-data-ratio {cfg.data.train_data_ratio} gives {split} training rows of "
+                         f"{s.num_prompts}, wanted {s.num_train_prompts}")
+    sampler = MultipackDistributedBatchSamplerV2(batch_max_length=s.micro_batch_tokens,
+                                                 lengths=np.full(split, s.prompt_len), num_replicas=1, rank=0,
+                                                 seed=s.seed)
+    sizes = sorted({len(b) for b in sampler})
+    if len(sampler) != s.num_steps or sizes != [s.samples_per_step]:
+        raise ValueError(f"speculators' sampler packs {len(sampler)} batches of {sizes} samples per epoch; "
+                         f"wanted {s.num_steps} of {s.samples_per_step}")
+    return {"resolved": {k: flat[k] for k in want}, "train_rows": split, "batches_per_epoch": len(sampler)}
+
+
+def speculators_command(step_log: str | Path, flags: list[str]) -> list[str]:
+    """`torchrun --standalone --nproc_per_node 1 -m benchmarks.speculators_data STEP_LOG -- FLAGS`
+    (torchrun as `python -m torch.distributed.run`: the GPU machine's packages carry no console scripts)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+            "-m", "benchmarks.speculators_data", str(step_log), "--", *flags]
+
+
+def run_speculators(flags: list[str], work: Path, timeout_s: float) -> dict:
+    """Launch speculators' trainer (torchrun, one process) through benchmarks.speculators_data;
+    returns its step records, or the error text."""
+    step_log = work / "speculators_steps.jsonl"
+    log_path = work / "speculators.log"
+    cmd = speculators_command(step_log, flags)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+               COLUMNS="200")
+    out = {"command": cmd, "log": str(log_path)}
+    print(f"speculators' trainer running (log: {log_path})", flush=True)
+    t0 = time.perf_counter()
+    try:
+        with log_path.open("w") as logf:
+            proc = subprocess.run(cmd, cwd=str(REPO_ROOT), env=env, stdout=logf, stderr=subprocess.STDOUT,
+                                  timeout=timeout_s)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        rc = f"timeout after {timeout_s:.0f} s"
+    out["wall_s"] = time.perf_counter() - t0
+    out["records"] = read_step_log(step_log)
+    if rc != 0:
+        out["error"] = failure_text(log_path.read_text(errors="replace") if log_path.exists() else "", rc, log_path)
+    return out
+
+
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*")
+
+
+def failure_text(log: str, rc, log_path) -> str:
+    """The error of a failed speculators run: its first exception line, then the first traceback
+    (the trainer's own; torchrun's ChildFailedError report follows it) and the log's last lines."""
+    lines = log.splitlines()
+    first = next((ln for ln in lines if _EXCEPTION_LINE.match(ln)), "no exception line found")
+    start = log.find("Traceback (most recent call last)")
+    head = log[start:start + 3000] if start >= 0 else ""
+    return (f"[speculators] exit {rc}: {first}\n--- first traceback ({log_path}) ---\n{head}\n"
+            f"--- last lines ---\n{log[-1500:]}")
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+
+def markdown(res: dict) -> str:
+    s, shape = res["settings"], res["shape"]
+    meta = res["meta"]
+
+    def row(name: str, r: dict) -> str:
+        if "steady" not in r:
+            why = r.get("skipped") or r.get("error", "no steady-state figure").splitlines()[0].replace("|", "/")
+            return f"| {name} | - | - | - | - | - | {why} |"
+        st = r["steady"]
+        whole = f"{r['whole_run_tokens_per_s']:,.0f}" if r.get("whole_run_tokens_per_s") else "-"
+        loss = " -> ".join("-" if v is None else f"{v:.3f}" for v in (st["loss_first"], st["loss_last"]))
+        return (f"| {name} | **{st['tokens_per_s']:,.0f}** | {st['first_step_measured']}..{s['num_steps']} "
+                f"({st['seconds_measured']:.2f} s) | {st['tokens_per_step']} | {whole} | {loss} | "
+                f"{r.get('note', '')} |")
+
+    ratio = res.get("ratio_ours_over_theirs")
+    lines = [
+        f"# Training throughput: ours vs speculators' trainer ({meta['date']})", "",
+        f"Machine: {meta['machine']}", "",
+        f"Versions: {json.dumps(meta['versions']['packages'])}; commit {meta['versions']['git_commit']}", "",
+        f"Target: {s['shape']} Llama (hidden {shape['hidden_size']}, {shape['num_layers']} layers, vocab "
+        f"{shape['vocab_size']}), seeded random bf16 weights; captured layers {shape['layer_ids']} (aux, then last). "
+        f"Draft: {s['num_draft_layers']} layer, vocab {shape['draft_vocab_size']}, TTT {s['ttt_steps']}, "
+        f"{s['loss']}, attention {s['draft_attn_impl']}, lr {s['lr']}.", "",
+        f"Data: {s['num_prompts']} random-token prompts x {s['prompt_len']} tokens (hidden states by "
+        f"{res['extract']['backend']}); {s['micro_batch_tokens']} tokens per step budget = {s['samples_per_step']} "
+        f"samples = {s['samples_per_step'] * (s['prompt_len'] - 1)} tokens per optimizer step; {s['num_steps']} steps "
+        f"each, steady state over steps {s['skip_steps'] + 1}..{s['num_steps']}.", "",
+        "| trainer | tokens/s (steady state) | steps (time) | tokens/step | whole run tokens/s "
+        "| loss first -> last | note |",
+        "|---|---|---|---|---|---|---|",
+        row("ours: DeepSpeed ZeRO-2, Ray Train, 1 worker", res["ours"]),
+        row("speculators train: torchrun, DDP, 1 process", res["speculators"]), "",
+        f"**Ratio ours / speculators: {ratio:.3f}x** (target >= 1.0x)" if ratio else
+        "Ratio ours / speculators: not measured (see speculators' row)", "",
+        "Tokens/s: tokens of the measured steps / time between the step records ending step "
+        f"{s['skip_steps']} and step {s['num_steps']} (LogRecord time stamps, both trainers).", "",
+        "Phases (s): " + ", ".join(f"{k} {v:.1f}" for k, v in res["phases_s"].items()), "",
+    ]
+    cmd = res["speculators"].get("command")
+    if cmd:
+        lines += ["speculators' command:", "", "    " + " ".join(cmd), ""]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.train_bench",
+                                 description="Training tokens/s: ours against speculators' trainer (see the module docstring)")
+    ap.add_argument("--shape", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument("--prompt-len", type=int, default=None, help="tokens per prompt (default: the shape's preset)")
+    ap.add_argument("--micro-batch-tokens", type=int, default=None, help="token budget per step (preset)")
+    ap.add_argument("--num-steps", type=int, default=None, help="optimizer steps per trainer (preset)")
+    ap.add_argument("--skip-steps", type=int, default=None, help="leading steps excluded from the steady state")
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--warmup-steps", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--draft-attn-impl", choices=("auto", "sdpa", "simple_flex_attention", "eager"), default="auto",
+                    help="draft attention in both trainers; auto: simple_flex_attention with a GPU (both trainers' "
+                         "default there), sdpa without")
+    ap.add_argument("--extract-backend", choices=("vllm", "hf"), default="vllm")
+    ap.add_argument("--samples-per-shard", type=int, default=64)
+    ap.add_argument("--skip-speculators", action="store_true",
+                    help="only validate speculators' command line (CPU: its trainer needs an accelerator)")
+    ap.add_argument("--speculators-timeout", type=float, default=300.0,
+                    help="seconds; speculators' run takes ~1 min on an H200 (1b preset)")
+    ap.add_argument("--work-dir", default=None, help="scratch (default: a new temp dir, removed at the end)")
+    ap.add_argument("--keep-work", action="store_true")
+    ap.add_argument("--cpu-kv-gib", type=int, default=2)
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+    s = resolve_settings(args)
+    import pyarrow.parquet as pq
+    import ray
+
+    from actors.trainer import run_training
+    from benchmarks.extract_bench import _prompts, _tokens_table, machine, versions
+    from benchmarks.shapes import SHAPES
+    from benchmarks.speculators_data import convert_shards, vocab_mapping
+    from eagle3.config import load_job_config
+    from eagle3.train_config import TrainConfig
+    from ray_jobs.extract import run_extract
+
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="eagle3-train-bench-")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    hidden, num_layers, _, _, _, vocab = SHAPES[s.shape]
+    draft_vocab = min(MAX_DRAFT_VOCAB, vocab)
+    phases: dict[str, float] = {}
+    res: dict = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
+                          "versions": versions(), "args": vars(args), "work_dir": str(work)},
+                 "settings": {**asdict(s), "num_prompts": s.num_prompts, "tokens_per_step": s.tokens_per_step,
+                              "train_data_ratio": s.train_data_ratio},
+                 "shape": {"name": s.shape, "hidden_size": hidden, "num_layers": num_layers, "vocab_size": vocab,
+                           "draft_vocab_size": draft_vocab}}
+
+    our_step_log = work / "ours_steps.jsonl"
+    our_step_log.unlink(missing_ok=True)
+    t = time.perf_counter()
+    ray.init(runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT),
+                                                                                   os.environ.get("PYTHONPATH")])),
+                                       STEP_LOG_ENV: str(our_step_log)},
+                          "worker_process_setup_hook": "benchmarks.train_bench.install_step_clock"},
+             include_dashboard=True, log_to_driver=True)
+    gpu = ray.cluster_resources().get("GPU", 0) >= 1
+    phases["ray_init"] = time.perf_counter() - t
+    if s.draft_attn_impl == "auto":
+        s = replace(s, draft_attn_impl="simple_flex_attention" if gpu else "sdpa")
+    res["settings"]["draft_attn_impl"] = s.draft_attn_impl
+
+    # 1. target
+    t = time.perf_counter()
+    target_dir = str(work / "target")
+    build = ray.remote(num_gpus=1 if gpu else 0, num_cpus=1)(build_target)
+    res["target"] = {"dir": target_dir, **ray.get(build.remote(s.shape, target_dir, s.seed))}
+    phases["build_target"] = time.perf_counter() - t
+
+    # 2. hidden states with our extraction
+    t = time.perf_counter()
+    prompts = _prompts(s.num_prompts, s.prompt_len, vocab, seed=s.seed)
+    table = _tokens_table(prompts)
+    tokens_path = work / "tokens.parquet"
+    pq.write_table(table, tokens_path)
+    cfg = load_job_config(None, {
+        "output_dir": str(work), "prepare.max_length": s.prompt_len + 8, "extract.backend": args.extract_backend,
+        "extract.samples_per_shard": args.samples_per_shard, "extract.num_replicas": 1,
+        "extract.max_num_batched_tokens": max(16384, s.prompt_len + 8), "extract.gpu_memory_utilization": 0.8,
+        "extract.cpu_kvcache_space_gib": args.cpu_kv_gib})
+    ext = run_extract(cfg, str(tokens_path), target_dir, str(work / "hidden_states"), progress=False)
+    if ext["num_rejected"] or ext["num_samples"] != s.num_prompts:
+        raise RuntimeError(f"extraction kept {ext['num_samples']} of {s.num_prompts} prompts "
+                           f"({ext['num_rejected']} rejected: see {work / 'hidden_states' / 'rejects.jsonl'})")
+    layer_ids = list(ext["layer_ids"])
+    res["shape"]["layer_ids"] = layer_ids
+    res["extract"] = {"backend": args.extract_backend, "num_samples": ext["num_samples"],
+                      "num_tokens": ext["num_tokens"], "bytes": ext["bytes"], "num_shards": len(ext["files"]),
+                      "seconds": ext["seconds"]}
+    phases["extract"] = time.perf_counter() - t
+
+    # 3. the same samples in speculators' layout
+    t = time.perf_counter()
+    spec_data = work / "speculators_data"
+    conv = convert_shards(ext["files"], spec_data,
+                          expected_input_ids=dict(zip(table.column("sample_id").to_pylist(), prompts, strict=True)))
+    d2t_path = t2d_path = None
+    if draft_vocab < vocab:
+        import numpy as np
+
+        d2t, t2d = vocab_mapping(ext["files"], draft_vocab, vocab)
+        d2t_path, t2d_path = str(work / f"d2t-{draft_vocab}.npy"), str(work / f"t2d-{draft_vocab}.npy")
+        np.save(d2t_path, d2t.cpu().numpy())
+        np.save(t2d_path, t2d.cpu().numpy())
+    res["speculators_data"] = {"dir": str(spec_data), "num_samples": conv["num_samples"],
+                               "num_tokens": conv["num_tokens"], "bytes": conv["hidden_states_bytes"],
+                               "token_ids_checked": True, "vocab_mapping": d2t_path is not None}
+    flags = speculators_flags(s, target_dir=target_dir, data_path=str(spec_data), save_path=str(work / "spec_ckpt"),
+                              log_dir=str(work / "spec_logs"), aux_layer_ids=layer_ids[:-1],
+                              draft_vocab_size=draft_vocab, d2t_path=d2t_path, t2d_path=t2d_path)
+    res["speculators_flags_check"] = check_speculators_flags(flags, s)
+    phases["convert"] = time.perf_counter() - t
+
+    # 4a. ours
+    if gpu:
+        _wait_gpu_released("our training")
+    t = time.perf_counter()
+    tcfg = TrainConfig(num_workers=1, num_steps=s.num_steps, lr=s.lr, seed=s.seed, warmup_steps=s.warmup_steps,
+                       micro_batch_tokens=s.micro_batch_tokens, weight_decay=s.weight_decay, grad_clip=1.0,
+                       ttt_steps=s.ttt_steps, ttt_step_loss_decay=1.0, num_draft_layers=s.num_draft_layers,
+                       draft_vocab_size=draft_vocab, loss=s.loss, draft_attn_impl=s.draft_attn_impl,
+                       shuffle_buffer_size=s.samples_per_step, checkpoint_every=s.num_steps,
+                       num_checkpoints_to_keep=1)
+    ours: dict = {"train_config": asdict(tcfg), "use_gpu": gpu}
+    try:
+        summary = run_training(tcfg, ext["files"], target_dir, str(work / "ours"), use_gpu=gpu)
+    except Exception as e:  # noqa: BLE001 - recorded and reported; speculators' run still gives its figure
+        ours["error"] = f"[ours] run_training failed: {type(e).__name__}: {e}"[:4000]
+        ours["failed"] = True
+        logger.exception("our trainer failed; going on with speculators' so that this run still measures it")
+    else:
+        ours.update({"whole_run_tokens_per_s": summary["tokens_per_s"], "train_seconds": summary["train_seconds"],
+                     "steps": summary["steps"]})
+        try:
+            ours["steady"] = steady_state(read_step_log(our_step_log), s.skip_steps, s.num_steps)
+            ours["note"] = f"steps 2..{s.skip_steps} took {ours['steady']['seconds_skipped_steps']} s"
+        except ValueError as e:
+            ours["error"] = (f"no steady-state figure from {our_step_log}: {e}. The clock reads actors.trainer's "
+                             f"'{OUR_STEP_FORMAT}' records through a Ray worker_process_setup_hook; only the "
+                             "whole-run figure (first steps included) is reported")
+            logger.warning(ours["error"])
+    phases["ours_wall"] = time.perf_counter() - t
+    res["ours"] = ours
+    ray.shutdown()
+
+    # 4b. theirs
+    theirs: dict = {"command": None}
+    if args.skip_speculators:
+        theirs["skipped"] = ("--skip-speculators: command line validated only" +
+                             ("" if gpu else f"; {SPECULATORS_NEEDS_ACCELERATOR}"))
+        theirs["command"] = speculators_command(work / "speculators_steps.jsonl", flags)
+    else:
+        if gpu:
+            _wait_gpu_released("speculators' training")
+        t = time.perf_counter()
+        run = run_speculators(flags, work, args.speculators_timeout)
+        phases["speculators_wall"] = time.perf_counter() - t
+        theirs.update({k: v for k, v in run.items() if k != "records"})
+        records = run["records"]
+        try:
+            theirs["steady"] = steady_state(records, s.skip_steps, s.num_steps)
+            # cross-check: speculators' own step profile over the same steps
+            window = [r for r in records if s.skip_steps < r["step"] <= s.num_steps]
+            theirs["profile_tokens_per_s"] = (sum(r["tokens"] for r in window) /
+                                              (sum(r["step_ms"] for r in window) / 1000.0))
+            theirs["note"] = (f"steps 2..{s.skip_steps} took {theirs['steady']['seconds_skipped_steps']} s; its own "
+                              f"profile (tokens / sum of step_ms): {theirs['profile_tokens_per_s']:,.0f} tok/s")
+        except ValueError as e:
+            theirs.setdefault("error", f"no steady-state figure: {e}")
+        if "error" in theirs:
+            logger.warning("speculators' trainer: %s", theirs["error"])
+    res["speculators"] = theirs
+    if "steady" in ours and "steady" in theirs:
+        res["ratio_ours_over_theirs"] = ours["steady"]["tokens_per_s"] / theirs["steady"]["tokens_per_s"]
+        if ours["steady"]["tokens_per_step"] != theirs["steady"]["tokens_per_step"]:
+            logger.warning("tokens per step differ: ours %s, speculators %s", ours["steady"]["tokens_per_step"],
+                           theirs["steady"]["tokens_per_step"])
+    res["phases_s"] = phases
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"train{('-' + args.tag) if args.tag else ''}"
+    (out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
+    md = markdown(res)
+    (out / f"{name}.md").write_text(md)
+    for src in (our_step_log, work / "speculators_steps.jsonl", work / "speculators.log"):
+        if src.exists():  # the work dir goes away; these explain a surprising figure or a failure
+            shutil.copy(src, out / f"{name}-{src.name}")
+    print(md, flush=True)
+    if not args.keep_work and not args.work_dir:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if ours.get("failed") else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
