@@ -135,8 +135,9 @@ class Eagle3Trainer:
         self.engine = engine
         self.device = engine.device if isinstance(engine.device, torch.device) else torch.device(engine.device)
         dtype = next(p.dtype for p in engine.module.parameters() if p.is_floating_point())
-        # speculators' fused losses are Triton kernels: GPU only.
-        self.loss_config = resolve_loss_config(self.cfg.loss, "fused" if self.device.type == "cuda" else "eager")
+        from compat.speculators_loss import loss_implementation
+
+        self.loss_config = resolve_loss_config(self.cfg.loss, loss_implementation())
         self.batches = PackedBatches(self.dataset, self.cfg.micro_batch_tokens, hidden_states_dtype=dtype)
 
     def _need_engine(self):

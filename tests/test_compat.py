@@ -379,3 +379,16 @@ def test_speculators_trainer_is_accelerator_only_and_unused():
     users = [str(p.relative_to(REPO)) for p in ours
              if "speculators.train.trainer" in p.read_text() or "from speculators.train import Trainer" in p.read_text()]
     assert users == []
+
+
+def test_speculators_fused_loss_kernels_share_their_autotune_configs():
+    """speculators 0.9: the fused loss's forward and backward Triton kernels share one `configs`
+    list, which torch 2.11's dynamo refuses to trace inside the compiled draft forward (seen on
+    the H200). compat/speculators_loss.py therefore always picks the eager loss. When this fails,
+    the kernels no longer share the list: try the fused loss on the GPU and drop the seam."""
+    import speculators.losses.fused as fused
+
+    from compat.speculators_loss import loss_implementation
+
+    assert fused.loss_forward_kernel.configs is fused.loss_backward_kernel.configs
+    assert loss_implementation() == "eager"
