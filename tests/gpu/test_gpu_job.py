@@ -37,7 +37,7 @@ def test_gpu_job_trains_and_vllm_accepts_draft_tokens(gpu_run):
     train = report["stages"]["train"]
     assert train["loss_last"] < train["loss_first"]
     evals = report["stages"]["eval"]
-    assert [e["num_speculative_tokens"] for e in evals] == [1, 3, 5]
+    assert [e["num_speculative_tokens"] for e in evals] == [1, 3]
     assert all(e["num_drafts"] > 0 for e in evals)
     # A trained draft of this target is accepted: more than one token per target forward.
     assert max(e["acceptance_length"] for e in evals) > 1.2
