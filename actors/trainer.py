@@ -62,12 +62,14 @@ def train_loop_per_worker(config: dict) -> None:
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
     last: dict = {}
+    progress = _Progress(cfg, config["metrics_path"]) if rank == 0 else None
 
     def on_step(metrics: dict) -> None:
         last.update(metrics)
         if rank == 0:
             logger.info("step %d/%d loss %.4f full_acc_0 %.3f lr %.2e tokens %d", metrics["step"], cfg.num_steps,
                         metrics["loss"], metrics["full_acc_0"], metrics["lr"], metrics["tokens"])
+            progress.update(metrics)
         # The last step's checkpoint goes with the final report, after the export.
         if trainer.checkpoint_due() and trainer.global_step < cfg.num_steps:
             report_with_checkpoint(metrics)
@@ -75,6 +77,8 @@ def train_loop_per_worker(config: dict) -> None:
     t0 = time.perf_counter()
     trainer.fit(on_step=on_step)
     train_seconds = time.perf_counter() - t0
+    if progress is not None:
+        progress.close()
     trainer.export(config["draft_dir"])
     report_with_checkpoint({
         **last, "done": True, "steps": trainer.global_step, "loss_first": trainer.loss_first,
@@ -82,6 +86,67 @@ def train_loop_per_worker(config: dict) -> None:
         "tokens_per_s": trainer.tokens_per_s, "train_seconds": train_seconds,
         "resumed_from_step": trainer.resumed_from_step, "draft_dir": config["draft_dir"],
     })
+
+
+class _Progress:
+    """Rank 0's view of training for people: a progress bar in the job log, Ray metrics for the
+    dashboard (loss, per-TTT-step accuracy, tokens/s) and metrics.jsonl for the curve plot."""
+
+    def __init__(self, cfg: TrainConfig, metrics_path: str):
+        from ray.util.metrics import Gauge
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=cfg.num_steps, desc="train", unit="step", mininterval=2.0)
+        self.loss = Gauge("eagle3_train_loss", "EAGLE-3 draft training loss (rank 0)")
+        self.acc = Gauge("eagle3_train_accuracy", "Draft accuracy per TTT step (rank 0)", tag_keys=("ttt_step",))
+        self.rate = Gauge("eagle3_train_tokens_per_s", "Training tokens/s (rank 0)")
+        self.file = open(metrics_path, "a")
+        self.t_last = time.perf_counter()
+
+    def update(self, m: dict) -> None:
+        now = time.perf_counter()
+        rate = m["tokens"] / max(now - self.t_last, 1e-9)
+        self.t_last = now
+        self.loss.set(m["loss"])
+        self.rate.set(rate)
+        for k, v in m.items():
+            if k.startswith("full_acc_"):
+                self.acc.set(v, tags={"ttt_step": k.rsplit("_", 1)[1]})
+        self.file.write(json.dumps({**{k: v for k, v in m.items() if isinstance(v, (int, float))},
+                                    "tokens_per_s": rate}) + "\n")
+        self.file.flush()
+        if m["step"] > self.bar.n:
+            self.bar.update(m["step"] - self.bar.n)
+        self.bar.set_postfix(loss=f"{m['loss']:.4f}", acc0=f"{m.get('full_acc_0', 0):.3f}", tok_s=f"{rate:,.0f}")
+
+    def close(self) -> None:
+        self.bar.close()
+        self.file.close()
+
+
+def plot_curves(metrics_path: Path, png_path: Path) -> Path | None:
+    """Loss and per-TTT-step accuracy against step, from metrics.jsonl (all runs, resumes included)."""
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()] \
+        if metrics_path.exists() else []
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    steps = [r["step"] for r in rows]
+    ax_loss.plot(steps, [r["loss"] for r in rows])
+    ax_loss.set(xlabel="step", ylabel="loss", title="EAGLE-3 draft training loss")
+    for key in sorted(k for k in rows[-1] if k.startswith("full_acc_")):
+        ax_acc.plot(steps, [r.get(key) for r in rows], label=f"TTT step {key.rsplit('_', 1)[1]}")
+    ax_acc.set(xlabel="step", ylabel="accuracy", title="draft accuracy (loss-masked tokens)")
+    ax_acc.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return png_path
 
 
 def run_training(cfg: TrainConfig, data_files: list[str], target_dir: str, out_dir: str,
@@ -105,13 +170,17 @@ def run_training(cfg: TrainConfig, data_files: list[str], target_dir: str, out_d
     out.mkdir(parents=True, exist_ok=True)
     if use_gpu is None:
         use_gpu = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
-    env_vars = {} if use_gpu else {"DS_ACCELERATOR": "cpu"}
+    env_vars = {}
+    if not use_gpu:
+        # Ray sets OMP_NUM_THREADS=1 for a 1-CPU worker: on a CPU cluster give each rank its share.
+        threads = max(1, int(ray.cluster_resources().get("CPU", 1)) // cfg.num_workers) if ray.is_initialized() else 1
+        env_vars = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(threads)}
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": cfg, "data_files": [str(Path(f).resolve()) for f in data_files],
                            "target_dir": str(Path(target_dir).resolve()),
                            "draft_dir": str(Path(draft_dir).resolve() if draft_dir else out / "draft"),
-                           "use_gpu": use_gpu},
+                           "use_gpu": use_gpu, "metrics_path": str(out / "metrics.jsonl")},
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=use_gpu),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         run_config=RunConfig(
@@ -130,6 +199,7 @@ def run_training(cfg: TrainConfig, data_files: list[str], target_dir: str, out_d
         "checkpoint": result.checkpoint.path if result.checkpoint is not None else None,
         "draft_dir": m["draft_dir"], "resumed_from_step": m["resumed_from_step"], "num_workers": cfg.num_workers,
     }
+    summary["curves_png"] = str(plot_curves(out / "metrics.jsonl", out / "curves.png"))
     (out / "train_summary.json").write_text(json.dumps(summary, indent=1))
     logger.info("training done: %s", summary)
     return summary

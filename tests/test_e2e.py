@@ -82,6 +82,9 @@ def test_training_lowered_loss_and_vllm_served_the_draft(demo_run):
     report = json.loads((out / "report.json").read_text())
     train = report["stages"]["train"]
     assert train["steps"] == 20 and np.isfinite(train["loss_last"]) and train["loss_last"] < train["loss_first"]
+    curve = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in curve] == list(range(1, 21)) and all("full_acc_2" in r for r in curve)
+    assert (out / "train" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     draft = out / "draft"
     cfg = json.loads((draft / "config.json").read_text())
     assert cfg["speculators_model_type"] == "eagle3" and cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
