@@ -129,6 +129,7 @@ def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str,
         extracting: dict = {}  # stats ref -> (replica, shard, table ref)
         writing: dict = {}  # write ref -> (replica, shard, extract stats)
         tokens_done = 0
+        num_committed = skipped
         t_loop = time.perf_counter()
 
         def feed():
@@ -176,8 +177,8 @@ def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str,
                         raise RuntimeError(f"writing shard {shard} to {manifest.data_path(shard)} failed: {exc}") from exc
                     lose(r, shard, exc, replica_died=False)
                 else:
-                    record = {**{k: v for k, v in stats.items()}, **wstats}
-                    manifest.commit(shard, record)
+                    manifest.commit(shard, {**stats, **wstats})
+                    num_committed += 1
                     r.load -= 1
                     r.num_tokens += stats["num_tokens"]
                     r.busy_s += stats["seconds"]
@@ -188,7 +189,7 @@ def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str,
                     metrics.rate.set(rate)
                     if bar is not None:
                         bar.update(stats["num_samples"] + stats["num_rejected"])
-                        bar.set_postfix(tok_s=f"{rate:,.0f}", shards=len(manifest.committed()))
+                        bar.set_postfix(tok_s=f"{rate:,.0f}", shards=num_committed)
             if todo and not any(r.alive for r in replicas):
                 replicas.extend(start_replicas(1, ecfg.placement_timeout_s))
             feed()
