@@ -31,6 +31,9 @@ class TargetConfig:
     tiny_size: int = 1
     """Size knob of the tiny demo model (1 = 8 layers, hidden 256), used when model is None."""
     tiny_seed: int = 0
+    tiny_pretrain_steps: int = 100
+    """Next-token steps on the conversations for the tiny target (~40 s on 2 cores), so its greedy
+    text resembles them and acceptance length means something; 0 = random weights."""
     trust_remote_code: bool = False
     """Off unless set: a target's own Python code runs in every engine process when on."""
     dtype: str = "bfloat16"

@@ -41,9 +41,13 @@ def resolve_target(cfg: JobConfig, out: Path) -> str:
 
     from eagle3.tiny import build_tiny_target
 
-    task = ray.remote(num_cpus=1)(build_tiny_target)
+    # Its short pretraining is the only work at this point: let torch use the node's cores
+    # (Ray would pin a 1-CPU task to one thread).
+    threads = str(max(1, int(ray.available_resources().get("CPU", 1))))
+    task = ray.remote(num_cpus=1, runtime_env={"env_vars": {"OMP_NUM_THREADS": threads}})(build_tiny_target)
     return str(ray.get(task.remote(str(out / "target"), str(Path(cfg.prepare.conversations).resolve()),
-                                   size=cfg.target.tiny_size, seed=cfg.target.tiny_seed)))
+                                   size=cfg.target.tiny_size, seed=cfg.target.tiny_seed,
+                                   pretrain_steps=cfg.target.tiny_pretrain_steps)))
 
 
 def _prepare(cfg: JobConfig, target_dir: str, out: Path) -> dict:
