@@ -99,9 +99,13 @@ def test_vllm_hidden_states_equal_transformers_forward(tiny_target, ray_local):
             assert err <= 0.03 * scale, f"layer {k}: max abs err {err:.4f} vs max |ref| {scale:.3f}"
             if j + 1 < len(layer_ids):
                 assert (ref[:, j + 1] - ref[:, j]).abs().max().item() > 5 * err
-        # Per token, too: every position matches (no shift by one between ids and states).
+        # Per token, too: every position matches (no shift by one between ids and states). Measured
+        # <= 6.5% of the token's own max |value| (bf16 rounding on small-norm tokens of the trained
+        # tiny target); a one-position shift gives errors of the order of the values themselves.
         per_token = (hs - ref).abs().amax(dim=(1, 2)) / ref.abs().amax(dim=(1, 2))
-        assert torch.all(per_token < 0.05)
+        shifted = (hs[1:] - ref[:-1]).abs().amax(dim=(1, 2)) / ref[:-1].abs().amax(dim=(1, 2))
+        print(f"per-token rel err max {per_token.max().item():.4f}; shifted by one: min {shifted.min().item():.3f}")
+        assert torch.all(per_token < 0.15) and torch.all(shifted > 0.3)
 
 
 def test_fp8_storage_halves_bytes_within_tolerance(tiny_target):
