@@ -88,11 +88,6 @@ class VLLMBackend:
             out.append((hs, item["hs_scale"]) if "hs_scale" in item else hs)
         return out
 
-    def prefill_only(self, batch: list[list[int]]):
-        from compat.vllm_engine import run_prefill
-
-        return run_prefill(self.llm, batch, capture=False)
-
     def close(self):
         import shutil
 
