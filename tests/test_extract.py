@@ -3,6 +3,7 @@ resume; several nodes with one removed mid-run. Real vLLM (CPU), real Ray."""
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -29,15 +30,24 @@ def tokens_table(lengths, vocab=700, seed=0) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=TOKENS_SCHEMA)
 
 
-def reference_hidden_states(model_dir: str, ids: list[int], layer_ids: list[int]):
-    """fp32 transformers forward: id k < n is hidden_states[k]; id n is the last layer's output
-    before the final norm (a hook: transformers applies the norm to hidden_states[-1])."""
+@functools.lru_cache(maxsize=2)
+def _reference_model(model_dir: str):
+    """fp32 transformers model with a hook on its last decoder layer, loaded once per directory."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    last = {}
+    last: dict = {}
     model.model.layers[-1].register_forward_hook(lambda m, i, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
+    return model, last
+
+
+def reference_hidden_states(model_dir: str, ids: list[int], layer_ids: list[int]):
+    """fp32 transformers forward: id k < n is hidden_states[k]; id n is the last layer's output
+    before the final norm (a hook: transformers applies the norm to hidden_states[-1])."""
+    import torch
+
+    model, last = _reference_model(model_dir)
     with torch.no_grad():
         out = model(torch.tensor([ids]), output_hidden_states=True)
     n = model.config.num_hidden_layers
