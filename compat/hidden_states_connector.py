@@ -35,8 +35,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 CONNECTOR_NAME = "RayHiddenStatesConnector"
 MODULE_PATH = __name__
 
-FP8_MAX = 448.0
-
 # hidden_states_path -> ({"hidden_states": [T, L, H] on host, "token_ids": [T], "hs_scale": [T, L] or
 # absent}, copy-done event)
 SINK: dict[str, tuple[dict, object]] = {}
@@ -116,10 +114,9 @@ class RayHiddenStatesConnector(ExampleHiddenStatesConnector):
         """[T, L, H] in the engine dtype -> what goes to host: bf16 as is, or e4m3 bytes + scales."""
         if self._hs_dtype == "bfloat16":
             return {"hidden_states": hs.to(torch.bfloat16)}
-        x = hs.float()
-        scale = x.abs().amax(dim=-1) / FP8_MAX
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = (x / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).view(torch.uint8)
+        from eagle3.schema import quantize_fp8
+
+        q, scale = quantize_fp8(hs)
         return {"hidden_states": q, "hs_scale": scale}
 
 

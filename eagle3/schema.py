@@ -113,12 +113,21 @@ def encode_hidden_states(hs_TLD, hs_dtype: str) -> tuple[np.ndarray, np.ndarray 
     if hs_dtype == "float8_e4m3fn":
         import torch
 
-        x = torch.from_numpy(np.ascontiguousarray(hs_TLD, dtype=np.float32))
-        scale = x.abs().amax(dim=-1) / FP8_E4M3_MAX
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = (x / scale[..., None]).to(torch.float8_e4m3fn)
-        return q.view(torch.uint8).numpy().reshape(-1), scale.numpy().reshape(-1)
+        q, scale = quantize_fp8(torch.from_numpy(np.ascontiguousarray(hs_TLD, dtype=np.float32)))
+        return q.numpy().reshape(-1), scale.numpy().reshape(-1)
     raise ValueError(f"hs_dtype={hs_dtype!r} is not one of {HS_DTYPES}")
+
+
+def quantize_fp8(hs_TLD):
+    """A [T, L, D] torch tensor (any float dtype, any device) -> (e4m3 bytes as uint8 [T, L, D],
+    float32 scales [T, L]): one scale per token and layer, amax / 448. The one definition of the
+    fp8 encoding, used on the host here and on the device by the hidden-states connector."""
+    import torch
+
+    x = hs_TLD.float()
+    scale = x.abs().amax(dim=-1) / FP8_E4M3_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (x / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).view(torch.uint8), scale
 
 
 def decode_hidden_states(values, scale: np.ndarray | None, num_tokens: int,
