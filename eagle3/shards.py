@@ -1,8 +1,10 @@
 """Reading and writing hidden-states shard files, in either of the two formats.
 
-- "arrow" (default): Arrow IPC files (Feather v2). Written buffer by buffer (near the disk's
-  sequential bandwidth) and read through a memory map: a record batch's hidden states are
-  views of the page cache, no decode and no copy. Optional lz4/zstd buffer compression.
+- "arrow" (default): Arrow IPC files (Feather v2). Written buffer by buffer with direct I/O
+  (DirectFile: the page cache's writeback, not the disk, bounds buffered writes: on this
+  project's CI disk dd wrote 0.35 GB/s buffered + fsync against 1.6 GB/s with O_DIRECT) and
+  read through a memory map: a record batch's hidden states are views of the page cache, no
+  decode and no copy. Optional lz4/zstd buffer compression.
 - "parquet": Parquet files; smaller with compression, but every value is copied into
   Parquet pages on write (measured ~3x slower than IPC on the same disk) and decoded on read.
 A reader picks the format from the file suffix. "Batches" below are IPC record batches or
@@ -11,9 +13,13 @@ Parquet row groups: the unit a reader holds in memory (~128 MB when we write the
 
 from __future__ import annotations
 
+import mmap
 import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 
 SUFFIX = {"arrow": ".arrow", "parquet": ".parquet"}
@@ -28,16 +34,114 @@ def format_of(path: str | Path) -> str:
     raise ValueError(f"{path}: not a shard file (expected a {' or '.join(SUFFIX.values())} suffix)")
 
 
-def write_shard_file(table: pa.Table, path: str | Path, compression: str | None = None) -> int:
-    """Write atomically (temp file, fsync, rename); return the file size."""
+class DirectFile:
+    """A write-only file for `pa.PythonFile` that writes with O_DIRECT: the bytes pyarrow hands
+    over (its large buffers arrive zero-copy) are copied into page-aligned staging buffers, and
+    full ones go to the disk from a background thread while the next fills, up to `depth`
+    writes in flight. `close` writes the padded tail, truncates to the true size and fsyncs.
+    `DirectFile.open` returns None where the file system refuses O_DIRECT (tmpfs on older
+    kernels, some network file systems): the caller then writes buffered."""
+
+    ALIGN = 4096  # logical block size that O_DIRECT offsets, lengths and addresses must respect
+
+    def __init__(self, fd: int, chunk_bytes: int = 32 << 20, depth: int = 2):
+        self._fd = fd
+        self._chunk = chunk_bytes
+        self._free = deque(mmap.mmap(-1, chunk_bytes) for _ in range(depth + 1))  # mmap: page-aligned
+        self._buf = self._free.popleft()
+        self._view = np.frombuffer(self._buf, dtype=np.uint8)
+        self._fill = 0
+        self._inflight: deque = deque()  # (future, buffer)
+        self._pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="direct-write")
+        self._file_off = 0
+        self._size = 0
+        self.closed = False
+
+    @classmethod
+    def open(cls, path: str | Path, **kwargs) -> DirectFile | None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0)
+        if flags & getattr(os, "O_DIRECT", 0) == 0:
+            return None
+        try:
+            fd = os.open(path, flags, 0o644)
+        except OSError:  # EINVAL: this file system does not do direct I/O
+            return None
+        return cls(fd, **kwargs)
+
+    def write(self, data) -> int:
+        src = np.frombuffer(data, dtype=np.uint8)
+        i, n = 0, src.size
+        while i < n:
+            k = min(n - i, self._chunk - self._fill)
+            self._view[self._fill:self._fill + k] = src[i:i + k]
+            self._fill += k
+            i += k
+            if self._fill == self._chunk:
+                self._submit(self._chunk)
+        self._size += n
+        return n
+
+    def _submit(self, nbytes: int) -> None:
+        if not self._free:
+            future, buf = self._inflight.popleft()
+            future.result()
+            self._free.append(buf)
+        self._inflight.append((self._pool.submit(_pwrite_all, self._fd, memoryview(self._buf)[:nbytes], self._file_off),
+                               self._buf))
+        self._file_off += nbytes
+        self._buf = self._free.popleft()
+        self._view = np.frombuffer(self._buf, dtype=np.uint8)
+        self._fill = 0
+
+    def tell(self) -> int:
+        return self._size
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self._fill:
+                padded = -(-self._fill // self.ALIGN) * self.ALIGN
+                self._view[self._fill:padded] = 0
+                self._submit(padded)
+            for future, _ in self._inflight:
+                future.result()
+            os.ftruncate(self._fd, self._size)
+            os.fsync(self._fd)
+        finally:
+            self._pool.shutdown(wait=True)
+            os.close(self._fd)
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def write_shard_file(table: pa.Table, path: str | Path, compression: str | None = None,
+                     direct_io: bool = True) -> int:
+    """Write atomically (temp file, fsync, rename); return the file size. Arrow IPC files are
+    written with direct I/O where the file system allows it (`direct_io`)."""
     final = Path(path)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     per_row = max(1, table.nbytes // max(len(table), 1))
     rows_per_batch = max(1, BATCH_BYTES // per_row)
     if format_of(final) == "arrow":
         options = pa.ipc.IpcWriteOptions(compression=compression)
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema, options=options) as writer:
-            writer.write_table(table, max_chunksize=rows_per_batch)
+        direct = DirectFile.open(tmp) if direct_io else None
+        sink = pa.PythonFile(direct, mode="w") if direct is not None else pa.OSFile(str(tmp), "wb")
+        try:
+            with pa.ipc.new_file(sink, table.schema, options=options) as writer:
+                writer.write_table(table, max_chunksize=rows_per_batch)
+        finally:
+            sink.close()
+            if direct is not None:
+                direct.close()  # idempotent; PythonFile.close already closed it on success
     else:
         import pyarrow.parquet as pq
 
