@@ -4,8 +4,9 @@ Placed by ray_jobs/extract.py on its own placement group (tensor_parallel_size *
 pipeline_parallel_size GPUs of one node, or one CPU bundle on a CPU cluster). Its
 outputs leave as Ray object refs: `extract_shard` has two returns, the encoded Arrow
 table (which the driver hands to a writer task without fetching it) and small stats.
-Run it with max_concurrency=2 (MAX_CONCURRENCY): while one call's table is serialised into
-the object store, the next call already has the engine (Extractor holds an engine lock).
+Run it with max_concurrency=max_concurrency(extract_cfg): one thread per shard in flight, so
+that while earlier calls' tables are serialised into the object store, the next call already
+has the engine (Extractor holds an engine lock: one call at a time uses it).
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ import os
 import socket
 import time
 
-MAX_CONCURRENCY = 2
+
+
+def max_concurrency(extract_cfg) -> int:
+    return max(2, extract_cfg.max_inflight_shards)
 
 
 class ExtractorActor:

@@ -4,13 +4,20 @@
 
 Per shape (dummy-weight Llama, random token prompts, seeded):
   (1) plain vLLM prefill, max_tokens=1                      -> the reference
-  (2) our extraction into the Ray object store (tables returned as refs, nothing written)
+  (2) our extraction into the Ray object store: the product's ExtractorActor, at most
+      extract.max_inflight_shards shards in flight, each table dropped once sealed in the
+      store (as the product's writer tasks free them), nothing written
+      (2e) breakdown, same engine: the engine + connector + copy to host alone, no Arrow
+      table and no object store
   (3) our extraction into Arrow/Parquet on local disk: the product's run_extract loop
       (replica + writer tasks + fsync + manifest commit), engine start excluded
   (3b) the same with fp8 (e4m3 + per-token scale) storage
   (4) transformers output_hidden_states + copy to host (batched, equal lengths)
   (5) the disk's raw sequential write bandwidth (dd, direct I/O)
-and the ratios to (1). Each engine runs in its own Ray actor (its own process), one after
+and the ratios to (1). With --diagnose, two more engines that locate a bound:
+  (1i) plain prefill with the engine in the calling process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
+       as our memory sink runs it) and (2s) extraction into the object store through the
+       "shm" sink (multiprocess engine, files in /dev/shm). Each engine runs in its own Ray actor (its own process), one after
 the other, so GPU memory is returned between them. Writes JSON and a markdown table.
 """
 
@@ -37,8 +44,10 @@ def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
 class PlainPrefill:
     """(1): the same engine settings as extraction, without the hidden-states method."""
 
-    def __init__(self, model_dir: str, max_len: int, batched_tokens: int, cpu_kv_gib: int):
+    def __init__(self, model_dir: str, max_len: int, batched_tokens: int, cpu_kv_gib: int, in_process: bool = False):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_gib))
+        if in_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
         self.llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
@@ -58,17 +67,41 @@ class ObjectStoreExtract:
     """(2): the product's ExtractorActor work (engine + encode into an Arrow table) with the
     table returned to the object store by the actor call; nothing written."""
 
-    def __init__(self, model_dir: str, max_len: int, batched_tokens: int, cpu_kv_gib: int):
+    def __init__(self, model_dir: str, cfg, max_len: int):
         from actors.extractor import ExtractorActor
-        from eagle3.config import ExtractConfig
 
-        cfg = ExtractConfig(load_format="dummy", max_num_batched_tokens=batched_tokens, gpu_memory_utilization=0.8,
-                            cpu_kvcache_space_gib=cpu_kv_gib)
         self.inner = ExtractorActor(model_dir, cfg, max_length=max_len, dtype="bfloat16", trust_remote_code=False,
                                     replica=0)
 
     def extract_shard(self, shard, tokens):
         return self.inner.extract_shard(shard, tokens)
+
+    def engine_only(self, prompts: list[list[int]], shard: int) -> float:
+        """(2e): the engine, the connector and the copy to host, shard by shard, results dropped."""
+        backend = self.inner.extractor.backend
+        t0 = time.perf_counter()
+        for i in range(0, len(prompts), shard):
+            backend.hidden_states(prompts[i:i + shard])
+        return time.perf_counter() - t0
+
+
+def _object_store_run(actor, table, shard: int, window: int) -> float:
+    """The product's flow into the object store: at most `window` shards in flight; each table
+    is dropped once sealed (in the product a writer task frees it), so the store reuses memory."""
+    import ray
+
+    ray.get(actor.extract_shard.options(num_returns=2).remote(-1, table.slice(0, 8))[1])  # warm-up
+    todo = list(range(-(-len(table) // shard)))
+    inflight: dict = {}
+    t0 = time.perf_counter()
+    while todo or inflight:
+        while todo and len(inflight) < window:
+            i = todo.pop(0)
+            table_ref, stats_ref = actor.extract_shard.options(num_returns=2).remote(i, table.slice(i * shard, shard))
+            inflight[table_ref] = stats_ref
+        done, _ = ray.wait(list(inflight), num_returns=1, fetch_local=False)  # sealed in the store
+        ray.get(inflight.pop(done[0]))
+    return time.perf_counter() - t0
 
 
 def _tokens_table(prompts):
@@ -99,28 +132,32 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
     def in_actor(cls, *a, concurrency=1):
         return ray.remote(num_gpus=gpu, num_cpus=1, max_concurrency=concurrency)(cls).remote(*a)
 
-    # (1) plain prefill
-    actor = in_actor(PlainPrefill, model_dir, max_len, batched, args.cpu_kv_gib)
-    secs = ray.get(actor.run.remote(prompts))
-    ray.kill(actor)
-    res["plain_prefill_tok_s"] = tokens / secs
+    # (1) plain prefill; (1i) the same with the engine in the calling process
+    for key, in_process in (("plain_prefill", False), ("plain_inproc", True)):
+        if in_process and not args.diagnose:
+            continue
+        actor = in_actor(PlainPrefill, model_dir, max_len, batched, args.cpu_kv_gib, in_process)
+        secs = ray.get(actor.run.remote(prompts))
+        ray.kill(actor)
+        res[f"{key}_tok_s"] = tokens / secs
 
-    # (2) extraction into the object store
-    from actors.extractor import MAX_CONCURRENCY
+    # (2) extraction into the object store, (2e) its engine part; (2s) through the shm sink
+    from actors.extractor import max_concurrency
+    from eagle3.config import ExtractConfig
 
-    actor = in_actor(ObjectStoreExtract, model_dir, max_len, batched, args.cpu_kv_gib, concurrency=MAX_CONCURRENCY)
     table = _tokens_table(prompts)
-    ray.get(actor.extract_shard.options(num_returns=2).remote(-1, table.slice(0, 8))[1])  # warm-up
     shard = args.samples_per_shard
-    t0 = time.perf_counter()
-    refs = [actor.extract_shard.options(num_returns=2).remote(i, table.slice(i * shard, shard))
-            for i in range(-(-len(prompts) // shard))]
-    stats = ray.get([r[1] for r in refs])
-    ray.wait([r[0] for r in refs], num_returns=len(refs), fetch_local=False)  # tables sealed in the store
-    secs = time.perf_counter() - t0
-    res["object_store_tok_s"] = tokens / secs
-    del refs
-    ray.kill(actor)
+    for key, sink in (("object_store", "auto"), ("object_store_shm", "shm")):
+        if sink == "shm" and not args.diagnose:
+            continue
+        ecfg = ExtractConfig(load_format="dummy", max_num_batched_tokens=batched, gpu_memory_utilization=0.8,
+                             cpu_kvcache_space_gib=args.cpu_kv_gib, samples_per_shard=shard, sink=sink)
+        actor = in_actor(ObjectStoreExtract, model_dir, ecfg, max_len, concurrency=max_concurrency(ecfg))
+        res[f"{key}_tok_s"] = tokens / _object_store_run(actor, table, shard, ecfg.max_inflight_shards)
+        if sink == "auto":
+            res["object_store_inflight"] = ecfg.max_inflight_shards
+            res["engine_only_tok_s"] = tokens / ray.get(actor.engine_only.remote(prompts, shard))
+        ray.kill(actor)
 
     # (3) Arrow on local disk through the product's loop; (3b) fp8
     tpath = work / f"tokens-{shape}.parquet"
@@ -137,6 +174,10 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
                                      "extract.gpu_memory_utilization": 0.8,
                                      "extract.cpu_kvcache_space_gib": args.cpu_kv_gib})
         summary = run_extract(cfg, str(tpath), model_dir, str(out), progress=False)
+        from eagle3.manifest import Manifest
+
+        records = Manifest(out, cfg.extract.file_format).committed().values()
+        res[f"{key}_writer_task_gb_s"] = sorted(r["bytes"] / r["write_s"] / 1e9 for r in records)
         res[f"{key}_tok_s"] = tokens / summary["loop_s"]
         res[f"{key}_bytes"] = summary["bytes"]
         res[f"{key}_bytes_per_token"] = summary["bytes_per_token"]
@@ -166,7 +207,7 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
         res["hf_batch"] = args.hf_batch
 
     base = res["plain_prefill_tok_s"]
-    for k in ("object_store", "arrow_disk", "arrow_disk_fp8", "hf"):
+    for k in ("plain_inproc", "object_store", "engine_only", "object_store_shm", "arrow_disk", "arrow_disk_fp8", "hf"):
         if f"{k}_tok_s" in res:
             res[f"{k}_ratio"] = res[f"{k}_tok_s"] / base
     return res
@@ -219,6 +260,18 @@ def markdown(results: list[dict], meta: dict) -> str:
                      f"{r['plain_prefill_tok_s']:,.0f} | {cell('object_store')} | {cell('arrow_disk')} | {cell('arrow_disk_fp8')} | "
                      f"{cell('hf')} | {wr:.2f}" + (f" ({wr / dd:.2f}x)" if dd else "") + " | "
                      f"{r.get('arrow_disk_bytes_per_token', 0):,.0f} / {r.get('arrow_disk_fp8_bytes_per_token', 0):,.0f} |")
+    lines += ["", "Breakdown (same prompts; ratios to (1)):", "",
+              "| shape | (2e) engine + connector + copy to host, no table | (1i) plain prefill, engine in process | "
+              "(2s) object store via shm sink | writer task GB/s, median (bf16 / fp8) |", "|---|---|---|---|---|"]
+    for r in results:
+        def cell(k):
+            return f"{r[k + '_tok_s']:,.0f} ({r[k + '_ratio']:.3f}x)" if k + "_tok_s" in r else "-"
+
+        def median(k):
+            v = r.get(k + "_writer_task_gb_s")
+            return f"{v[len(v) // 2]:.2f}" if v else "-"
+        lines.append(f"| {r['shape']} | {cell('engine_only')} | {cell('plain_inproc')} | {cell('object_store_shm')} | "
+                     f"{median('arrow_disk')} / {median('arrow_disk_fp8')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -232,6 +285,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-prompts", type=int, default=64)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-fp8", action="store_true")
+    ap.add_argument("--diagnose", action="store_true", help="also (1i) and (2s): two more engine starts")
     ap.add_argument("--disk-dir", default=tempfile.gettempdir(), help="where (3) writes: the machine's local disk")
     ap.add_argument("--dd-gib", type=int, default=4)
     ap.add_argument("--cpu-kv-gib", type=int, default=2)

@@ -69,7 +69,7 @@ def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str,
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-    from actors.extractor import MAX_CONCURRENCY, ExtractorActor
+    from actors.extractor import ExtractorActor, max_concurrency
     from actors.writer import write_shard
     from eagle3.extract import target_text_config
     from eagle3.schema import check_schema
@@ -110,7 +110,7 @@ def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str,
         for pg in ready:
             index = len(replicas) + len(new)
             actor = actor_cls.options(
-                num_cpus=1, num_gpus=bundle.get("GPU", 0), max_restarts=0, max_concurrency=MAX_CONCURRENCY,
+                num_cpus=1, num_gpus=bundle.get("GPU", 0), max_restarts=0, max_concurrency=max_concurrency(ecfg),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
             ).remote(target_dir, ecfg, max_length=cfg.prepare.max_length, dtype=cfg.target.dtype,
                      trust_remote_code=cfg.target.trust_remote_code, replica=index)

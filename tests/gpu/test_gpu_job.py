@@ -25,7 +25,7 @@ def gpu_run(tmp_path_factory):
     with open(dest / "gpu_job.log", "w") as log:
         proc = subprocess.run([sys.executable, "-m", "ray_jobs.run", "--config", "configs/gpu_demo.yaml",
                                "--set", f"output_dir={out}"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                              timeout=900)
+                              timeout=int(os.environ.get("GPU_JOB_TIMEOUT_S", "900")))
     for name in ("report.json", "eval.json"):
         if (out / name).exists():
             shutil.copy(out / name, dest / f"gpu_job_{name}")
