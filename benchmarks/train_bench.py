@@ -2,7 +2,7 @@
 one worker) against speculators' own trainer (`speculators train` under torchrun, one process),
 on the same samples and the same machine. Target: ours / theirs >= 1.0x on the GPU.
 
-On one H200 (kind nvidia-h200; about 5.5 minutes in all, under 6: see "Time" below): the three
+On one H200 (kind nvidia-h200; 8-9 minutes in all: see "Time" below): the three
 part-carrying commands of ../shared/gpu/README.md, then as the fourth (carry [".gpu3"]):
 
     . .gpu3/unpack.sh .gpu3 && python -m benchmarks.train_bench --shape 1b --tag h200-1b --out $OUT
@@ -48,7 +48,9 @@ time stamp is the end of a step's device work. Also reported: ours' whole-run fi
 run_training and theirs' own profile (sum of tokens / sum of step_ms over the same steps).
 
 Settings kept equal: one draft layer (full attention), TTT 3 steps with loss decay 1.0, kl_div
-(fused Triton kernel on GPU in both), draft attention --draft-attn-impl in both (auto: flex
+with speculators' "eager" loss in both (compat/speculators_loss.py: its fused Triton loss fails to
+trace under torch 2.11's compile; the first GPU run of this script, with "fused" for speculators,
+died of exactly that, benchmarks/results/train-h200-1b-speculators.log), draft attention --draft-attn-impl in both (auto: flex
 attention on GPU, both trainers' default there; sdpa on CPU), speculators' torch.compile of the
 draft's forward on CUDA (its code, in both),
 draft vocabulary min(32000, target vocab) with the same d2t/t2d (computed once, as our trainer
@@ -66,13 +68,14 @@ Train worker of 1 CPU, so torch runs 1 host thread there); theirs = DDP over fp3
 torch.autocast(bf16), torch AdamW, one safetensors file per sample read by its DataLoader's
 worker processes (speculators' default 12).
 
-Time (one H200; estimated from the parts measured there, gpu/README.md and
-benchmarks/results/extract-h200-1b-run1.md, not yet from a run of this script): Ray start ~10 s,
-target build ~20 s, vLLM engine start ~50 s + extraction of 165k tokens (2.6 GB of shards) ~10 s,
-conversion ~10 s, ours ~2 min (Ray Train start, FusedAdam build ~38 s once per machine,
-torch.compile of the draft's forward in step 1, 20 steps, checkpoint, export), theirs ~1.5 min
-(start, 12 DataLoader workers, compile, 20 steps, checkpoint, validation): ~5.5 min. If that is
-too close, `--num-steps 12 --skip-steps 4` takes ~20 s off, `--extract-backend hf` ~50 s.
+Time (one H200, measured 2026-11-30, benchmarks/results/train-h200-1b.json; that run's speculators
+trainer died of the fused-loss trace failure at its first step, so its part is not a full run):
+451 s in all: Ray start 9 s, target build 19 s, vLLM extraction 38 s (engine start included),
+conversion 25 s, ours 211 s (Ray Train start, FusedAdam build ~38 s once per machine,
+torch.compile of the draft's forward in step 1, 20 steps, checkpoint, export), speculators 140 s up
+to the failure. A full run of theirs adds its 20 steps, checkpoints and validation: expect 8-9
+minutes, so give the command `timeout 590` and, if needed, `--num-steps 12 --skip-steps 4` (~20 s
+less) or `--extract-backend hf` (~30 s less).
 """
 
 from __future__ import annotations
@@ -89,6 +92,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+
+from compat.speculators_loss import loss_implementation
 
 logger = logging.getLogger("eagle3.train_bench")
 
@@ -300,7 +305,7 @@ def speculators_flags(s: BenchSettings, *, target_dir: str, data_path: str, save
         "--no-norm-before-fc", "--no-norm-output", "--draft-attn-impl", s.draft_attn_impl,
         "--total-seq-len", str(s.micro_batch_tokens), "--hidden-states-dtype", "bfloat16",
         "--hidden-states-backend", "file", "--on-missing", "raise", "--train-data-ratio", repr(s.train_data_ratio),
-        "--loss-fn", s.loss, "--loss-implementation", "fused", "--ttt-steps", str(s.ttt_steps),
+        "--loss-fn", s.loss, "--loss-implementation", loss_implementation(), "--ttt-steps", str(s.ttt_steps),
         "--ttt-step-loss-decay", "1.0",
         "--optimizer", "adamw", "--lr", repr(s.lr), "--weight-decay", repr(s.weight_decay),
         "--scheduler-type", "cosine", "--scheduler-warmup-steps", str(s.warmup_steps),
@@ -330,7 +335,8 @@ def check_speculators_flags(flags: list[str], s: BenchSettings) -> dict:
             "total_seq_len": s.micro_batch_tokens, "max_steps": s.num_steps, "epochs": 1, "loss_fn": s.loss,
             "norm_before_fc": False, "norm_output": False, "draft_attn_impl": s.draft_attn_impl,
             "full_attention_indices": list(range(s.num_draft_layers)), "on_missing": "raise", "log_freq": 1,
-            "hidden_states_dtype": "bfloat16", "embed_requires_grad": False}
+            "hidden_states_dtype": "bfloat16", "embed_requires_grad": False,
+            "loss_implementation": loss_implementation()}
     wrong = {k: (flat.get(k), v) for k, v in want.items() if flat.get(k) != v}
     if wrong:
         raise ValueError(f"speculators resolved these settings otherwise than intended (found, wanted): {wrong}")
