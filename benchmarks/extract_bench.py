@@ -145,10 +145,18 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
     from actors.extractor import max_concurrency
     from eagle3.config import ExtractConfig
 
+    from eagle3.manifest import ShardPlan
+    from eagle3.schema import stored_bytes_per_token
+
     table = _tokens_table(prompts)
-    shard = args.samples_per_shard
+    layer_ids = ExtractConfig().layer_ids(SHAPES[shape][1])
+    # the product's shard plan: --samples-per-shard, lowered to fit extract.shard_bytes
+    shard = ShardPlan.sized([len(p) for p in prompts], args.samples_per_shard,
+                            stored_bytes_per_token(num_layers=len(layer_ids), hidden_size=SHAPES[shape][0],
+                                                   hs_dtype="bfloat16"), ExtractConfig().shard_bytes).samples_per_shard
+    res["samples_per_shard"] = shard
     for key, sink in (("object_store", "auto"), ("object_store_shm", "shm")):
-        if sink == "shm" and not args.diagnose:
+        if (sink == "shm" and not args.diagnose) or args.skip_object_store:
             continue
         ecfg = ExtractConfig(load_format="dummy", max_num_batched_tokens=batched, gpu_memory_utilization=0.8,
                              cpu_kvcache_space_gib=args.cpu_kv_gib, samples_per_shard=shard, sink=sink)
@@ -169,7 +177,7 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
         shutil.rmtree(out, ignore_errors=True)
         cfg = load_job_config(None, {"output_dir": str(work), "prepare.max_length": max_len,
                                      "extract.load_format": "dummy", "extract.hs_dtype": dt,
-                                     "extract.samples_per_shard": shard, "extract.num_replicas": 1,
+                                     "extract.samples_per_shard": args.samples_per_shard, "extract.num_replicas": 1,
                                      "extract.max_num_batched_tokens": batched,
                                      "extract.gpu_memory_utilization": 0.8,
                                      "extract.cpu_kvcache_space_gib": args.cpu_kv_gib})
@@ -179,6 +187,7 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
         records = Manifest(out, cfg.extract.file_format).committed().values()
         res[f"{key}_writer_task_gb_s"] = sorted(r["bytes"] / r["write_s"] / 1e9 for r in records)
         res[f"{key}_tok_s"] = tokens / summary["loop_s"]
+        res[f"{key}_samples_per_shard"] = summary["samples_per_shard"]
         res[f"{key}_bytes"] = summary["bytes"]
         res[f"{key}_bytes_per_token"] = summary["bytes_per_token"]
         res[f"{key}_write_gb_s"] = summary["bytes"] / summary["loop_s"] / 1e9
@@ -285,6 +294,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-prompts", type=int, default=64)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-fp8", action="store_true")
+    ap.add_argument("--skip-object-store", action="store_true", help="leave out (2) and (2e)")
     ap.add_argument("--diagnose", action="store_true", help="also (1i) and (2s): two more engine starts")
     ap.add_argument("--disk-dir", default=tempfile.gettempdir(), help="where (3) writes: the machine's local disk")
     ap.add_argument("--dd-gib", type=int, default=4)

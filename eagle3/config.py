@@ -82,7 +82,13 @@ class ExtractConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     samples_per_shard: int = 256
-    """Unit of work handed out to replicas and committed to the manifest."""
+    """Unit of work handed out to replicas and committed to the manifest (at most this many
+    samples; shard_bytes may lower it)."""
+    shard_bytes: int = 1 << 30
+    """Bound on a shard's hidden-state bytes, estimated from the mean sample length and the
+    stored bytes per token: samples_per_shard is lowered to fit (at least 1 sample). A shard's
+    table sits in pinned host memory and in the object store up to max_inflight_shards times per
+    replica: 256 samples of 4K tokens of a hidden-7168 target would be 60 GB. 0: no bound."""
     hs_dtype: str = "bfloat16"
     """Storage of hidden states: bfloat16 (lossless) or float8_e4m3fn (per-token scale, half the bytes)."""
     file_format: str = "arrow"
@@ -129,6 +135,8 @@ class ExtractConfig:
             _fail("extract", "sink", self.sink, "use auto, memory or shm")
         if self.samples_per_shard < 1:
             _fail("extract", "samples_per_shard", self.samples_per_shard, "must be >= 1")
+        if self.shard_bytes < 0:
+            _fail("extract", "shard_bytes", self.shard_bytes, "must be >= 0 (0: no bound)")
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             _fail("extract", "tensor_parallel_size", self.tensor_parallel_size, "sizes must be >= 1")
         if self.aux_hidden_state_layer_ids is not None and len(self.aux_hidden_state_layer_ids) < 1:

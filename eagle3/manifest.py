@@ -32,6 +32,17 @@ class ShardPlan:
     num_samples: int
     samples_per_shard: int
 
+    @classmethod
+    def sized(cls, num_tokens: list[int], samples_per_shard: int, bytes_per_token: int, shard_bytes: int) -> ShardPlan:
+        """At most samples_per_shard samples, and at most shard_bytes of hidden states for a shard of
+        mean-length samples (0: no byte bound). A function of the input and the config alone, so a
+        resumed run plans the same shards."""
+        n = samples_per_shard
+        if shard_bytes and num_tokens:
+            mean_bytes = bytes_per_token * sum(num_tokens) / len(num_tokens)
+            n = max(1, min(n, int(shard_bytes // max(mean_bytes, 1))))
+        return cls(len(num_tokens), n)
+
     @property
     def num_shards(self) -> int:
         return -(-self.num_samples // self.samples_per_shard)

@@ -59,6 +59,14 @@ def hidden_states_schema(*, layer_ids: list[int], hidden_size: int, hs_dtype: st
     )
 
 
+def stored_bytes_per_token(*, num_layers: int, hidden_size: int, hs_dtype: str) -> int:
+    """Hidden-state bytes one token takes in a shard: 2 per value in bf16; 1 per value and a
+    float32 scale per layer in fp8."""
+    if hs_dtype == "bfloat16":
+        return num_layers * hidden_size * 2
+    return num_layers * (hidden_size + 4)
+
+
 def check_schema(schema: pa.Schema, kind: str) -> dict:
     """Refuse data written under another schema version; return its eagle3 metadata."""
     meta = {k.decode(): v.decode() for k, v in (schema.metadata or {}).items() if k.startswith(b"eagle3.")}

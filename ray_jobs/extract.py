@@ -72,7 +72,7 @@ def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str,
     from actors.extractor import ExtractorActor, max_concurrency
     from actors.writer import write_shard
     from eagle3.extract import target_text_config
-    from eagle3.schema import check_schema
+    from eagle3.schema import check_schema, stored_bytes_per_token
     from ray_jobs.cluster import node_of, wait_placement_groups
 
     ecfg = cfg.extract
@@ -81,14 +81,17 @@ def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str,
     check_schema(tokens.schema, "tokens")
     text_cfg = target_text_config(target_dir)
     layer_ids = ecfg.layer_ids(text_cfg["num_hidden_layers"])
-    plan = ShardPlan(len(tokens), ecfg.samples_per_shard)
+    plan = ShardPlan.sized(tokens.column("num_tokens").to_pylist(), ecfg.samples_per_shard,
+                           stored_bytes_per_token(num_layers=len(layer_ids), hidden_size=text_cfg["hidden_size"],
+                                                  hs_dtype=ecfg.hs_dtype), ecfg.shard_bytes)
     manifest = Manifest(Path(out_dir), ecfg.file_format)
-    manifest.open(tokens_fingerprint(tokens.column("sample_id").to_pylist(), ecfg.samples_per_shard, layer_ids,
+    manifest.open(tokens_fingerprint(tokens.column("sample_id").to_pylist(), plan.samples_per_shard, layer_ids,
                                      ecfg.hs_dtype, ecfg.file_format))
     committed = manifest.committed()
     todo = deque(s for s in range(plan.num_shards) if s not in committed)
     skipped = len(committed)
-    log.info("extract: %d shards, %d already committed, %d to do", plan.num_shards, skipped, len(todo))
+    log.info("extract: %d shards of up to %d samples, %d already committed, %d to do", plan.num_shards,
+             plan.samples_per_shard, skipped, len(todo))
 
     gpus_per_replica = ecfg.tensor_parallel_size * ecfg.pipeline_parallel_size
     cluster_gpus = int(ray.cluster_resources().get("GPU", 0))
@@ -120,7 +123,8 @@ def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str,
             log.info("replica %(replica)d on %(host)s (node %(node_id)s): engine up in %(startup_s).1fs", info)
         return new
 
-    summary = {"num_shards": plan.num_shards, "shards_skipped": skipped, "layer_ids": layer_ids}
+    summary = {"num_shards": plan.num_shards, "samples_per_shard": plan.samples_per_shard, "shards_skipped": skipped,
+               "layer_ids": layer_ids}
     if todo:
         replicas.extend(start_replicas(num_replicas, ecfg.placement_timeout_s))
         metrics = _Metrics(plan.num_samples)

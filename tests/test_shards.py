@@ -62,3 +62,23 @@ def test_file_system_without_direct_io_falls_back_to_buffered(tmp_path, monkeypa
     monkeypatch.undo()
     assert refused or not hasattr(os, "O_DIRECT")
     assert ShardFile(tmp_path / "c.arrow").read().equals(table)
+
+
+def test_shard_plan_bounds_bytes_of_a_shard():
+    from eagle3.manifest import ShardPlan
+    from eagle3.schema import stored_bytes_per_token
+
+    # A hidden-7168 target, 4 captured layers, 4K-token samples: 57 KB a token in bf16.
+    bpt = stored_bytes_per_token(num_layers=4, hidden_size=7168, hs_dtype="bfloat16")
+    assert bpt == 57344
+    plan = ShardPlan.sized([4096] * 1000, 256, bpt, 1 << 30)
+    assert plan.samples_per_shard == 4  # 4 x 4096 x 57344 = 0.94 GB <= 1 GiB < 5 samples
+    assert plan.num_shards == 250
+    # fp8 halves the bytes: twice the samples
+    fp8 = stored_bytes_per_token(num_layers=4, hidden_size=7168, hs_dtype="float8_e4m3fn")
+    assert ShardPlan.sized([4096] * 1000, 256, fp8, 1 << 30).samples_per_shard == 9
+    # small samples: samples_per_shard stays the cap; 0 turns the byte bound off
+    assert ShardPlan.sized([20] * 1000, 256, bpt, 1 << 30).samples_per_shard == 256
+    assert ShardPlan.sized([4096] * 1000, 256, bpt, 0).samples_per_shard == 256
+    # one huge sample still makes a shard
+    assert ShardPlan.sized([1 << 20], 256, bpt, 1 << 30).samples_per_shard == 1
