@@ -131,30 +131,38 @@ def write_shard_file(table: pa.Table, path: str | Path, compression: str | None 
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     per_row = max(1, table.nbytes // max(len(table), 1))
     rows_per_batch = max(1, BATCH_BYTES // per_row)
-    if format_of(final) == "arrow":
-        options = pa.ipc.IpcWriteOptions(compression=compression)
-        direct = DirectFile.open(tmp) if direct_io else None
-        sink = pa.PythonFile(direct, mode="w") if direct is not None else pa.OSFile(str(tmp), "wb")
-        try:
-            with pa.ipc.new_file(sink, table.schema, options=options) as writer:
-                writer.write_table(table, max_chunksize=rows_per_batch)
-        finally:
-            sink.close()
-            if direct is not None:
-                direct.close()  # idempotent; PythonFile.close already closed it on success
-    else:
-        import pyarrow.parquet as pq
-
-        pq.write_table(table, tmp, compression=compression or "none", row_group_size=rows_per_batch,
-                       use_dictionary=["sample_id"], write_statistics=["sample_id", "num_tokens"])
-    # fsync before the rename: a manifest commit must never point at bytes a crash could lose.
-    fd = os.open(tmp, os.O_RDONLY)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, final)
+        if format_of(final) == "arrow":
+            _write_ipc(table, tmp, compression, rows_per_batch, direct_io)
+        else:
+            import pyarrow.parquet as pq
+
+            pq.write_table(table, tmp, compression=compression or "none", row_group_size=rows_per_batch,
+                           use_dictionary=["sample_id"], write_statistics=["sample_id", "num_tokens"])
+        # fsync before the rename: a manifest commit must never point at bytes a crash could lose.
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk keeps no partial file behind
+        raise
     return final.stat().st_size
+
+
+def _write_ipc(table: pa.Table, path: Path, compression: str | None, rows_per_batch: int, direct_io: bool) -> None:
+    options = pa.ipc.IpcWriteOptions(compression=compression)
+    direct = DirectFile.open(path) if direct_io else None
+    sink = pa.PythonFile(direct, mode="w") if direct is not None else pa.OSFile(str(path), "wb")
+    try:
+        with pa.ipc.new_file(sink, table.schema, options=options) as writer:
+            writer.write_table(table, max_chunksize=rows_per_batch)
+    finally:
+        sink.close()
+        if direct is not None:
+            direct.close()  # idempotent; PythonFile.close already closed it on success
 
 
 class ShardFile:

@@ -82,3 +82,20 @@ def test_shard_plan_bounds_bytes_of_a_shard():
     assert ShardPlan.sized([4096] * 1000, 256, bpt, 0).samples_per_shard == 256
     # one huge sample still makes a shard
     assert ShardPlan.sized([1 << 20], 256, bpt, 1 << 30).samples_per_shard == 1
+
+
+def test_failed_write_raises_and_leaves_no_file(tmp_path, monkeypatch):
+    probe = DirectFile.open(tmp_path / "probe")
+    if probe is None:
+        pytest.skip("this file system refuses O_DIRECT")
+    probe.close()
+    os.remove(tmp_path / "probe")
+
+    def disk_full(fd, view, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shards, "_pwrite_all", disk_full)
+    table = _table(rows=40, seed=3)  # smaller than a staging chunk: the tail write at close fails
+    with pytest.raises(OSError, match="No space left"):
+        write_shard_file(table, tmp_path / "d.arrow")
+    assert os.listdir(tmp_path) == []
