@@ -267,7 +267,7 @@ def markdown(results: list[dict], meta: dict) -> str:
         dd = meta.get("disk_gb_s")
         lines.append(f"| {r['shape']} (hidden {r['hidden_size']}, {r['num_layers']} layers) | {r['num_prompts']} x {r['prompt_len']} | "
                      f"{r['plain_prefill_tok_s']:,.0f} | {cell('object_store')} | {cell('arrow_disk')} | {cell('arrow_disk_fp8')} | "
-                     f"{cell('hf')} | {wr:.2f}" + (f" ({wr / dd:.2f}x)" if dd else "") + " | "
+                     f"{cell('hf')} | " + ("-" if wr is None else f"{wr:.2f}" + (f" ({wr / dd:.2f}x)" if dd else "")) + " | "
                      f"{r.get('arrow_disk_bytes_per_token', 0):,.0f} / {r.get('arrow_disk_fp8_bytes_per_token', 0):,.0f} |")
     lines += ["", "Breakdown (same prompts; ratios to (1)):", "",
               "| shape | (2e) engine + connector + copy to host, no table | (1i) plain prefill, engine in process | "

@@ -386,14 +386,17 @@ def run_speculators(flags: list[str], work: Path, timeout_s: float) -> dict:
     return out
 
 
-_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*")
+_EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\b.*)")
+"""An exception line, also under torchrun's "[rank0]: " prefix."""
 
 
 def failure_text(log: str, rc, log_path) -> str:
-    """The error of a failed speculators run: its first exception line, then the first traceback
+    """The error of a failed speculators run: its first exception line (the worker's, not torchrun's
+    ChildFailedError), then the first traceback
     (the trainer's own; torchrun's ChildFailedError report follows it) and the log's last lines."""
-    lines = log.splitlines()
-    first = next((ln for ln in lines if _EXCEPTION_LINE.match(ln)), "no exception line found")
+    found = [m.group(1) for m in map(_EXCEPTION_LINE.match, log.splitlines()) if m]
+    # torchrun's own ChildFailedError only says that a worker failed: name the worker's exception
+    first = next((e for e in found if "ChildFailedError" not in e), found[0] if found else "no exception line found")
     start = log.find("Traceback (most recent call last)")
     head = log[start:start + 3000] if start >= 0 else ""
     return (f"[speculators] exit {rc}: {first}\n--- first traceback ({log_path}) ---\n{head}\n"

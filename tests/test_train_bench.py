@@ -198,3 +198,19 @@ def test_speculators_launch_through_torchrun_reaches_its_trainer_and_reports_the
     assert out["error"].startswith("[speculators] exit 1: RuntimeError: Cannot access accelerator device")
     # flags resolved (no argparse usage error): the failure is in speculators' main, past TrainConfig.resolve
     assert "in main\n    maybe_setup_distributed()" in out["error"] and "usage:" not in out["error"]
+
+
+def test_failure_text_names_the_workers_exception_not_torchruns():
+    from benchmarks.train_bench import failure_text
+
+    log = "\n".join([
+        "Traceback (most recent call last):",
+        "[rank0]:   File \"x.py\", line 1, in <module>",
+        "[rank0]: AssertionError: ListVariable(length=21) is already tracked for mutation.",
+        "Traceback (most recent call last):",
+        "    raise ChildFailedError(",
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+    ])
+    first = failure_text(log, 1, "spec.log").splitlines()[0]
+    assert first == "[speculators] exit 1: AssertionError: ListVariable(length=21) is already tracked for mutation."
+    assert failure_text("boom\n", 2, "spec.log").splitlines()[0] == "[speculators] exit 2: no exception line found"
