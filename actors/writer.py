@@ -7,10 +7,10 @@ from __future__ import annotations
 import time
 
 
-def write_shard(table, path: str, compression: str | None) -> dict:
+def write_shard(table, path: str, compression: str | None, direct_io: bool = True) -> dict:
     from eagle3.shards import write_shard_file
 
     t0 = time.perf_counter()
-    size = write_shard_file(table, path, compression)
+    size = write_shard_file(table, path, compression, direct_io)
     return {"bytes": size, "write_s": time.perf_counter() - t0, "rows": len(table),
             "hs_bytes": table.column("hidden_states").nbytes}

@@ -13,6 +13,7 @@ Parquet row groups: the unit a reader holds in memory (~128 MB when we write the
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 from collections import deque
@@ -133,7 +134,13 @@ def write_shard_file(table: pa.Table, path: str | Path, compression: str | None 
     rows_per_batch = max(1, BATCH_BYTES // per_row)
     try:
         if format_of(final) == "arrow":
-            _write_ipc(table, tmp, compression, rows_per_batch, direct_io)
+            try:
+                _write_ipc(table, tmp, compression, rows_per_batch, direct_io)
+            except OSError as e:
+                if not direct_io or e.errno != errno.EINVAL:
+                    raise
+                # the file system opened the file with O_DIRECT but refuses its writes (alignment)
+                _write_ipc(table, tmp, compression, rows_per_batch, False)
         else:
             import pyarrow.parquet as pq
 

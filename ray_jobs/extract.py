@@ -171,7 +171,7 @@ def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str,
                     lose(r, shard, exc, replica_died=True)
                 else:
                     w = writer.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(stats["node_id"], soft=True))
-                    writing[w.remote(table_ref, str(manifest.data_path(shard)), ecfg.compression)] = (r, shard, stats)
+                    writing[w.remote(table_ref, str(manifest.data_path(shard)), ecfg.compression, ecfg.direct_io)] = (r, shard, stats)
             else:
                 r, shard, stats = writing.pop(ref)
                 try:

@@ -15,6 +15,15 @@ from eagle3.extract import _binary_chunk
 from eagle3.shards import DirectFile, ShardFile, write_shard_file
 
 
+def _direct_io_works(directory) -> bool:
+    probe = DirectFile.open(os.path.join(directory, ".probe"))
+    if probe is None:
+        return False
+    probe.close()
+    os.remove(os.path.join(directory, ".probe"))
+    return True
+
+
 def _table(rows: int = 9, seed: int = 0) -> pa.Table:
     rng = np.random.default_rng(seed)
     # odd byte counts, so buffers end off any alignment
@@ -85,11 +94,8 @@ def test_shard_plan_bounds_bytes_of_a_shard():
 
 
 def test_failed_write_raises_and_leaves_no_file(tmp_path, monkeypatch):
-    probe = DirectFile.open(tmp_path / "probe")
-    if probe is None:
+    if not _direct_io_works(tmp_path):
         pytest.skip("this file system refuses O_DIRECT")
-    probe.close()
-    os.remove(tmp_path / "probe")
 
     def disk_full(fd, view, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -99,3 +105,19 @@ def test_failed_write_raises_and_leaves_no_file(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         write_shard_file(table, tmp_path / "d.arrow")
     assert os.listdir(tmp_path) == []
+
+
+def test_o_direct_opened_but_writes_refused_falls_back_to_buffered(tmp_path, monkeypatch):
+    calls = []
+
+    def misaligned(fd, view, offset):
+        calls.append(offset)
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    direct = _direct_io_works(tmp_path)
+    monkeypatch.setattr(shards, "_pwrite_all", misaligned)
+    table = _table(seed=4)
+    write_shard_file(table, tmp_path / "e.arrow")
+    assert bool(calls) == direct  # the direct path was tried first, where there is one
+    assert ShardFile(tmp_path / "e.arrow").read().equals(table)
+    assert os.listdir(tmp_path) == ["e.arrow"]
