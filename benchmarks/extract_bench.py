@@ -17,7 +17,8 @@ Per shape (dummy-weight Llama, random token prompts, seeded):
 and the ratios to (1). With --diagnose, two more engines that locate a bound:
   (1i) plain prefill with the engine in the calling process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
        as our memory sink runs it) and (2s) extraction into the object store through the
-       "shm" sink (multiprocess engine, files in /dev/shm). Each engine runs in its own Ray actor (its own process), one after
+       "shm" sink (multiprocess engine, files in /dev/shm); and, without an engine, (2c) the
+       copy into the object store alone (tables of the same size returned by an actor). Each engine runs in its own Ray actor (its own process), one after
 the other, so GPU memory is returned between them. Writes JSON and a markdown table.
 """
 
@@ -83,6 +84,29 @@ class ObjectStoreExtract:
         for i in range(0, len(prompts), shard):
             backend.hidden_states(prompts[i:i + shard])
         return time.perf_counter() - t0
+
+
+class StoreOnly:
+    """(2c): the object store's side of (2) alone, no engine: the actor returns, per shard, a
+    hidden-states table of the size the engine would make, from host memory filled once (pinned,
+    where there is CUDA, as the connector's), so each call costs only the copy into the store."""
+
+    def __init__(self, hidden_size: int, num_layers: int, prompt_len: int, shard: int):
+        import pyarrow as pa
+        import torch
+
+        from eagle3.extract import _binary_chunk
+
+        pin = torch.cuda.is_available()
+        self.chunks = []
+        for _ in range(shard):
+            t = torch.empty(prompt_len * num_layers * hidden_size, dtype=torch.uint16, pin_memory=pin)
+            t.fill_(1)
+            self.chunks.append(_binary_chunk(t.numpy()))
+        self.table = pa.table({"hidden_states": pa.chunked_array(self.chunks)})
+
+    def extract_shard(self, shard, tokens):
+        return self.table.slice(0, len(tokens)), {"shard": shard}
 
 
 def _object_store_run(actor, table, shard: int, window: int) -> float:
@@ -166,6 +190,13 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
             res["object_store_inflight"] = ecfg.max_inflight_shards
             res["engine_only_tok_s"] = tokens / ray.get(actor.engine_only.remote(prompts, shard))
         ray.kill(actor)
+    if args.diagnose and not args.skip_object_store:
+        actor = in_actor(StoreOnly, SHAPES[shape][0], len(layer_ids), args.prompt_len, shard,
+                         concurrency=max_concurrency(ExtractConfig()))
+        secs = _object_store_run(actor, table, shard, ExtractConfig().max_inflight_shards)
+        ray.kill(actor)
+        res["store_only_tok_s"] = tokens / secs
+        res["store_only_gb_s"] = tokens * len(layer_ids) * SHAPES[shape][0] * 2 / secs / 1e9
 
     # (3) Arrow on local disk through the product's loop; (3b) fp8
     tpath = work / f"tokens-{shape}.parquet"
@@ -216,7 +247,7 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
         res["hf_batch"] = args.hf_batch
 
     base = res["plain_prefill_tok_s"]
-    for k in ("plain_inproc", "object_store", "engine_only", "object_store_shm", "arrow_disk", "arrow_disk_fp8", "hf"):
+    for k in ("plain_inproc", "object_store", "engine_only", "store_only", "object_store_shm", "arrow_disk", "arrow_disk_fp8", "hf"):
         if f"{k}_tok_s" in res:
             res[f"{k}_ratio"] = res[f"{k}_tok_s"] / base
     return res
@@ -270,8 +301,9 @@ def markdown(results: list[dict], meta: dict) -> str:
                      f"{cell('hf')} | " + ("-" if wr is None else f"{wr:.2f}" + (f" ({wr / dd:.2f}x)" if dd else "")) + " | "
                      f"{r.get('arrow_disk_bytes_per_token', 0):,.0f} / {r.get('arrow_disk_fp8_bytes_per_token', 0):,.0f} |")
     lines += ["", "Breakdown (same prompts; ratios to (1)):", "",
-              "| shape | (2e) engine + connector + copy to host, no table | (1i) plain prefill, engine in process | "
-              "(2s) object store via shm sink | writer task GB/s, median (bf16 / fp8) |", "|---|---|---|---|---|"]
+              "| shape | (2e) engine + connector + copy to host, no table | (2c) copy into the object store alone, no engine | "
+              "(1i) plain prefill, engine in process | (2s) object store via shm sink | writer task GB/s, median (bf16 / fp8) |",
+              "|---|---|---|---|---|---|"]
     for r in results:
         def cell(k):
             return f"{r[k + '_tok_s']:,.0f} ({r[k + '_ratio']:.3f}x)" if k + "_tok_s" in r else "-"
@@ -279,7 +311,8 @@ def markdown(results: list[dict], meta: dict) -> str:
         def median(k):
             v = r.get(k + "_writer_task_gb_s")
             return f"{v[len(v) // 2]:.2f}" if v else "-"
-        lines.append(f"| {r['shape']} | {cell('engine_only')} | {cell('plain_inproc')} | {cell('object_store_shm')} | "
+        store = cell("store_only") + (f", {r['store_only_gb_s']:.2f} GB/s" if "store_only_gb_s" in r else "")
+        lines.append(f"| {r['shape']} | {cell('engine_only')} | {store} | {cell('plain_inproc')} | {cell('object_store_shm')} | "
                      f"{median('arrow_disk')} / {median('arrow_disk_fp8')} |")
     return "\n".join(lines) + "\n"
 
