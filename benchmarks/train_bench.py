@@ -470,6 +470,8 @@ def main(argv=None) -> int:
                     help="draft attention in both trainers; auto: simple_flex_attention with a GPU (both trainers' "
                          "default there), sdpa without")
     ap.add_argument("--extract-backend", choices=("vllm", "hf"), default="vllm")
+    ap.add_argument("--prefetch-batches", type=int, default=None,
+                    help="our trainer's train.prefetch_batches (default: TrainConfig's); 0 = no prefetch")
     ap.add_argument("--samples-per-shard", type=int, default=64)
     ap.add_argument("--skip-speculators", action="store_true",
                     help="only validate speculators' command line (CPU: its trainer needs an accelerator)")
@@ -581,7 +583,8 @@ def main(argv=None) -> int:
                        ttt_steps=s.ttt_steps, ttt_step_loss_decay=1.0, num_draft_layers=s.num_draft_layers,
                        draft_vocab_size=draft_vocab, loss=s.loss, draft_attn_impl=s.draft_attn_impl,
                        shuffle_buffer_size=s.samples_per_step, checkpoint_every=s.num_steps,
-                       num_checkpoints_to_keep=1)
+                       num_checkpoints_to_keep=1, **({} if args.prefetch_batches is None
+                                                     else {"prefetch_batches": args.prefetch_batches}))
     ours: dict = {"train_config": asdict(tcfg), "use_gpu": gpu}
     try:
         summary = run_training(tcfg, ext["files"], target_dir, str(work / "ours"), use_gpu=gpu)

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eagle3.dataset import HiddenStatesDataset, PackedBatches, token_frequencies
+from eagle3.dataset import HiddenStatesDataset, PackedBatches, Prefetcher, token_frequencies
 from eagle3.train_config import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class Eagle3Trainer:
         )
         ensure_text_verifier_weights(self.model, self.target_dir)
         self.engine = None
-        self.batches: PackedBatches | None = None
+        self.batches: PackedBatches | Prefetcher | None = None
         self.global_step = 0
         self.tokens_seen = 0
         self.loss_first: float | None = None
@@ -138,7 +138,9 @@ class Eagle3Trainer:
         from compat.speculators_loss import loss_implementation
 
         self.loss_config = resolve_loss_config(self.cfg.loss, loss_implementation())
-        self.batches = PackedBatches(self.dataset, self.cfg.micro_batch_tokens, hidden_states_dtype=dtype)
+        packed = PackedBatches(self.dataset, self.cfg.micro_batch_tokens, hidden_states_dtype=dtype)
+        self.batches = (Prefetcher(packed, self.cfg.prefetch_batches, pin_memory=self.device.type == "cuda")
+                        if self.cfg.prefetch_batches else packed)
 
     def _need_engine(self):
         if self.engine is None:
@@ -158,7 +160,7 @@ class Eagle3Trainer:
         gas = self.cfg.gradient_accumulation_steps
         for _ in range(gas):
             batch = next(self.batches)
-            inputs = {k: batch[k].to(self.device) for k in _MODEL_INPUTS}
+            inputs = {k: batch[k].to(self.device, non_blocking=True) for k in _MODEL_INPUTS}
             _, loss, metrics = self.engine(**inputs, ttt_steps=self.cfg.ttt_steps,
                                            ttt_step_loss_decay=self.cfg.ttt_step_loss_decay,
                                            loss_config=self.loss_config)

@@ -250,6 +250,35 @@ def test_packed_batches_resume_from_state_across_epochs(tiny):
             assert torch.equal(got[k], want[k]), k
 
 
+def test_prefetcher_gives_the_same_batches_and_the_consumed_position(tiny):
+    import torch
+
+    from eagle3.dataset import HiddenStatesDataset, PackedBatches, Prefetcher
+
+    _, files, _, _ = tiny
+    ds = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=8)
+
+    def packed():
+        return PackedBatches(ds, micro_batch_tokens=256, hidden_states_dtype=torch.float32)
+
+    plain, states = packed(), []
+    want = []
+    for _ in range(10):
+        want.append(next(plain))
+        states.append(plain.state_dict())
+    ahead = Prefetcher(packed(), depth=3)
+    for i in range(4):
+        got = next(ahead)
+        assert torch.equal(got["hidden_states"], want[i]["hidden_states"])
+        assert torch.equal(got["document_ids"], want[i]["document_ids"])
+        # the position after the batch returned, although up to 3 more are built already
+        assert ahead.state_dict() == states[i]
+    ahead.load_state_dict(states[1])  # batches built ahead are dropped
+    assert torch.equal(next(ahead)["input_ids"], want[2]["input_ids"])
+    assert ahead.state_dict() == states[2]
+    ahead.close()
+
+
 def test_token_frequencies_reads_only_token_columns(tiny, tmp_path):
     from eagle3.dataset import HiddenStatesDataset, token_frequencies
 
