@@ -80,10 +80,19 @@ class VLLMBackend:
     def hidden_states(self, batch: list[list[int]]):
         """Per sample: a [T, L, D] bf16 tensor, or (uint8 e4m3 [T, L, D], scale [T, L]) when the
         connector quantised on the device (extract.hs_dtype float8_e4m3fn)."""
+        return self.collect(self.submit(batch))
+
+    def submit(self, batch: list[list[int]]):
+        """Runs the engine; what it returns may still be in flight to host memory (`collect`)."""
         from compat.vllm_engine import run_prefill
 
+        return run_prefill(self.llm, batch, wait=False)
+
+    @staticmethod
+    def collect(pending) -> list:
         out = []
-        for item in run_prefill(self.llm, batch):
+        for item, done in pending:
+            done.synchronize()
             hs = item["hidden_states"]
             out.append((hs, item["hs_scale"]) if "hs_scale" in item else hs)
         return out
@@ -149,6 +158,13 @@ class HFBackend:
                     out[i] = stacked[j]
         return out
 
+    def submit(self, batch: list[list[int]]):
+        return self.hidden_states(batch)
+
+    @staticmethod
+    def collect(pending) -> list:
+        return pending
+
     def close(self):
         pass
 
@@ -195,8 +211,11 @@ class Extractor:
             else:
                 keep.append(i)
         kept = tokens.take(pa.array(keep, pa.int64())) if len(keep) != len(ids_col) else tokens
-        with self._engine_lock:  # the engine serves one call at a time; encoding overlaps the next call
-            hs_list = self.backend.hidden_states([ids_col[i] for i in keep]) if keep else []
+        # The engine serves one call at a time. The next call takes it while this one waits for its
+        # last copies to host and encodes its table.
+        with self._engine_lock:
+            pending = self.backend.submit([ids_col[i] for i in keep]) if keep else []
+        hs_list = self.backend.collect(pending)
         chunks, scales = [], []
         for i, hs in zip(keep, hs_list):
             if isinstance(hs, tuple):  # quantised on the device already
