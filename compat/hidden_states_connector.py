@@ -120,19 +120,11 @@ class RayHiddenStatesConnector(ExampleHiddenStatesConnector):
         return {"hidden_states": q, "hs_scale": scale}
 
 
-def take_hidden_states(path: str) -> dict[str, torch.Tensor]:
-    """The captured tensors of one request: hidden_states [T, L, H] (bf16, or e4m3 bytes as uint8),
-    token_ids [T] and, for fp8, hs_scale [T, L]. Removes them from the sink or from disk, so
-    nothing is left behind once the caller holds them."""
-    tensors, done = take_pending(path)
-    done.synchronize()
-    return tensors
-
-
-def take_pending(path: str) -> tuple[dict[str, torch.Tensor], object]:
-    """As take_hidden_states, without waiting: (tensors, done), where the tensors may be read only
-    after `done.synchronize()` (their copy to host may still be running). Lets the caller hand
-    the engine on before the last copies land."""
+def take_hidden_states(path: str) -> tuple[dict[str, torch.Tensor], object]:
+    """The captured tensors of one request, and the event of their copy to host: hidden_states
+    [T, L, H] (bf16, or e4m3 bytes as uint8), token_ids [T] and, for fp8, hs_scale [T, L]; read
+    them only after `done.synchronize()`, so a caller can hand the engine on before the last
+    copies land. Removes them from the sink or from disk: nothing is left behind."""
     with _SINK_LOCK:
         item = SINK.pop(path, None)
     if item is not None:

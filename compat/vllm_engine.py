@@ -92,15 +92,14 @@ def extraction_engine_kwargs(
     return kwargs
 
 
-def run_prefill(llm, prompt_token_ids: list[list[int]], *, capture: bool = True, wait: bool = True,
-                drain_timeout_s: float = 120.0):
-    """Prefill each prompt once (max_tokens=1). With capture, return one dict per prompt, in
-    prompt order, as `take_hidden_states` gives it: the hidden states are already out of the
-    engine (no file left behind). With wait=False, (dict, done) pairs as `take_pending` gives
-    them: the engine is free for the next call while the last copies to host finish."""
+def run_prefill(llm, prompt_token_ids: list[list[int]], *, capture: bool = True, drain_timeout_s: float = 120.0):
+    """Prefill each prompt once (max_tokens=1). With capture, return one (tensors, done) pair per
+    prompt, in prompt order, as `take_hidden_states` gives it: the hidden states are out of the
+    engine (no file left behind) and the engine is free for the next call while the last copies
+    to host finish (`done.synchronize()` before reading)."""
     from vllm import SamplingParams
 
-    from compat.hidden_states_connector import SINK, take_hidden_states, take_pending
+    from compat.hidden_states_connector import SINK, take_hidden_states
 
     prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
@@ -124,7 +123,7 @@ def run_prefill(llm, prompt_token_ids: list[list[int]], *, capture: bool = True,
             llm.llm_engine.step()
         else:
             time.sleep(0.001)
-    return [take_hidden_states(p) for p in paths] if wait else [take_pending(p) for p in paths]
+    return [take_hidden_states(p) for p in paths]
 
 
 def _in_process() -> bool:

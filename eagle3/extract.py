@@ -86,7 +86,7 @@ class VLLMBackend:
         """Runs the engine; what it returns may still be in flight to host memory (`collect`)."""
         from compat.vllm_engine import run_prefill
 
-        return run_prefill(self.llm, batch, wait=False)
+        return run_prefill(self.llm, batch)
 
     @staticmethod
     def collect(pending) -> list:
