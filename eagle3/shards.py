@@ -39,7 +39,8 @@ class DirectFile:
     """A write-only file for `pa.PythonFile` that writes with O_DIRECT: the bytes pyarrow hands
     over (its large buffers arrive zero-copy) are copied into page-aligned staging buffers, and
     full ones go to the disk from a background thread while the next fills, up to `depth`
-    writes in flight. `close` writes the padded tail, truncates to the true size and fsyncs.
+    writes in flight. `close` writes the padded tail and truncates to the true size; durability
+    (fsync) is the caller's, as for any file (write_shard_file does it once, before the rename).
     `DirectFile.open` returns None where the file system refuses O_DIRECT (tmpfs on older
     kernels, some network file systems): the caller then writes buffered."""
 
@@ -60,11 +61,10 @@ class DirectFile:
 
     @classmethod
     def open(cls, path: str | Path, **kwargs) -> DirectFile | None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0)
-        if flags & getattr(os, "O_DIRECT", 0) == 0:
+        if not hasattr(os, "O_DIRECT"):  # not Linux
             return None
         try:
-            fd = os.open(path, flags, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
         except OSError:  # EINVAL: this file system does not do direct I/O
             return None
         return cls(fd, **kwargs)
@@ -112,7 +112,6 @@ class DirectFile:
             for future, _ in self._inflight:
                 future.result()
             os.ftruncate(self._fd, self._size)
-            os.fsync(self._fd)
         finally:
             self._pool.shutdown(wait=True)
             os.close(self._fd)
