@@ -71,7 +71,9 @@ def _pretrain(model, tok, conversations_path, steps: int, seed: int) -> None:
     AdamW 3e-3 (~0.4 s a step on 2 CPU cores; loss ~7.0 -> ~0.4 in 100 steps at size 1)."""
     import torch
 
-    texts = [tok.apply_chat_template(msgs, tokenize=False) for msgs in _conversations(conversations_path)]
+    from eagle3.prepare import load_conversations
+
+    texts = [tok.apply_chat_template(msgs, tokenize=False) for _, msgs in load_conversations(conversations_path)]
     data = torch.tensor([i for t in texts for i in tok(t, add_special_tokens=False)["input_ids"]])
     seq, batch = 128, 16
     gen = torch.Generator().manual_seed(seed)
@@ -84,18 +86,6 @@ def _pretrain(model, tok, conversations_path, steps: int, seed: int) -> None:
         opt.step()
         opt.zero_grad()
     model.eval()
-
-
-def _conversations(path) -> list[list[dict]]:
-    roles = {"human": "user", "gpt": "assistant"}
-    out = []
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            rec = json.loads(line)
-            msgs = rec.get("messages") or [{"role": roles.get(m["from"], m["from"]), "content": m["value"]}
-                                           for m in rec.get("conversations", [])]
-            out.append(msgs)
-    return out
 
 
 def build_tiny_target(out_dir: str | Path, conversations_path: str | Path, *, size: int = 1, seed: int = 0,
