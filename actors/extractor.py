@@ -16,8 +16,8 @@ import socket
 import time
 
 
-
 def max_concurrency(extract_cfg) -> int:
+    """Threads of an ExtractorActor: one per shard the driver keeps in flight on it."""
     return max(2, extract_cfg.max_inflight_shards)
 
 

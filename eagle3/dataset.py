@@ -28,6 +28,8 @@ the extract stage's row-group size bounds the transient read memory.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -341,9 +343,6 @@ class Prefetcher:
         self._start()
 
     def _start(self) -> None:
-        import queue
-        import threading
-
         self._error: BaseException | None = None
         self._queue: queue.Queue = queue.Queue(maxsize=self.depth)
         self._stop = threading.Event()
@@ -351,8 +350,6 @@ class Prefetcher:
         self._thread.start()
 
     def _produce(self) -> None:
-        import queue
-
         while not self._stop.is_set():
             try:
                 batch = next(self.batches)
@@ -395,7 +392,3 @@ class Prefetcher:
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
-
-    @property
-    def num_truncated(self) -> int:
-        return self.batches.num_truncated
