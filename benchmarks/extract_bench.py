@@ -18,8 +18,9 @@ and the ratios to (1). With --diagnose, two more engines that locate a bound:
   (1i) plain prefill with the engine in the calling process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
        as our memory sink runs it) and (2s) extraction into the object store through the
        "shm" sink (multiprocess engine, files in /dev/shm); and, without an engine, (2c) the
-       copy into the object store alone (tables of the same size returned by an actor). Each engine runs in its own Ray actor (its own process), one after
-the other, so GPU memory is returned between them. Writes JSON and a markdown table.
+       copy into the object store alone (tables of the same size returned by an actor).
+Each engine runs in its own Ray actor (its own process), one after the other, so GPU memory
+is returned between them. Writes JSON and a markdown table.
 """
 
 from __future__ import annotations
@@ -98,12 +99,12 @@ class StoreOnly:
         from eagle3.extract import _binary_chunk
 
         pin = torch.cuda.is_available()
-        self.chunks = []
+        chunks = []
         for _ in range(shard):
             t = torch.empty(prompt_len * num_layers * hidden_size, dtype=torch.uint16, pin_memory=pin)
             t.fill_(1)
-            self.chunks.append(_binary_chunk(t.numpy()))
-        self.table = pa.table({"hidden_states": pa.chunked_array(self.chunks)})
+            chunks.append(_binary_chunk(t.numpy()))  # the Arrow buffer keeps the tensor alive
+        self.table = pa.table({"hidden_states": pa.chunked_array(chunks)})
 
     def extract_shard(self, shard, tokens):
         return self.table.slice(0, len(tokens)), {"shard": shard}
@@ -168,16 +169,17 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
     # (2) extraction into the object store, (2e) its engine part; (2s) through the shm sink
     from actors.extractor import max_concurrency
     from eagle3.config import ExtractConfig
-
-    from eagle3.manifest import ShardPlan
+    from eagle3.manifest import Manifest, ShardPlan
     from eagle3.schema import stored_bytes_per_token
 
     table = _tokens_table(prompts)
-    layer_ids = ExtractConfig().layer_ids(SHAPES[shape][1])
+    defaults = ExtractConfig()
+    layer_ids = defaults.layer_ids(SHAPES[shape][1])
+    bytes_per_token = stored_bytes_per_token(num_layers=len(layer_ids), hidden_size=SHAPES[shape][0],
+                                             hs_dtype="bfloat16")
     # the product's shard plan: --samples-per-shard, lowered to fit extract.shard_bytes
-    shard = ShardPlan.sized([len(p) for p in prompts], args.samples_per_shard,
-                            stored_bytes_per_token(num_layers=len(layer_ids), hidden_size=SHAPES[shape][0],
-                                                   hs_dtype="bfloat16"), ExtractConfig().shard_bytes).samples_per_shard
+    shard = ShardPlan.sized([len(p) for p in prompts], args.samples_per_shard, bytes_per_token,
+                            defaults.shard_bytes).samples_per_shard
     res["samples_per_shard"] = shard
     for key, sink in (("object_store", "auto"), ("object_store_shm", "shm")):
         if (sink == "shm" and not args.diagnose) or args.skip_object_store:
@@ -192,11 +194,11 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
         ray.kill(actor)
     if args.diagnose and not args.skip_object_store:
         actor = in_actor(StoreOnly, SHAPES[shape][0], len(layer_ids), args.prompt_len, shard,
-                         concurrency=max_concurrency(ExtractConfig()))
-        secs = _object_store_run(actor, table, shard, ExtractConfig().max_inflight_shards)
+                         concurrency=max_concurrency(defaults))
+        secs = _object_store_run(actor, table, shard, defaults.max_inflight_shards)
         ray.kill(actor)
         res["store_only_tok_s"] = tokens / secs
-        res["store_only_gb_s"] = tokens * len(layer_ids) * SHAPES[shape][0] * 2 / secs / 1e9
+        res["store_only_gb_s"] = tokens * bytes_per_token / secs / 1e9
 
     # (3) Arrow on local disk through the product's loop; (3b) fp8
     tpath = work / f"tokens-{shape}.parquet"
@@ -213,8 +215,6 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
                                      "extract.gpu_memory_utilization": 0.8,
                                      "extract.cpu_kvcache_space_gib": args.cpu_kv_gib})
         summary = run_extract(cfg, str(tpath), model_dir, str(out), progress=False)
-        from eagle3.manifest import Manifest
-
         records = Manifest(out, cfg.extract.file_format).committed().values()
         res[f"{key}_writer_task_gb_s"] = sorted(r["bytes"] / r["write_s"] / 1e9 for r in records)
         res[f"{key}_tok_s"] = tokens / summary["loop_s"]

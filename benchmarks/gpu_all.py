@@ -39,14 +39,22 @@ PARTS = {
 DISK_PARTS = ("extract-1b", "extract-8b", "replicas")  # take --disk-dir
 
 
+def _kind(doc: dict) -> str | None:
+    """Which part wrote a result file: 'extract', 'train' or 'replicas'."""
+    if "ours" in doc and "speculators" in doc:
+        return "train"
+    rows = doc.get("results") or [{}]
+    return "extract" if "plain_prefill_tok_s" in rows[0] else "replicas" if "speedup" in rows[0] else None
+
+
+def _of(results: list[dict], kind: str) -> list[dict]:
+    return [d for d in results if _kind(d) == kind]
+
+
 def _extract(results: list[dict], shape: str) -> tuple[dict, dict] | None:
     """(result row, meta) of the extract_bench run that measured `shape`."""
-    for doc in results:
-        if "results" in doc and doc["results"] and "plain_prefill_tok_s" in doc["results"][0]:
-            for row in doc["results"]:
-                if row["shape"] == shape:
-                    return row, doc["meta"]
-    return None
+    return next(((row, doc["meta"]) for doc in _of(results, "extract") for row in doc["results"]
+                 if row["shape"] == shape), None)
 
 
 def _div(a, b):
@@ -58,8 +66,8 @@ def target_values(results: list[dict]) -> list[tuple[str, float | None, float]]:
     e1, e8 = _extract(results, "1b"), _extract(results, "8b")
     r1, m1 = e1 if e1 else ({}, {})
     r8, _ = e8 if e8 else ({}, {})
-    train = next((d for d in results if "ours" in d and "speculators" in d), {})
-    replicas = next((d for d in results if d.get("results") and "speedup" in d["results"][0]), {})
+    train = next(iter(_of(results, "train")), {})
+    replicas = next(iter(_of(results, "replicas")), {})
     two = next((r["speedup"] for r in replicas.get("results", []) if r["replicas"] == 2), None)
     return [
         ("8B: (3) Arrow on disk / (1) plain prefill >= 0.97", r8.get("arrow_disk_ratio"), 0.97),
@@ -88,17 +96,16 @@ def report(results: list[dict], sources: list[str]) -> tuple[dict, str]:
              "| target | measured | verdict |", "|---|---|---|"]
     lines += [f"| {t['target']} | {'-' if t['measured'] is None else format(t['measured'], '.3f')} | {t['verdict']} |"
               for t in targets]
-    for doc in results:
-        if "results" in doc and doc["results"] and "plain_prefill_tok_s" in doc["results"][0]:
-            lines += ["", extract_markdown(doc["results"], doc["meta"]).replace("# Extraction benchmark", "## Extraction")]
-    train = next((d for d in results if "ours" in d and "speculators" in d), None)
+    for doc in _of(results, "extract"):
+        lines += ["", extract_markdown(doc["results"], doc["meta"]).replace("# Extraction benchmark", "## Extraction")]
+    train = next(iter(_of(results, "train")), None)
     if train:
         theirs = (train["speculators"].get("steady") or {}).get("tokens_per_s")
         why = train["speculators"].get("error", "no steady-state figure").splitlines()[0][:300]
         lines += ["", "## Training (6)", "",
                   f"ours {train['ours']['steady']['tokens_per_s']:,.0f} tokens/s; speculators' trainer "
                   + (f"{theirs:,.0f} tokens/s" if theirs else f"not measured: {why}")]
-    replicas = next((d for d in results if d.get("results") and "speedup" in d["results"][0]), None)
+    replicas = next(iter(_of(results, "replicas")), None)
     if replicas:
         lines += ["", "## Replicas (7)", ""] + [f"- {r['replicas']} replica(s): {r['tok_s']:,.0f} tok/s, "
                                                 f"{r['speedup']:.2f}x" for r in replicas["results"]]

@@ -260,16 +260,23 @@ def test_vllm_fp8_is_quantised_in_the_connector(tiny_target, ray_local):
         assert rel <= 0.1, rel  # e4m3 rounding (<= 6.25%) on top of bf16-vs-fp32 engine differences
 
 
+@pytest.fixture(scope="module")
+def hf_table(tiny_target):
+    """One hidden-states table of LENGTHS from the transformers backend (one model load)."""
+    from eagle3.extract import Extractor
+
+    table, _ = Extractor(tiny_target, ExtractConfig(backend="hf"), max_length=256).extract(tokens_table(LENGTHS))
+    return table
+
+
 @pytest.mark.parametrize("file_format,compression", [("arrow", None), ("arrow", "zstd"), ("parquet", None),
                                                       ("parquet", "zstd")])
-def test_shard_formats_round_trip(tiny_target, tmp_path, file_format, compression):
+def test_shard_formats_round_trip(hf_table, tmp_path, file_format, compression):
     """Both shard formats hold the same table; IPC files read back through a memory map."""
     from actors.writer import write_shard
-    from eagle3.extract import Extractor
     from eagle3.shards import ShardFile
 
-    ex = Extractor(tiny_target, ExtractConfig(backend="hf"), max_length=256)
-    table, _ = ex.extract(tokens_table(LENGTHS))
+    table = hf_table
     path = tmp_path / f"s{'.arrow' if file_format == 'arrow' else '.parquet'}"
     stats = write_shard(table, str(path), compression)
     assert stats["rows"] == 3 and stats["bytes"] == path.stat().st_size
