@@ -26,10 +26,12 @@ import time
 from pathlib import Path
 
 PARTS = {
+    # an 8 GiB object store wraps within one pass of the 1B prompts (17 GB), so the second pass of
+    # (2) measures the store's steady state (see extract_bench._object_store_run)
     "extract-1b": ["benchmarks.extract_bench", "--shapes", "1b", "--num-prompts", "1024", "--prompt-len", "1024",
-                   "--diagnose"],
-    "extract-8b": ["benchmarks.extract_bench", "--shapes", "8b", "--num-prompts", "512", "--prompt-len", "1024",
-                   "--hf-prompts", "32"],
+                   "--diagnose", "--object-store-gib", "8"],
+    "extract-8b": ["benchmarks.extract_bench", "--shapes", "8b", "--num-prompts", "1024", "--prompt-len", "1024",
+                   "--hf-prompts", "32", "--object-store-gib", "8"],
     # hidden states by transformers: the trainers' throughput does not depend on which engine made
     # them, and it saves a vLLM engine start (~35-85 s) inside the 10-minute device call
     "train": ["benchmarks.train_bench", "--shape", "1b", "--extract-backend", "hf"],
@@ -71,6 +73,8 @@ def target_values(results: list[dict]) -> list[tuple[str, float | None, float]]:
     two = next((r["speedup"] for r in replicas.get("results", []) if r["replicas"] == 2), None)
     return [
         ("8B: (3) Arrow on disk / (1) plain prefill >= 0.97", r8.get("arrow_disk_ratio"), 0.97),
+        ("8B: the same in steady state, first to last shard commit (no fill) >= 0.97",
+         r8.get("arrow_disk_steady_ratio"), 0.97),
         ("8B: (3) Arrow on disk / (4) transformers >= 2", _div(r8.get("arrow_disk_tok_s"), r8.get("hf_tok_s")), 2.0),
         ("1B: (2) object store / (1) plain prefill >= 0.95", r1.get("object_store_ratio"), 0.95),
         ("1B: Arrow writing / (5) dd >= 0.8", _div(r1.get("arrow_disk_write_gb_s"), m1.get("disk_gb_s")), 0.8),

@@ -8,9 +8,10 @@ from pathlib import Path
 REPO_ROOT = str(Path(__file__).resolve().parents[1])
 
 
-def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+def init_ray(address: str | None = None, num_cpus: int | None = None, object_store_memory: int | None = None) -> None:
     """Join the cluster this job runs in (ray job submit sets RAY_ADDRESS), the given address,
-    or start a local one. Workers see this repository on their PYTHONPATH either way."""
+    or start a local one (with `object_store_memory` bytes of object store, else Ray's default).
+    Workers see this repository on their PYTHONPATH either way."""
     import ray
 
     if ray.is_initialized():
@@ -20,7 +21,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
     else:
         # The dashboard is where users watch the job, and Ray Train queries its controller through it.
-        ray.init(num_cpus=num_cpus, runtime_env=runtime_env, include_dashboard=True, log_to_driver=True)
+        ray.init(num_cpus=num_cpus, runtime_env=runtime_env, include_dashboard=True, log_to_driver=True,
+                 object_store_memory=object_store_memory)
 
 
 def wait_placement_groups(pgs: list, timeout_s: float, what: str, bundle: dict) -> list:

@@ -181,7 +181,7 @@ def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str,
                         raise RuntimeError(f"writing shard {shard} to {manifest.data_path(shard)} failed: {exc}") from exc
                     lose(r, shard, exc, replica_died=False)
                 else:
-                    manifest.commit(shard, {**stats, **wstats})
+                    manifest.commit(shard, {**stats, **wstats, "committed_at": time.time()})
                     num_committed += 1
                     r.load -= 1
                     r.num_tokens += stats["num_tokens"]
@@ -197,6 +197,7 @@ def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str,
             if todo and not any(r.alive for r in replicas):
                 replicas.extend(start_replicas(1, ecfg.placement_timeout_s))
             feed()
+        summary["loop_s"] = time.perf_counter() - t_loop  # the engines' shutdown is not extraction
         if bar is not None:
             bar.close()
         for r in replicas:
@@ -204,7 +205,6 @@ def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str,
                 ray.get(r.actor.shutdown.remote())
                 ray.kill(r.actor)
                 ray.util.remove_placement_group(r.pg)
-        summary["loop_s"] = time.perf_counter() - t_loop
         summary["replicas"] = [{"replica": r.index, "node_id": r.node_id, "alive": r.alive, "shards": r.shards,
                                 "num_tokens": r.num_tokens,
                                 "tokens_per_s": r.num_tokens / r.busy_s if r.busy_s else None} for r in replicas]

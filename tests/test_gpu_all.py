@@ -20,11 +20,13 @@ def test_verdicts_from_measured_figures(tmp_path):
         _extract_doc("1b", object_store_tok_s=96.0, object_store_ratio=0.96, arrow_disk_tok_s=40.0,
                      arrow_disk_ratio=0.4, arrow_disk_write_gb_s=1.5, arrow_disk_fp8_tok_s=70.0,
                      arrow_disk_fp8_ratio=0.7),
-        _extract_doc("8b", arrow_disk_tok_s=90.0, arrow_disk_ratio=0.9, hf_tok_s=50.0, hf_ratio=0.5),
+        _extract_doc("8b", arrow_disk_tok_s=90.0, arrow_disk_ratio=0.9, arrow_disk_steady_ratio=0.98, hf_tok_s=50.0,
+                     hf_ratio=0.5),
         {"ours": {"steady": {"tokens_per_s": 30.0}}, "speculators": {"error": "[speculators] exit 1: X\nmore"}},
         {"results": [{"replicas": 1, "tok_s": 10.0, "speedup": 1.0}, {"replicas": 2, "tok_s": 19.5, "speedup": 1.95}]},
     ]
     want = [("8B: (3) Arrow on disk / (1) plain prefill", 0.9, "missed by 0.07"),
+            ("8B: the same in steady state", 0.98, "met"),
             ("8B: (3) Arrow on disk / (4) transformers", 1.8, "missed by 0.20"),
             ("1B: (2) object store / (1) plain prefill", 0.96, "met"),
             ("1B: Arrow writing / (5) dd", 0.75, "missed by 0.05"),
@@ -37,7 +39,7 @@ def test_verdicts_from_measured_figures(tmp_path):
         assert name.startswith(want_name) and (value, verdict(value, threshold)) == (want_value, want_verdict), name
 
     doc, md = report(docs, ["a.json"])
-    assert [t["verdict"] for t in doc["targets"]].count("met") == 2
+    assert [t["verdict"] for t in doc["targets"]].count("met") == 3
     assert "speculators' trainer not measured: [speculators] exit 1: X" in md
 
     # the command line form writes both files from part results
