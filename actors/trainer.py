@@ -170,11 +170,14 @@ def run_training(cfg: TrainConfig, data_files: list[str], target_dir: str, out_d
     out.mkdir(parents=True, exist_ok=True)
     if use_gpu is None:
         use_gpu = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
-    env_vars = {}
+    # Ray sets OMP_NUM_THREADS=1 for a 1-CPU worker, and then each batch is read and packed by one
+    # thread (benchmarks/batch_bench.py). Give each rank its share of the CPUs: per worker on a CPU
+    # cluster, per GPU on a GPU cluster.
+    res = ray.cluster_resources() if ray.is_initialized() else {}
+    share = max(1, int(res.get("GPU", 0))) if use_gpu else cfg.num_workers
+    env_vars = {"OMP_NUM_THREADS": str(max(1, int(res.get("CPU", 1)) // share))}
     if not use_gpu:
-        # Ray sets OMP_NUM_THREADS=1 for a 1-CPU worker: on a CPU cluster give each rank its share.
-        threads = max(1, int(ray.cluster_resources().get("CPU", 1)) // cfg.num_workers) if ray.is_initialized() else 1
-        env_vars = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(threads)}
+        env_vars["DS_ACCELERATOR"] = "cpu"
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": cfg, "data_files": [str(Path(f).resolve()) for f in data_files],

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from compat.speculators_batch import pack
 from eagle3.schema import decode_hidden_states, hs_layout
 from eagle3.shards import ShardFile
 
@@ -177,40 +178,53 @@ class HiddenStatesDataset:
 
     def samples(self, epoch: int, start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
         """This rank's samples of `epoch` in shuffled order, skipping the first `start`."""
+        for row in self.rows(epoch, start):
+            yield _to_sample(*row)
+
+    def rows(self, epoch: int, start: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray, torch.Tensor]]:
+        """The same samples as `samples`, as stored: (input_ids [T], loss_mask [T], hidden states
+        [T, L, H] bf16), unshifted; bf16 hidden states are views of the shard's memory, not copies."""
         order = self.epoch_order(epoch)[start:]
         if not order:
             return
         needed = set(order)
-        pending: dict[tuple[int, int], dict] = {}
+        pending: dict[tuple[int, int], tuple] = {}
         rows = self._read_rows(epoch, needed)
         for key in order:
             while key not in pending:
-                got_key, sample = next(rows)
-                pending[got_key] = sample
+                got_key, row = next(rows)
+                pending[got_key] = row
             yield pending.pop(key)
 
     def _read_rows(self, epoch: int, needed: set[tuple[int, int]]) -> Iterator[tuple[tuple[int, int], dict]]:
         """Rows of this rank's shards, file order, decoding only `needed` ones."""
         L, H = len(self.layer_ids), self.hidden_size
         columns = ["input_ids", "loss_mask", "num_tokens", "hidden_states", "hs_scale"]
-        for s in self.rank_shards(epoch):
+        order = self.rank_shards(epoch)
+        for k, s in enumerate(order):
             shard = self.shards[s]
             starts = np.concatenate([[0], np.cumsum(shard.row_group_rows)]).astype(int)
             groups = [g for g in range(len(shard.row_group_rows))
                       if any((s, r) in needed for r in range(starts[g], starts[g + 1]))]
             if not groups:
                 continue
+            for ahead in order[k:k + 2]:  # this shard and the next one read in the background
+                ShardFile.will_need(self.shards[ahead].path)
             pf = ShardFile(shard.path)
             for g in groups:
                 row = int(starts[g])
                 for batch in pf.iter_batches([g], columns=columns):
                     for j in range(batch.num_rows):
                         if (s, row) in needed:
-                            yield (s, row), _decode_row(batch, j, L, H, self.hs_dtype, shard.path, row)
+                            yield (s, row), _read_row(batch, j, L, H, self.hs_dtype, shard.path, row)
                         row += 1
 
 
-def _decode_row(batch, j: int, num_layers: int, hidden_size: int, hs_dtype: str, path: str, row: int) -> dict:
+def _read_row(batch, j: int, num_layers: int, hidden_size: int, hs_dtype: str, path: str,
+              row: int) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
+    """Row j of a record batch: (input_ids [T], loss_mask [T], hidden states [T, L, H] bf16).
+    Token columns are numpy views; bf16 hidden states a torch view of the Arrow buffer (which the
+    view keeps alive); fp8 ones are dequantised, the one copy they need."""
     T = int(batch.column("num_tokens")[j].as_py())
 
     def list_values(name):
@@ -225,35 +239,38 @@ def _decode_row(batch, j: int, num_layers: int, hidden_size: int, hs_dtype: str,
                          f"{len(loss_mask)} values; the shard is corrupt")
     scale = list_values("hs_scale") if hs_dtype == "float8_e4m3fn" else None
     try:
-        # A pa.Buffer slice of the record batch: no copy until the aux concat below.
         hs = decode_hidden_states(batch.column("hidden_states")[j].as_buffer(), scale, T, num_layers,
                                   hidden_size, hs_dtype)
     except ValueError as e:
         raise ValueError(f"{path} row {row}: {e}; the shard is corrupt") from None
     if hs_dtype == "bfloat16":
-        # Arrow buffers are read-only and torch warns on wrapping them. This view is only read
-        # (the aux concat and the last-layer clone below copy out of it), never written.
+        # Arrow buffers are read-only and torch warns on wrapping them. Nothing writes to this
+        # view: it is only copied out of (pack, _to_sample).
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            hs_TLD = torch.from_numpy(hs).view(torch.bfloat16)
-    else:
-        hs_TLD = torch.from_numpy(hs).to(torch.bfloat16)
-    sample = {
+            return input_ids, loss_mask, torch.from_numpy(hs).view(torch.bfloat16)
+    return input_ids, loss_mask, torch.from_numpy(hs).to(torch.bfloat16)
+
+
+def _to_sample(input_ids: np.ndarray, loss_mask: np.ndarray, hs_TLD: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A stored row as one speculators sample, shifted by speculators' own shift_batch."""
+    from speculators.models.eagle3.data import shift_batch
+
+    T, num_layers, hidden_size = hs_TLD.shape
+    return shift_batch({
         "input_ids": torch.from_numpy(input_ids.astype(np.int64)),
         "loss_mask": torch.from_numpy(loss_mask.astype(bool)),
         "hidden_states": hs_TLD[:, :-1, :].reshape(T, (num_layers - 1) * hidden_size),
         "verifier_last_hidden_states": hs_TLD[:, -1, :].clone(),
         "lengths": torch.tensor([T], dtype=torch.long),
         "position_ids": torch.arange(T, dtype=torch.long),
-    }
-    from speculators.models.eagle3.data import shift_batch
-
-    return shift_batch(sample)
+    })
 
 
 class PackedBatches:
-    """Endless micro-batches for one rank: samples packed into [1, micro_batch_tokens] by
-    speculators' CollateFn (document_ids mark samples, -1 marks padding), epochs cycled.
+    """Endless micro-batches for one rank: samples packed into [1, micro_batch_tokens] in the
+    format of speculators' CollateFn (document_ids mark samples, -1 marks padding; built by
+    compat.speculators_batch.pack, in pinned memory when `pin_memory`), epochs cycled.
 
     `state_dict()` = {"epoch", "samples_seen"}: samples of that epoch inside batches already
     returned. A sample that did not fit the last batch is re-read after a resume.
@@ -261,13 +278,12 @@ class PackedBatches:
     """
 
     def __init__(self, dataset: HiddenStatesDataset, micro_batch_tokens: int,
-                 hidden_states_dtype: torch.dtype = torch.bfloat16, state: dict | None = None):
-        from speculators.train.data import CollateFn
-
+                 hidden_states_dtype: torch.dtype = torch.bfloat16, state: dict | None = None,
+                 pin_memory: bool = False):
         self.dataset = dataset
         self.micro_batch_tokens = micro_batch_tokens
-        self.collate = CollateFn(max_len=micro_batch_tokens, hidden_size=dataset.hidden_size,
-                                 num_target_layers=len(dataset.aux_layer_ids), dtype=hidden_states_dtype)
+        self.hidden_states_dtype = hidden_states_dtype
+        self.pin_memory = pin_memory
         self.num_truncated = 0
         self.num_skipped = 0
         self.load_state_dict(state or {"epoch": 0, "samples_seen": 0})
@@ -277,8 +293,8 @@ class PackedBatches:
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.samples_seen = int(state["epoch"]), int(state["samples_seen"])
-        self._stream = self.dataset.samples(self.epoch, self.samples_seen)
-        self._pending: dict | None = None
+        self._stream = self.dataset.rows(self.epoch, self.samples_seen)
+        self._pending: tuple | None = None
 
     def __iter__(self):
         return self
@@ -292,7 +308,7 @@ class PackedBatches:
                 self._pending = None
                 if sample is None:
                     break
-                n = int(sample["lengths"][0])
+                n = len(sample[0]) - 1  # tokens after the shift
                 if n < 1:
                     self.num_skipped += 1
                     num_samples += 1
@@ -313,7 +329,7 @@ class PackedBatches:
                     break
             if batch:
                 self.samples_seen += num_samples
-                return self.collate(batch)
+                return pack(batch, self.micro_batch_tokens, self.hidden_states_dtype, self.pin_memory)
             if self.samples_seen == 0 and num_samples == 0:
                 raise ValueError(
                     f"rank {self.dataset.rank} got no samples in epoch {self.epoch} "
@@ -324,10 +340,9 @@ class PackedBatches:
 
 
 class Prefetcher:
-    """Builds the next `depth` micro-batches of a PackedBatches in a background thread (pinned
-    when `pin_memory`, so the copy to the device can be asynchronous), so that reading,
-    decoding and packing overlap the device's step instead of preceding it. Measured on the CI
-    machine: 128 ms to build one 8,192-token batch of a hidden-2048 target.
+    """Builds the next `depth` micro-batches of a PackedBatches in a background thread, so that
+    reading and packing overlap the device's step instead of preceding it (`python -m
+    benchmarks.batch_bench` measures how long one batch takes to build).
 
     `state_dict()` is the data position after the last batch *returned* (what a checkpoint must
     record), not after the last one built; `load_state_dict` drops the batches built ahead.
@@ -335,10 +350,9 @@ class Prefetcher:
     no global RNG, so prefetching changes no result.
     """
 
-    def __init__(self, batches: PackedBatches, depth: int = 2, pin_memory: bool = False):
+    def __init__(self, batches: PackedBatches, depth: int = 2):
         self.batches = batches
         self.depth = max(1, depth)
-        self.pin_memory = pin_memory
         self._state = batches.state_dict()
         self._start()
 
@@ -352,10 +366,7 @@ class Prefetcher:
     def _produce(self) -> None:
         while not self._stop.is_set():
             try:
-                batch = next(self.batches)
-                if self.pin_memory:
-                    batch = {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()}
-                item = (batch, self.batches.state_dict(), None)
+                item = (next(self.batches), self.batches.state_dict(), None)
             except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
                 item = (None, None, e)
             while not self._stop.is_set():

@@ -191,6 +191,22 @@ class ShardFile:
     def num_rows(self) -> int:
         return sum(self.batch_rows)
 
+    @staticmethod
+    def will_need(path: str | Path) -> None:
+        """Ask the kernel to start reading the whole file into the page cache, in the background.
+        Arrow shards are read through a memory map, whose page faults otherwise read the file a
+        few pages at a time; shards written with O_DIRECT are not in the cache."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        try:
+            fd = os.open(str(path), os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
+
     def iter_batches(self, batches: list[int] | None = None, columns: list[str] | None = None):
         """Record batches (in file order) of the given batch indices, with only `columns`."""
         indices = range(len(self.batch_rows)) if batches is None else batches

@@ -138,9 +138,10 @@ class Eagle3Trainer:
         from compat.speculators_loss import loss_implementation
 
         self.loss_config = resolve_loss_config(self.cfg.loss, loss_implementation())
-        packed = PackedBatches(self.dataset, self.cfg.micro_batch_tokens, hidden_states_dtype=dtype)
-        self.batches = (Prefetcher(packed, self.cfg.prefetch_batches, pin_memory=self.device.type == "cuda")
-                        if self.cfg.prefetch_batches else packed)
+        # pinned where there is CUDA, so each batch's copy to the device is asynchronous
+        packed = PackedBatches(self.dataset, self.cfg.micro_batch_tokens, hidden_states_dtype=dtype,
+                               pin_memory=self.device.type == "cuda")
+        self.batches = Prefetcher(packed, self.cfg.prefetch_batches) if self.cfg.prefetch_batches else packed
 
     def _need_engine(self):
         if self.engine is None:

@@ -392,3 +392,38 @@ def test_speculators_fused_loss_kernels_share_their_autotune_configs():
 
     assert fused.loss_forward_kernel.configs is fused.loss_backward_kernel.configs
     assert loss_implementation() == "eager"
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float32"])
+def test_pack_builds_the_batch_speculators_collate_builds(dtype_name):
+    """speculators 0.9.0: compat.speculators_batch.pack must return exactly what shift_batch +
+    CollateFn return for the same samples: keys, shapes, dtypes, values, padding, the last sample
+    truncated, document ids. When this fails, speculators changed its batch format: follow it in
+    pack (or go back to CollateFn, at the cost of two more copies per batch)."""
+    import numpy as np
+    import torch
+    from speculators.train.data import CollateFn
+
+    from compat.speculators_batch import pack
+    from eagle3.dataset import _to_sample
+
+    dtype = getattr(torch, dtype_name)
+    rng = np.random.default_rng(0)
+    L, H, max_len = 4, 16, 64
+    rows = []
+    for T in (20, 1, 25, 30):  # 19 + 0 + 24 tokens fit; the 30-token sample is cut to 21
+        hs = torch.from_numpy(rng.standard_normal((T, L, H), dtype=np.float32)).to(torch.bfloat16)
+        rows.append((rng.integers(0, 1000, T).astype(np.int32), rng.integers(0, 2, T).astype(np.uint8), hs))
+    want = CollateFn(max_len=max_len, hidden_size=H, num_target_layers=L - 1, dtype=dtype)(
+        [_to_sample(*r) for r in rows])
+    got = pack(rows, max_len, dtype)
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        if torch.is_tensor(value):
+            assert got[key].dtype == value.dtype and got[key].shape == value.shape, key
+            assert torch.equal(got[key], value), key
+        else:
+            assert got[key] == value, key
+    assert got["document_ids"][0].tolist() == [0] * 19 + [2] * 24 + [3] * 21  # the 1-token sample has none
+    short = pack(rows[:1], max_len, dtype)
+    assert short["document_ids"][0, 19:].eq(-1).all() and short["hidden_states"][0, 19:].eq(0).all()

@@ -1,0 +1,151 @@
+"""How long the trainer's input pipeline takes to build one packed micro-batch, side by side:
+  collate  speculators' per-sample tensors (shift_batch) + CollateFn, then a copy into pinned
+           memory where there is CUDA (the trainer's path until this benchmark)
+  pack     compat.speculators_batch.pack: one copy per value from the shard into the (pinned) batch
+over the same shard files (written by the product's shard writer, direct I/O), each read cold
+(the files' pages dropped from the page cache first, as after an extraction that wrote them
+with O_DIRECT) and warm (a second pass).
+
+    python -m benchmarks.batch_bench [--shape 1b] [--samples 64] [--batches 12] [--out DIR --tag T]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from benchmarks.extract_bench import machine, versions
+
+SHAPES = {"tiny": (256, [2, 4, 5, 8], 256), "1b": (2048, [2, 8, 13, 16], 1024), "8b": (4096, [2, 16, 29, 32], 1024)}
+
+
+def write_data(root: Path, hidden: int, layer_ids: list[int], seq: int, samples: int, per_shard: int = 32) -> list[str]:
+    from eagle3.schema import hidden_states_schema
+    from eagle3.shards import write_shard_file
+
+    schema = hidden_states_schema(layer_ids=layer_ids, hidden_size=hidden)
+    rng = np.random.default_rng(0)
+    files = []
+    for s in range(-(-samples // per_shard)):
+        n = min(per_shard, samples - s * per_shard)
+        cols = {"sample_id": [f"s{s}-{i}" for i in range(n)],
+                "input_ids": [rng.integers(0, 32000, seq).tolist() for _ in range(n)],
+                "loss_mask": [[1] * seq for _ in range(n)], "num_tokens": [seq] * n,
+                "hidden_states": [rng.integers(0, 1 << 14, seq * len(layer_ids) * hidden, dtype=np.uint16).tobytes()
+                                  for _ in range(n)],
+                "hs_scale": [None] * n}
+        files.append(str(root / f"shard-{s:06d}.arrow"))
+        write_shard_file(pa.Table.from_pydict(cols, schema=schema), files[-1], None, True)
+    return files
+
+
+def drop_cache(files: list[str]) -> None:
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def collate_batches(ds, micro: int, pin: bool):
+    """The former path: per-sample tensors, CollateFn, then pinned."""
+    from speculators.train.data import CollateFn
+
+    from eagle3.dataset import _to_sample
+
+    collate = CollateFn(max_len=micro, hidden_size=ds.hidden_size, num_target_layers=len(ds.aux_layer_ids),
+                        dtype=torch.bfloat16)
+    rows = ds.rows(0)
+    while True:
+        batch, used = [], 0
+        for row in rows:
+            batch.append(_to_sample(*row))
+            used += len(row[0]) - 1
+            if used + len(row[0]) - 1 > micro:
+                break
+        if not batch:
+            return
+        out = collate(batch)
+        yield {k: v.pin_memory() if pin and torch.is_tensor(v) else v for k, v in out.items()}
+
+
+def pack_batches(ds, micro: int, pin: bool):
+    from eagle3.dataset import PackedBatches
+
+    yield from PackedBatches(ds, micro, hidden_states_dtype=torch.bfloat16, pin_memory=pin)
+
+
+def measure(make, files, micro: int, batches: int, pin: bool, cold: bool) -> list[float]:
+    from eagle3.dataset import HiddenStatesDataset
+
+    if cold:
+        drop_cache(files)
+    ds = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=1)  # file order: reading is the cost measured
+    it = make(ds, micro, pin)
+    times = []
+    for _ in range(batches):
+        t = time.perf_counter()
+        if next(it, None) is None:
+            break
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.batch_bench")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--batches", type=int, default=6, help="batches measured per pass (8 samples each at 1b)")
+    ap.add_argument("--micro-batch-tokens", type=int, default=8192)
+    ap.add_argument("--work-dir", default=tempfile.gettempdir())
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args(argv)
+    hidden, layer_ids, seq = SHAPES[args.shape]
+    pin = torch.cuda.is_available()
+    root = Path(tempfile.mkdtemp(prefix="eagle3-batch-bench-", dir=args.work_dir))
+    files = write_data(root, hidden, layer_ids, seq, args.samples)
+    rows = []
+    for cold in (True, False):
+        for name, make in (("collate", collate_batches), ("pack", pack_batches)):
+            times = measure(make, files, args.micro_batch_tokens, args.batches, pin, cold)
+            rows.append({"path": name, "cold": cold, "batch_ms": [round(t * 1e3, 1) for t in times],
+                         "median_ms": statistics.median(times) * 1e3})
+            print(json.dumps(rows[-1]), flush=True)
+    for f in files:
+        os.remove(f)
+    root.rmdir()
+    bytes_per_batch = args.micro_batch_tokens * (len(layer_ids) * hidden * 2)
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(), "versions": versions(),
+            "args": vars(args), "pinned": pin, "torch_threads": torch.get_num_threads(),
+            "hidden_states_bytes_per_batch": bytes_per_batch}
+    med = {(r["path"], r["cold"]): r["median_ms"] for r in rows}
+    lines = [f"# Building one packed micro-batch ({meta['date']})", "", f"Machine: {meta['machine']}", "",
+             f"Shape {args.shape}: hidden {hidden}, layers {layer_ids}, {seq}-token samples, "
+             f"{args.micro_batch_tokens} tokens per batch ({bytes_per_batch / 1e6:.0f} MB of hidden states); "
+             f"pinned: {pin}; torch threads: {meta['torch_threads']}; median of {args.batches} batches.", "",
+             "| page cache | collate + pin (ms) | pack (ms) | ratio |", "|---|---|---|---|"]
+    for cold in (True, False):
+        a, b = med[("collate", cold)], med[("pack", cold)]
+        lines.append(f"| {'cold' if cold else 'warm'} | {a:.1f} | {b:.1f} | {a / b:.2f}x |")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"batch{('-' + args.tag) if args.tag else ''}"
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

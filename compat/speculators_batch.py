@@ -1,0 +1,62 @@
+"""Seam: the packed micro-batch speculators' Eagle3DraftModel trains on.
+
+speculators 0.9.x (checked against 0.9.0): samples are shifted by
+`speculators.models.eagle3.data.shift_batch` (position t pairs token x_{t+1}, target y_{t+1}
+and hidden state g_t) and packed by `speculators.train.data.CollateFn` into [1, max_len]
+tensors, with `document_ids` (-1 for padding) and the last sample truncated to fit.
+`pack` builds that same batch straight from the stored rows: CollateFn takes per-sample
+tensors (here a reshape and a clone per sample out of the shard's memory), zero-fills fresh
+buffers and copies into them; the trainer then copied every batch once more into pinned
+memory. `pack` copies each value once, from the (memory-mapped) shard into the (pinned)
+batch, and zero-fills only the padding. Measured on the CI machine at the 1B shape: see
+`python -m benchmarks.batch_bench`.
+tests/test_compat.py checks that `pack` returns exactly what shift_batch + CollateFn return
+(keys, shapes, dtypes, values, truncation); it fails when speculators changes the format.
+Remove when: speculators' collate writes into caller-provided (pinned) buffers from views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+def pack(rows: Sequence[tuple[np.ndarray, np.ndarray, torch.Tensor]], max_len: int, dtype: torch.dtype,
+         pin_memory: bool = False) -> dict:
+    """rows: (input_ids [T], loss_mask [T], hidden states [T, L, H]) per sample, unshifted; the
+    last of the L layers is the verifier's last hidden state, the others the aux layers. Returns
+    the batch `CollateFn(max_len, H, L - 1, dtype)([shift_batch(sample) ...])` returns: input_ids,
+    loss_mask, hidden_states [1, max_len, (L-1)*H], verifier_last_hidden_states [1, max_len, H],
+    position_ids, document_ids, error_records."""
+    if not rows:
+        raise ValueError("pack got no rows")
+    _, _, first = rows[0]
+    num_layers, hidden = first.shape[1], first.shape[2]
+
+    def empty(shape, dt):
+        return torch.empty(shape, dtype=dt, pin_memory=pin_memory)
+
+    hs = empty((max_len, num_layers - 1, hidden), dtype)
+    last = empty((max_len, hidden), dtype)
+    ids, pos, docs = (empty((max_len,), torch.long) for _ in range(3))
+    mask = empty((max_len,), torch.bool)
+    offset = 0
+    for doc, (input_ids, loss_mask, hs_TLD) in enumerate(rows):
+        if offset == max_len:
+            break
+        n = min(max(len(input_ids) - 1, 0), max_len - offset)  # shifted length; the last one truncated
+        end = offset + n
+        hs[offset:end].copy_(hs_TLD[:n, :-1, :])  # g_0 .. g_{n-1}
+        last[offset:end].copy_(hs_TLD[1:n + 1, -1, :])  # y_1 .. y_n
+        ids[offset:end].copy_(torch.from_numpy(np.asarray(input_ids[1:n + 1], dtype=np.int64)))
+        mask[offset:end].copy_(torch.from_numpy(np.asarray(loss_mask[1:n + 1]) != 0))
+        pos[offset:end].copy_(torch.arange(1, n + 1))
+        docs[offset:end] = doc
+        offset = end
+    for t in (hs, last, ids, pos, mask):
+        t[offset:].zero_()
+    docs[offset:] = -1
+    return {"input_ids": ids[None], "hidden_states": hs.view(1, max_len, -1), "verifier_last_hidden_states": last[None],
+            "loss_mask": mask[None], "position_ids": pos[None], "document_ids": docs[None], "error_records": 0}
