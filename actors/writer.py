@@ -14,3 +14,16 @@ def write_shard(table, path: str, compression: str | None, direct_io: bool = Tru
     size = write_shard_file(table, path, compression, direct_io)
     return {"bytes": size, "write_s": time.perf_counter() - t0, "rows": len(table),
             "hs_bytes": table.column("hidden_states").nbytes}
+
+
+def warm_writer(hold_s: float = 1.0) -> int:
+    """Started once per shard in flight on each engine's node while the engines load: Ray starts
+    a worker process per concurrent task, and this one imports what write_shard needs, so the
+    first shards' writes do not wait for worker start-up inside the extraction loop. Holding
+    `hold_s` keeps the tasks concurrent (one worker each). Returns the worker's pid."""
+    import os
+
+    import eagle3.shards  # noqa: F401 - the import is the point
+
+    time.sleep(hold_s)
+    return os.getpid()

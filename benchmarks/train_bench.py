@@ -407,6 +407,21 @@ def failure_text(log: str, rc, log_path) -> str:
 # report
 
 
+def set_page_cache(files: list[str], mode: str) -> None:
+    """Put both trainers' data on the same footing: 'cold' drops the files' pages from the page
+    cache (POSIX_FADV_DONTNEED), 'warm' reads them once. Our shards are written with O_DIRECT and
+    start cold; speculators' files are written through the cache and would start warm."""
+    from benchmarks.batch_bench import drop_cache
+
+    if mode == "cold":
+        drop_cache(files)
+        return
+    for f in files:
+        with open(f, "rb") as fh:
+            while fh.read(64 << 20):
+                pass
+
+
 def markdown(res: dict) -> str:
     s, shape = res["settings"], res["shape"]
     meta = res["meta"]
@@ -434,7 +449,9 @@ def markdown(res: dict) -> str:
         f"Data: {s['num_prompts']} random-token prompts x {s['prompt_len']} tokens (hidden states by "
         f"{res['extract']['backend']}); {s['micro_batch_tokens']} tokens per step budget = {s['samples_per_step']} "
         f"samples = {s['samples_per_step'] * (s['prompt_len'] - 1)} tokens per optimizer step; {s['num_steps']} steps "
-        f"each, steady state over steps {s['skip_steps'] + 1}..{s['num_steps']}.", "",
+        f"each, steady state over steps {s['skip_steps'] + 1}..{s['num_steps']}. Each trainer's data files were "
+        f"{ {'cold': 'dropped from the page cache', 'warm': 'read into the page cache'}.get(res.get('page_cache'), 'left in the page cache as written')} "
+        "before it started.", "",
         "| trainer | tokens/s (steady state) | steps (time) | tokens/step | whole run tokens/s "
         "| loss first -> last | note |",
         "|---|---|---|---|---|---|---|",
@@ -473,6 +490,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefetch-batches", type=int, default=None,
                     help="our trainer's train.prefetch_batches (default: TrainConfig's); 0 = no prefetch")
     ap.add_argument("--samples-per-shard", type=int, default=64)
+    ap.add_argument("--page-cache", choices=("cold", "warm"), default="cold",
+                    help="each trainer's data files before it starts: dropped from the page cache (cold: a data "
+                         "set larger than memory, the usual case) or read into it once (warm)")
     ap.add_argument("--skip-speculators", action="store_true",
                     help="only validate speculators' command line (CPU: its trainer needs an accelerator)")
     ap.add_argument("--speculators-timeout", type=float, default=300.0,
@@ -577,6 +597,8 @@ def main(argv=None) -> int:
     # 4a. ours
     if gpu:
         _wait_gpu_released("our training")
+    res["page_cache"] = args.page_cache
+    set_page_cache(ext["files"], args.page_cache)
     t = time.perf_counter()
     tcfg = TrainConfig(num_workers=1, num_steps=s.num_steps, lr=s.lr, seed=s.seed, warmup_steps=s.warmup_steps,
                        micro_batch_tokens=s.micro_batch_tokens, weight_decay=s.weight_decay, grad_clip=1.0,
@@ -616,6 +638,7 @@ def main(argv=None) -> int:
     else:
         if gpu:
             _wait_gpu_released("speculators' training")
+        set_page_cache([str(p) for p in spec_data.rglob("*") if p.is_file()], args.page_cache)
         t = time.perf_counter()
         run = run_speculators(flags, work, args.speculators_timeout)
         phases["speculators_wall"] = time.perf_counter() - t

@@ -155,8 +155,9 @@ class Eagle3Trainer:
         tokens (packed, all ranks), loss_tokens (loss-masked), lr (used by this step)."""
         self._need_engine()
         lr = float(self.engine.get_lr()[0])
+        # Loss and metrics are summed on the device and copied to the host once per step: a copy
+        # per value would wait for the device each time, and the host could not queue ahead.
         sums: dict[str, torch.Tensor] = {}
-        loss_sum = torch.zeros((), dtype=torch.float64)
         tokens = loss_tokens = 0
         gas = self.cfg.gradient_accumulation_steps
         for _ in range(gas):
@@ -167,15 +168,15 @@ class Eagle3Trainer:
                                            loss_config=self.loss_config)
             self.engine.backward(loss)
             self.engine.step()
-            loss_sum += loss.detach().double().cpu()
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0) + v.detach().double().cpu()
+            for k, v in (("_loss", loss), *metrics.items()):
+                sums[k] = sums.get(k, 0) + v.detach().double()
             tokens += int((batch["document_ids"] >= 0).sum())
             loss_tokens += int(batch["loss_mask"].sum())
-        keys = sorted(sums)
-        vec = torch.stack([loss_sum, torch.tensor(float(gas), dtype=torch.float64),
+        host = dict(zip(sums, torch.stack([v.reshape(()) for v in sums.values()]).cpu().unbind(), strict=True))
+        keys = sorted(k for k in host if k != "_loss")
+        vec = torch.stack([host["_loss"], torch.tensor(float(gas), dtype=torch.float64),
                            torch.tensor(float(tokens), dtype=torch.float64),
-                           torch.tensor(float(loss_tokens), dtype=torch.float64)] + [sums[k] for k in keys])
+                           torch.tensor(float(loss_tokens), dtype=torch.float64)] + [host[k] for k in keys])
         dist = _dist()
         if dist is not None and self.world_size > 1:
             vec = vec.to(self.device) if dist.get_backend() == "nccl" else vec

@@ -70,7 +70,7 @@ def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str,
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
     from actors.extractor import ExtractorActor, max_concurrency
-    from actors.writer import write_shard
+    from actors.writer import warm_writer, write_shard
     from eagle3.extract import target_text_config
     from eagle3.schema import check_schema, stored_bytes_per_token
     from ray_jobs.cluster import node_of, wait_placement_groups
@@ -118,9 +118,14 @@ def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str,
             ).remote(target_dir, ecfg, max_length=cfg.prepare.max_length, dtype=cfg.target.dtype,
                      trust_remote_code=cfg.target.trust_remote_code, replica=index)
             new.append(_Replica(index, pg, actor, node_of(pg)))
+        warm = [ray.remote(warm_writer).options(
+                    num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote()
+                for node in {r.node_id for r in new} for _ in range(ecfg.max_inflight_shards)]
         infos = ray.get([r.actor.info.remote() for r in new])  # engine start errors surface here
+        ray.get(warm)
         for info in infos:
-            log.info("replica %(replica)d on %(host)s (node %(node_id)s): engine up in %(startup_s).1fs", info)
+            log.info("replica %(replica)d on %(host)s (node %(node_id)s): engine up in %(startup_s).1fs "
+                     "(warm-up capture %(warmup_s).1fs)", info)
         return new
 
     summary = {"num_shards": plan.num_shards, "samples_per_shard": plan.samples_per_shard, "shards_skipped": skipped,
