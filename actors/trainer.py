@@ -198,7 +198,7 @@ def run_training(cfg: TrainConfig, data_files: list[str], target_dir: str, out_d
         raise RuntimeError(f"Ray Train finished without the final report (last metrics: {m}); see the worker logs")
     summary = {
         "loss_first": m["loss_first"], "loss_last": m["loss_last"], "steps": m["steps"], "tokens": m["tokens"],
-        "tokens_per_s": m["tokens_per_s"], "train_seconds": m["train_seconds"],
+        "tokens_this_run": m["tokens_this_run"], "tokens_per_s": m["tokens_per_s"], "train_seconds": m["train_seconds"],
         "checkpoint": result.checkpoint.path if result.checkpoint is not None else None,
         "draft_dir": m["draft_dir"], "resumed_from_step": m["resumed_from_step"], "num_workers": cfg.num_workers,
     }

@@ -240,6 +240,7 @@ class Eagle3Trainer:
             "global_step": self.global_step,
             "tokens_seen": self.tokens_seen,
             "loss_first": self.loss_first,
+            "loss_last": self.loss_last,
             "world_size": self.world_size,
             "data_states": _all_gather_object(self.batches.state_dict(), self.world_size),
             "rng_states": _all_gather_object(_rng_state(), self.world_size),
@@ -262,6 +263,7 @@ class Eagle3Trainer:
         self.global_step = int(client_state["global_step"])
         self.tokens_seen = int(client_state["tokens_seen"])
         self.loss_first = client_state.get("loss_first")
+        self.loss_last = client_state.get("loss_last")  # what a resume that has no steps left reports
         self.resumed_from_step = self.global_step
         self.batches.load_state_dict(client_state["data_states"][self.rank])
         _set_rng_state(client_state["rng_states"][self.rank])

@@ -161,8 +161,12 @@ def format_summary(report: dict) -> str:
                      f"{e['bytes_per_token']:.0f} bytes/token, layers {e['layer_ids']}, {e['num_rejected']} rejected")
     if "train" in st:
         t = st["train"]
-        lines.append(f"  train/           {t.get('steps')} steps, loss {t.get('loss_first'):.4f} -> {t.get('loss_last'):.4f}, "
-                     f"{t.get('tokens_per_s', 0):.0f} tokens/s")
+        def loss(v):  # None: a checkpoint written before loss_last was kept in it
+            return "-" if v is None else f"{v:.4f}"
+        done = (f"{t.get('tokens_per_s', 0):.0f} tokens/s" if t.get("tokens_this_run", 1)
+                else f"all done at step {t.get('resumed_from_step')} already, nothing trained in this run")
+        lines.append(f"  train/           {t.get('steps')} steps, loss {loss(t.get('loss_first'))} -> "
+                     f"{loss(t.get('loss_last'))}, {done}")
         lines.append(f"  draft/           speculators-format EAGLE-3 draft: {report.get('draft')}")
     if "eval" in st:
         als = ", ".join(f"k={r['num_speculative_tokens']}: {r['acceptance_length']:.2f}" for r in st["eval"])

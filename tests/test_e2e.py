@@ -100,14 +100,21 @@ def test_training_lowered_loss_and_vllm_served_the_draft(demo_run):
 
 
 def test_rerun_resumes_without_redoing_extraction(demo_run, tmp_path):
-    """Resubmitting skips committed shards (prepare reruns: it is cheap and deterministic)."""
+    """Resubmitting skips committed shards (prepare reruns: it is cheap and deterministic), and
+    training, finished already, resumes at its last step and reports the run's losses."""
     out, _, _ = demo_run
+    first = json.loads((out / "report.json").read_text())["stages"]["train"]
     proc = subprocess.run([sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml",
-                           "--set", f"output_dir={out}", "--set", "stages=[prepare, extract]", "--set", "doctor=false"],
+                           "--set", f"output_dir={out}", "--set", "stages=[prepare, extract, train]",
+                           "--set", "doctor=false", "--set", "train.num_steps=20"],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["stages"]["extract"]["shards_skipped"] == report["stages"]["extract"]["num_shards"] == 4
+    train = report["stages"]["train"]
+    assert train["resumed_from_step"] == 20 and train["tokens_this_run"] == 0
+    assert (train["loss_first"], train["loss_last"]) == (first["loss_first"], first["loss_last"])
+    assert f"loss {first['loss_first']:.4f} -> {first['loss_last']:.4f}, all done at step 20" in proc.stdout
 
 
 def test_same_driver_runs_under_ray_job_submit(tmp_path):
