@@ -1,12 +1,14 @@
 """How long the trainer's input pipeline takes to build one packed micro-batch, side by side:
-  collate  speculators' per-sample tensors (shift_batch) + CollateFn, then a copy into pinned
-           memory where there is CUDA (the trainer's path until this benchmark)
-  pack     compat.speculators_batch.pack: one copy per value from the shard into the (pinned) batch
+  collate  speculators' per-sample tensors (shift_batch; fp8 dequantised in numpy by
+           eagle3.schema) + CollateFn, then a copy into pinned memory where there is CUDA (the
+           trainer's path until this benchmark)
+  pack     compat.speculators_batch.pack: one copy per value from the shard into the (pinned)
+           batch, fp8 dequantised on the way
 over the same shard files (written by the product's shard writer, direct I/O), each read cold
 (the files' pages dropped from the page cache first, as after an extraction that wrote them
 with O_DIRECT) and warm (a second pass).
 
-    python -m benchmarks.batch_bench [--shape 1b] [--samples 64] [--batches 12] [--out DIR --tag T]
+    python -m benchmarks.batch_bench [--shape 1b] [--hs-dtype bfloat16] [--samples 64] [--batches 6] [--out DIR --tag T]
 """
 
 from __future__ import annotations
@@ -28,21 +30,26 @@ from benchmarks.extract_bench import machine, versions
 SHAPES = {"tiny": (256, [2, 4, 5, 8], 256), "1b": (2048, [2, 8, 13, 16], 1024), "8b": (4096, [2, 16, 29, 32], 1024)}
 
 
-def write_data(root: Path, hidden: int, layer_ids: list[int], seq: int, samples: int, per_shard: int = 32) -> list[str]:
+def write_data(root: Path, hidden: int, layer_ids: list[int], seq: int, samples: int, hs_dtype: str,
+               per_shard: int = 32) -> list[str]:
     from eagle3.schema import hidden_states_schema
     from eagle3.shards import write_shard_file
 
-    schema = hidden_states_schema(layer_ids=layer_ids, hidden_size=hidden)
+    schema = hidden_states_schema(layer_ids=layer_ids, hidden_size=hidden, hs_dtype=hs_dtype)
     rng = np.random.default_rng(0)
+    fp8 = hs_dtype == "float8_e4m3fn"
+    n_values = seq * len(layer_ids) * hidden
     files = []
     for s in range(-(-samples // per_shard)):
         n = min(per_shard, samples - s * per_shard)
         cols = {"sample_id": [f"s{s}-{i}" for i in range(n)],
                 "input_ids": [rng.integers(0, 32000, seq).tolist() for _ in range(n)],
                 "loss_mask": [[1] * seq for _ in range(n)], "num_tokens": [seq] * n,
-                "hidden_states": [rng.integers(0, 1 << 14, seq * len(layer_ids) * hidden, dtype=np.uint16).tobytes()
-                                  for _ in range(n)],
-                "hs_scale": [None] * n}
+                # finite values only: e4m3 bytes below 0x7f (0x7f is NaN), bf16 bits below 0x7f80
+                "hidden_states": [(rng.integers(0, 0x7F, n_values, dtype=np.uint8) if fp8 else
+                                   rng.integers(0, 1 << 14, n_values, dtype=np.uint16)).tobytes() for _ in range(n)],
+                "hs_scale": [rng.random(seq * len(layer_ids), dtype=np.float32).tolist() if fp8 else None
+                             for _ in range(n)]}
         files.append(str(root / f"shard-{s:06d}.arrow"))
         write_shard_file(pa.Table.from_pydict(cols, schema=schema), files[-1], None, True)
     return files
@@ -58,10 +65,19 @@ def drop_cache(files: list[str]) -> None:
 
 
 def collate_batches(ds, micro: int, pin: bool):
-    """The former path: per-sample tensors, CollateFn, then pinned."""
+    """The former path: per-sample tensors (fp8 dequantised by eagle3.schema in numpy), CollateFn,
+    then pinned."""
     from speculators.train.data import CollateFn
 
     from eagle3.dataset import _to_sample
+    from eagle3.schema import decode_hidden_states
+
+    def sample(ids, mask, hs, scale):
+        if scale is not None:
+            T, L, H = hs.shape
+            hs = torch.from_numpy(decode_hidden_states(hs.view(torch.uint8).numpy().reshape(-1), scale.numpy(), T, L, H,
+                                                       "float8_e4m3fn")).to(torch.bfloat16)
+        return _to_sample(ids, mask, hs)
 
     collate = CollateFn(max_len=micro, hidden_size=ds.hidden_size, num_target_layers=len(ds.aux_layer_ids),
                         dtype=torch.bfloat16)
@@ -69,7 +85,7 @@ def collate_batches(ds, micro: int, pin: bool):
     while True:
         batch, used = [], 0
         for row in rows:
-            batch.append(_to_sample(*row))
+            batch.append(sample(*row))
             used += len(row[0]) - 1
             if used + len(row[0]) - 1 > micro:
                 break
@@ -107,6 +123,7 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--batches", type=int, default=6, help="batches measured per pass (8 samples each at 1b)")
     ap.add_argument("--micro-batch-tokens", type=int, default=8192)
+    ap.add_argument("--hs-dtype", choices=("bfloat16", "float8_e4m3fn"), default="bfloat16")
     ap.add_argument("--work-dir", default=tempfile.gettempdir())
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
@@ -114,7 +131,7 @@ def main(argv=None) -> int:
     hidden, layer_ids, seq = SHAPES[args.shape]
     pin = torch.cuda.is_available()
     root = Path(tempfile.mkdtemp(prefix="eagle3-batch-bench-", dir=args.work_dir))
-    files = write_data(root, hidden, layer_ids, seq, args.samples)
+    files = write_data(root, hidden, layer_ids, seq, args.samples, args.hs_dtype)
     rows = []
     for cold in (True, False):
         for name, make in (("collate", collate_batches), ("pack", pack_batches)):
@@ -125,14 +142,18 @@ def main(argv=None) -> int:
     for f in files:
         os.remove(f)
     root.rmdir()
-    bytes_per_batch = args.micro_batch_tokens * (len(layer_ids) * hidden * 2)
+    from eagle3.schema import stored_bytes_per_token
+
+    bytes_per_batch = args.micro_batch_tokens * stored_bytes_per_token(num_layers=len(layer_ids), hidden_size=hidden,
+                                                                      hs_dtype=args.hs_dtype)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(), "versions": versions(),
             "args": vars(args), "pinned": pin, "torch_threads": torch.get_num_threads(),
             "hidden_states_bytes_per_batch": bytes_per_batch}
     med = {(r["path"], r["cold"]): r["median_ms"] for r in rows}
     lines = [f"# Building one packed micro-batch ({meta['date']})", "", f"Machine: {meta['machine']}", "",
              f"Shape {args.shape}: hidden {hidden}, layers {layer_ids}, {seq}-token samples, "
-             f"{args.micro_batch_tokens} tokens per batch ({bytes_per_batch / 1e6:.0f} MB of hidden states); "
+             f"{args.micro_batch_tokens} tokens per batch ({bytes_per_batch / 1e6:.0f} MB of {args.hs_dtype} hidden "
+             "states, read as stored); "
              f"pinned: {pin}; torch threads: {meta['torch_threads']}; median of {args.batches} batches.", "",
              "| page cache | collate + pin (ms) | pack (ms) | ratio |", "|---|---|---|---|"]
     for cold in (True, False):

@@ -24,17 +24,18 @@ import numpy as np
 import torch
 
 
-def pack(rows: Sequence[tuple[np.ndarray, np.ndarray, torch.Tensor]], max_len: int, dtype: torch.dtype,
-         pin_memory: bool = False) -> dict:
-    """rows: (input_ids [T], loss_mask [T], hidden states [T, L, H]) per sample, unshifted; the
-    last of the L layers is the verifier's last hidden state, the others the aux layers. Returns
+def pack(rows: Sequence[tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor | None]], max_len: int,
+         dtype: torch.dtype, pin_memory: bool = False) -> dict:
+    """rows: (input_ids [T], loss_mask [T], hidden states [T, L, H], scale) per sample, unshifted;
+    the last of the L layers is the verifier's last hidden state, the others the aux layers.
+    Hidden states are bf16 with scale None, or e4m3 with float32 scales [T, L], dequantised here
+    to bf16 (value * scale in float32, rounded once), as `eagle3.dataset._to_sample` does. Returns
     the batch `CollateFn(max_len, H, L - 1, dtype)([shift_batch(sample) ...])` returns: input_ids,
     loss_mask, hidden_states [1, max_len, (L-1)*H], verifier_last_hidden_states [1, max_len, H],
     position_ids, document_ids, error_records."""
     if not rows:
         raise ValueError("pack got no rows")
-    _, _, first = rows[0]
-    num_layers, hidden = first.shape[1], first.shape[2]
+    num_layers, hidden = rows[0][2].shape[1:]
 
     def empty(shape, dt):
         return torch.empty(shape, dtype=dt, pin_memory=pin_memory)
@@ -44,13 +45,13 @@ def pack(rows: Sequence[tuple[np.ndarray, np.ndarray, torch.Tensor]], max_len: i
     ids, pos, docs = (empty((max_len,), torch.long) for _ in range(3))
     mask = empty((max_len,), torch.bool)
     offset = 0
-    for doc, (input_ids, loss_mask, hs_TLD) in enumerate(rows):
+    for doc, (input_ids, loss_mask, hs_TLD, scale) in enumerate(rows):
         if offset == max_len:
             break
         n = min(max(len(input_ids) - 1, 0), max_len - offset)  # shifted length; the last one truncated
         end = offset + n
-        hs[offset:end].copy_(hs_TLD[:n, :-1, :])  # g_0 .. g_{n-1}
-        last[offset:end].copy_(hs_TLD[1:n + 1, -1, :])  # y_1 .. y_n
+        _put(hs[offset:end], hs_TLD[:n, :-1, :], None if scale is None else scale[:n, :-1])  # g_0 .. g_{n-1}
+        _put(last[offset:end], hs_TLD[1:n + 1, -1, :], None if scale is None else scale[1:n + 1, -1])  # y_1 .. y_n
         ids[offset:end].copy_(torch.from_numpy(np.asarray(input_ids[1:n + 1], dtype=np.int64)))
         mask[offset:end].copy_(torch.from_numpy(np.asarray(loss_mask[1:n + 1]) != 0))
         pos[offset:end].copy_(torch.arange(1, n + 1))
@@ -61,3 +62,12 @@ def pack(rows: Sequence[tuple[np.ndarray, np.ndarray, torch.Tensor]], max_len: i
     docs[offset:] = -1
     return {"input_ids": ids[None], "hidden_states": hs.view(1, max_len, -1), "verifier_last_hidden_states": last[None],
             "loss_mask": mask[None], "position_ids": pos[None], "document_ids": docs[None], "error_records": 0}
+
+
+def _put(dst: torch.Tensor, src: torch.Tensor, scale: torch.Tensor | None) -> None:
+    if scale is None:
+        dst.copy_(src)
+    elif dst.dtype == torch.bfloat16:
+        torch.mul(src.float(), scale.unsqueeze(-1), out=dst)
+    else:  # the sample's values are bf16 (see _to_sample), whatever the batch dtype
+        dst.copy_((src.float() * scale.unsqueeze(-1)).to(torch.bfloat16))

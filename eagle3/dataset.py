@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from compat.speculators_batch import pack
-from eagle3.schema import decode_hidden_states, hs_layout
+from eagle3.schema import hs_layout
 from eagle3.shards import ShardFile
 
 logger = logging.getLogger(__name__)
@@ -181,9 +181,9 @@ class HiddenStatesDataset:
         for row in self.rows(epoch, start):
             yield _to_sample(*row)
 
-    def rows(self, epoch: int, start: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray, torch.Tensor]]:
-        """The same samples as `samples`, as stored: (input_ids [T], loss_mask [T], hidden states
-        [T, L, H] bf16), unshifted; bf16 hidden states are views of the shard's memory, not copies."""
+    def rows(self, epoch: int, start: int = 0) -> Iterator[tuple]:
+        """The same samples as `samples`, as stored and unshifted: (input_ids [T], loss_mask [T],
+        hidden states [T, L, H], fp8 scales [T, L] or None), views of the shard's memory (_read_row)."""
         order = self.epoch_order(epoch)[start:]
         if not order:
             return
@@ -221,10 +221,11 @@ class HiddenStatesDataset:
 
 
 def _read_row(batch, j: int, num_layers: int, hidden_size: int, hs_dtype: str, path: str,
-              row: int) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
-    """Row j of a record batch: (input_ids [T], loss_mask [T], hidden states [T, L, H] bf16).
-    Token columns are numpy views; bf16 hidden states a torch view of the Arrow buffer (which the
-    view keeps alive); fp8 ones are dequantised, the one copy they need."""
+              row: int) -> tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor | None]:
+    """Row j of a record batch, as stored, nothing copied: (input_ids [T], loss_mask [T], hidden
+    states [T, L, H], scale). Token columns are numpy views; hidden states a torch view of the
+    Arrow buffer (which the view keeps alive): bf16 with scale None, or e4m3 with its float32
+    scales [T, L], dequantised where they are copied out (pack, _to_sample)."""
     T = int(batch.column("num_tokens")[j].as_py())
 
     def list_values(name):
@@ -237,25 +238,31 @@ def _read_row(batch, j: int, num_layers: int, hidden_size: int, hs_dtype: str, p
     if len(input_ids) != T or len(loss_mask) != T:
         raise ValueError(f"{path} row {row}: num_tokens={T} but input_ids has {len(input_ids)} and loss_mask "
                          f"{len(loss_mask)} values; the shard is corrupt")
-    scale = list_values("hs_scale") if hs_dtype == "float8_e4m3fn" else None
-    try:
-        hs = decode_hidden_states(batch.column("hidden_states")[j].as_buffer(), scale, T, num_layers,
-                                  hidden_size, hs_dtype)
-    except ValueError as e:
-        raise ValueError(f"{path} row {row}: {e}; the shard is corrupt") from None
-    if hs_dtype == "bfloat16":
-        # Arrow buffers are read-only and torch warns on wrapping them. Nothing writes to this
-        # view: it is only copied out of (pack, _to_sample).
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            return input_ids, loss_mask, torch.from_numpy(hs).view(torch.bfloat16)
-    return input_ids, loss_mask, torch.from_numpy(hs).to(torch.bfloat16)
+    fp8 = hs_dtype == "float8_e4m3fn"
+    values = np.frombuffer(batch.column("hidden_states")[j].as_buffer(), dtype=np.uint8 if fp8 else np.uint16)
+    scale = list_values("hs_scale") if fp8 else None
+    want = T * num_layers * hidden_size
+    if values.size != want or (fp8 and scale.size != T * num_layers):
+        raise ValueError(f"{path} row {row}: hidden_states holds {values.size} values"
+                         + (f" and hs_scale {scale.size}" if fp8 else "")
+                         + f", expected {(T, num_layers, hidden_size)}; the shard is corrupt")
+    # Arrow buffers are read-only and torch warns on wrapping them. Nothing writes to these
+    # views: they are only copied out of.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        hs = torch.from_numpy(values.reshape(T, num_layers, hidden_size))
+        if not fp8:
+            return input_ids, loss_mask, hs.view(torch.bfloat16), None
+        return input_ids, loss_mask, hs.view(torch.float8_e4m3fn), torch.from_numpy(scale.reshape(T, num_layers))
 
 
-def _to_sample(input_ids: np.ndarray, loss_mask: np.ndarray, hs_TLD: torch.Tensor) -> dict[str, torch.Tensor]:
+def _to_sample(input_ids: np.ndarray, loss_mask: np.ndarray, hs_TLD: torch.Tensor,
+               scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """A stored row as one speculators sample, shifted by speculators' own shift_batch."""
     from speculators.models.eagle3.data import shift_batch
 
+    if scale is not None:
+        hs_TLD = (hs_TLD.float() * scale.unsqueeze(-1)).to(torch.bfloat16)
     T, num_layers, hidden_size = hs_TLD.shape
     return shift_batch({
         "input_ids": torch.from_numpy(input_ids.astype(np.int64)),

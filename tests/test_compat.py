@@ -413,7 +413,7 @@ def test_pack_builds_the_batch_speculators_collate_builds(dtype_name):
     rows = []
     for T in (20, 1, 25, 30):  # 19 + 0 + 24 tokens fit; the 30-token sample is cut to 21
         hs = torch.from_numpy(rng.standard_normal((T, L, H), dtype=np.float32)).to(torch.bfloat16)
-        rows.append((rng.integers(0, 1000, T).astype(np.int32), rng.integers(0, 2, T).astype(np.uint8), hs))
+        rows.append((rng.integers(0, 1000, T).astype(np.int32), rng.integers(0, 2, T).astype(np.uint8), hs, None))
     want = CollateFn(max_len=max_len, hidden_size=H, num_target_layers=L - 1, dtype=dtype)(
         [_to_sample(*r) for r in rows])
     got = pack(rows, max_len, dtype)

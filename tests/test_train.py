@@ -319,6 +319,39 @@ def test_dataset_fp8_is_dequantised(tiny, tmp_path):
     assert (got - want).abs().max() <= 0.08 * want.abs().max()
 
 
+def test_fp8_batches_equal_the_batches_of_samples_dequantised_on_the_host(tiny, tmp_path):
+    """fp8 shards are dequantised where the batch is packed (compat.speculators_batch.pack); the
+    batches equal speculators' CollateFn over samples dequantised by eagle3.schema (the path the
+    trainer used before), in bf16 and in float32."""
+    import torch
+    from speculators.train.data import CollateFn
+
+    from eagle3.dataset import HiddenStatesDataset, PackedBatches, _to_sample
+    from eagle3.schema import decode_hidden_states
+
+    _, _, samples, hidden = tiny
+    schema = hidden_states_schema(layer_ids=LAYER_IDS, hidden_size=256, hs_dtype="float8_e4m3fn")
+    cols = {"sample_id": [], "input_ids": [], "loss_mask": [], "num_tokens": [], "hidden_states": [], "hs_scale": []}
+    host = []
+    for i in range(6):
+        ids, mask = samples[i]
+        values, scale = encode_hidden_states(hidden[i], "float8_e4m3fn")
+        for k, v in zip(cols, (f"s{i}", ids, mask, len(ids), values.tobytes(), scale.tolist()), strict=True):
+            cols[k].append(v)
+        hs = decode_hidden_states(values, scale, len(ids), len(LAYER_IDS), 256, "float8_e4m3fn")
+        host.append(_to_sample(np.asarray(ids), np.asarray(mask), torch.from_numpy(hs).to(torch.bfloat16)))
+    path = tmp_path / "fp8.parquet"
+    pq.write_table(pa.Table.from_pydict(cols, schema=schema), path)
+    ds = HiddenStatesDataset([str(path)], shuffle_buffer_size=1)  # file order
+    for dtype in (torch.bfloat16, torch.float32):
+        got = next(PackedBatches(ds, micro_batch_tokens=256, hidden_states_dtype=dtype))
+        packed = got["document_ids"].max().item() + 1
+        assert packed >= 2
+        want = CollateFn(max_len=256, hidden_size=256, num_target_layers=3, dtype=dtype)(host[:packed])
+        for key in ("hidden_states", "verifier_last_hidden_states", "input_ids", "loss_mask", "document_ids"):
+            assert torch.equal(got[key], want[key]), (dtype, key)
+
+
 # ---------------------------------------------------------------------------------------------
 # DeepSpeed config
 
