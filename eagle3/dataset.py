@@ -4,7 +4,8 @@ Owns: reading Parquet shards written with `eagle3.schema.hidden_states_schema` w
 loading them whole, turning each row into the tensors speculators' Eagle3DraftModel takes
 (shifted with speculators' own `shift_batch`), the seeded epoch-dependent shuffle, the
 split across data-parallel ranks, the resumable position, packing samples into
-micro-batches (speculators' `CollateFn`), and token frequencies for the draft vocabulary.
+micro-batches in the format of speculators' `CollateFn` (compat.speculators_batch.pack, straight
+from the shard's memory), and token frequencies for the draft vocabulary.
 Does not own: the schema (eagle3.schema) or what a batch is trained with (eagle3.trainer).
 
 Order of one epoch, for one rank (all of it derived from (seed, epoch, rank), no data read):
@@ -19,10 +20,11 @@ Because the order is computed from indices alone, resuming at `samples_seen` ski
 consumed rows without decoding them and skips Parquet row groups that hold none of the
 rows still to come.
 
-Memory: at most `shuffle_buffer_size` decoded samples plus what Arrow holds while reading
-one Parquet row group: it reads a row group's hidden_states chunk whole whatever the batch
-size (measured: 1.3 GiB peak RSS streaming 4-row batches out of one 512 MiB row group), so
-the extract stage's row-group size bounds the transient read memory.
+Memory: Arrow IPC shards are memory-mapped and samples are views of them (page cache, not
+copies). From Parquet shards, at most `shuffle_buffer_size` decoded samples plus what Arrow
+holds while reading one row group: it reads a row group's hidden_states chunk whole whatever
+the batch size (measured: 1.3 GiB peak RSS streaming 4-row batches out of one 512 MiB row
+group), so the extract stage's row-group size bounds the transient read memory.
 """
 
 from __future__ import annotations
@@ -216,16 +218,19 @@ class HiddenStatesDataset:
                 for batch in pf.iter_batches([g], columns=columns):
                     for j in range(batch.num_rows):
                         if (s, row) in needed:
-                            yield (s, row), _read_row(batch, j, L, H, self.hs_dtype, shard.path, row)
+                            yield (s, row), _read_row(batch, j, L, H, self.hs_dtype, shard.path, row,
+                                                      own=pf.format != "arrow")
                         row += 1
 
 
 def _read_row(batch, j: int, num_layers: int, hidden_size: int, hs_dtype: str, path: str,
-              row: int) -> tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor | None]:
-    """Row j of a record batch, as stored, nothing copied: (input_ids [T], loss_mask [T], hidden
-    states [T, L, H], scale). Token columns are numpy views; hidden states a torch view of the
-    Arrow buffer (which the view keeps alive): bf16 with scale None, or e4m3 with its float32
-    scales [T, L], dequantised where they are copied out (pack, _to_sample)."""
+              row: int, own: bool = False) -> tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor | None]:
+    """Row j of a record batch, as stored: (input_ids [T], loss_mask [T], hidden states [T, L, H],
+    scale). Token columns are numpy views; hidden states a torch view of the Arrow buffer (which
+    the view keeps alive): bf16 with scale None, or e4m3 with its float32 scales [T, L],
+    dequantised where they are copied out (pack, _to_sample). `own`: copy the hidden states, for
+    a record batch decoded into memory (Parquet), which a view would keep alive whole; an Arrow
+    IPC shard is memory-mapped, and a view keeps only page cache."""
     T = int(batch.column("num_tokens")[j].as_py())
 
     def list_values(name):
@@ -251,6 +256,7 @@ def _read_row(batch, j: int, num_layers: int, hidden_size: int, hs_dtype: str, p
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         hs = torch.from_numpy(values.reshape(T, num_layers, hidden_size))
+        hs = hs.clone() if own else hs
         if not fp8:
             return input_ids, loss_mask, hs.view(torch.bfloat16), None
         return input_ids, loss_mask, hs.view(torch.float8_e4m3fn), torch.from_numpy(scale.reshape(T, num_layers))

@@ -82,7 +82,8 @@ class TrainConfig:
     builds dense [T, ttt_steps * T] masks, so its cost per token grows with micro_batch_tokens."""
 
     shuffle_buffer_size: int = 256
-    """Samples held per rank for the streaming shuffle (memory: this many decoded samples)."""
+    """Samples held per rank for the streaming shuffle (memory: this many samples, as views of the
+    memory-mapped shards: page cache, not copies)."""
     prefetch_batches: int = 2
     """Micro-batches built ahead in a background thread (pinned on GPU), so that reading and
     packing overlap the device's step; memory: this many packed batches. 0: build each batch
