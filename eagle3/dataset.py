@@ -198,7 +198,7 @@ class HiddenStatesDataset:
                 pending[got_key] = row
             yield pending.pop(key)
 
-    def _read_rows(self, epoch: int, needed: set[tuple[int, int]]) -> Iterator[tuple[tuple[int, int], dict]]:
+    def _read_rows(self, epoch: int, needed: set[tuple[int, int]]) -> Iterator[tuple[tuple[int, int], tuple]]:
         """Rows of this rank's shards, file order, decoding only `needed` ones."""
         L, H = len(self.layer_ids), self.hidden_size
         columns = ["input_ids", "loss_mask", "num_tokens", "hidden_states", "hs_scale"]
