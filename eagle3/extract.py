@@ -197,19 +197,6 @@ class Extractor:
         else:
             self.backend = HFBackend(model_dir, self.layer_ids, dtype=dtype, max_model_len=max_model_len,
                                      trust_remote_code=trust_remote_code)
-        self.warmup_s = 0.0
-        if backend is None:
-            self.warmup_s = self.warm_up()
-
-    def warm_up(self) -> float:
-        """One small capture before the first shard, so that kernels compiled at first use (vLLM
-        0.26 warns of a Triton JIT at the first extraction step) and the first pinned buffers are
-        paid while engines start, not inside the extraction loop. Seconds it took."""
-        t0 = time.perf_counter()
-        with self._engine_lock:
-            pending = self.backend.submit([[1] * 16, [1] * 24])  # >= 8 tokens: see compat/README.md
-        self.backend.collect(pending)
-        return time.perf_counter() - t0
 
     def extract(self, tokens: pa.Table) -> tuple[pa.Table, ExtractStats]:
         t0 = time.perf_counter()

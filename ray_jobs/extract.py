@@ -124,8 +124,7 @@ def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str,
         infos = ray.get([r.actor.info.remote() for r in new])  # engine start errors surface here
         ray.get(warm)
         for info in infos:
-            log.info("replica %(replica)d on %(host)s (node %(node_id)s): engine up in %(startup_s).1fs "
-                     "(warm-up capture %(warmup_s).1fs)", info)
+            log.info("replica %(replica)d on %(host)s (node %(node_id)s): engine up in %(startup_s).1fs", info)
         return new
 
     summary = {"num_shards": plan.num_shards, "samples_per_shard": plan.samples_per_shard, "shards_skipped": skipped,
