@@ -46,7 +46,8 @@ def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
 class PlainPrefill:
     """(1): the same engine settings as extraction, without the hidden-states method."""
 
-    def __init__(self, model_dir: str, max_len: int, batched_tokens: int, cpu_kv_gib: int, in_process: bool = False):
+    def __init__(self, model_dir: str, max_len: int, batched_tokens: int, cpu_kv_gib: int, in_process: bool = False,
+                 block_size: int | None = None):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_gib))
         if in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -54,7 +55,8 @@ class PlainPrefill:
 
         self.llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                        enforce_eager=True, enable_prefix_caching=False, enable_chunked_prefill=False,
-                       max_model_len=max_len, max_num_batched_tokens=batched_tokens, gpu_memory_utilization=0.8)
+                       max_model_len=max_len, max_num_batched_tokens=batched_tokens, gpu_memory_utilization=0.8,
+                       **({} if block_size is None else {"block_size": block_size}))
 
     def run(self, prompts: list[list[int]]) -> float:
         from compat.vllm_engine import run_prefill
@@ -177,7 +179,7 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
     for key, in_process in (("plain_prefill", False), ("plain_inproc", True)):
         if in_process and not args.diagnose:
             continue
-        actor = in_actor(PlainPrefill, model_dir, max_len, batched, args.cpu_kv_gib, in_process)
+        actor = in_actor(PlainPrefill, model_dir, max_len, batched, args.cpu_kv_gib, in_process, args.block_size)
         secs = ray.get(actor.run.remote(prompts))
         ray.kill(actor)
         res[f"{key}_tok_s"] = tokens / secs
@@ -201,7 +203,8 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
         if (sink == "shm" and not args.diagnose) or args.skip_object_store:
             continue
         ecfg = ExtractConfig(load_format="dummy", max_num_batched_tokens=batched, gpu_memory_utilization=0.8,
-                             cpu_kvcache_space_gib=args.cpu_kv_gib, samples_per_shard=shard, sink=sink)
+                             cpu_kvcache_space_gib=args.cpu_kv_gib, samples_per_shard=shard, sink=sink,
+                             block_size=args.block_size)
         actor = in_actor(ObjectStoreExtract, model_dir, ecfg, max_len, concurrency=max_concurrency(ecfg))
         secs = _object_store_run(actor, table, shard, ecfg.max_inflight_shards, args.store_passes)
         res[f"{key}_tok_s"] = tokens / secs[-1]
@@ -232,7 +235,8 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
                                      "extract.samples_per_shard": args.samples_per_shard, "extract.num_replicas": 1,
                                      "extract.max_num_batched_tokens": batched,
                                      "extract.gpu_memory_utilization": 0.8,
-                                     "extract.cpu_kvcache_space_gib": args.cpu_kv_gib})
+                                     "extract.cpu_kvcache_space_gib": args.cpu_kv_gib,
+                                     "extract.block_size": args.block_size})
         summary = run_extract(cfg, str(tpath), model_dir, str(out), progress=False)
         records = Manifest(out, cfg.extract.file_format).committed().values()
         res[f"{key}_writer_task_gb_s"] = sorted(r["bytes"] / r["write_s"] / 1e9 for r in records)
@@ -363,6 +367,8 @@ def main(argv=None) -> int:
     ap.add_argument("--disk-dir", default=tempfile.gettempdir(), help="where (3) writes: the machine's local disk")
     ap.add_argument("--dd-gib", type=int, default=4)
     ap.add_argument("--cpu-kv-gib", type=int, default=2)
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="vLLM block_size for every engine of the run (default: vLLM's)")
     ap.add_argument("--store-passes", type=int, default=2,
                     help="passes of (2) and (2c) over the prompts; the last is reported, all are kept")
     ap.add_argument("--object-store-gib", type=float, default=None,

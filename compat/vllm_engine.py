@@ -48,6 +48,7 @@ def extraction_engine_kwargs(
     load_format: str = "auto",
     trust_remote_code: bool = False,
     hf_overrides: dict | None = None,
+    block_size: int | None = None,
 ) -> dict:
     if max_num_batched_tokens < max_model_len:
         raise ValueError(
@@ -89,6 +90,8 @@ def extraction_engine_kwargs(
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
     if hf_overrides:
         kwargs["hf_overrides"] = hf_overrides
+    if block_size is not None:
+        kwargs["block_size"] = block_size
     return kwargs
 
 

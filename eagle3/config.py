@@ -108,6 +108,13 @@ class ExtractConfig:
     gpu_memory_utilization: float = 0.85
     enforce_eager: bool = True
     """Skip CUDA graph / torch.compile warm-up: extraction is prefill-only, so graphs buy little."""
+    block_size: int | None = None
+    """KV cache block size in tokens (vLLM's `block_size`), a multiple of 16; None: vLLM's default
+    (16 on GPU). vLLM 0.26 derives the block size of the hidden-states cache from it (2 tokens
+    for 4 captured layers of a hidden-2048 target at 16) and, with a KV connector set, hashes and
+    allocates every request at that granularity: a larger block size means less of that host
+    work. Its effect on extraction speed is not measured yet (benchmarks/extract_bench.py
+    --block-size)."""
     cpu_kvcache_space_gib: int = 1
     """VLLM_CPU_KVCACHE_SPACE on CPU-only engines (vLLM's default takes most of the NUMA node)."""
     backend: str = "vllm"
@@ -137,6 +144,8 @@ class ExtractConfig:
             _fail("extract", "backend", self.backend, "use vllm or hf")
         if self.sink not in ("auto", "memory", "shm"):
             _fail("extract", "sink", self.sink, "use auto, memory or shm")
+        if self.block_size is not None and (self.block_size < 16 or self.block_size % 16):
+            _fail("extract", "block_size", self.block_size, "use a multiple of 16 (the attention kernels' unit), or null")
         if self.samples_per_shard < 1:
             _fail("extract", "samples_per_shard", self.samples_per_shard, "must be >= 1")
         if self.shard_bytes < 0:

@@ -67,7 +67,7 @@ class VLLMBackend:
             hs_dtype=cfg.hs_dtype, dtype=dtype, tensor_parallel_size=cfg.tensor_parallel_size,
             pipeline_parallel_size=cfg.pipeline_parallel_size, max_num_seqs=cfg.max_num_seqs,
             gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
-            load_format=cfg.load_format, trust_remote_code=trust_remote_code,
+            load_format=cfg.load_format, trust_remote_code=trust_remote_code, block_size=cfg.block_size,
         )
         from vllm import LLM
 

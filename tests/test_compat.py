@@ -139,6 +139,10 @@ def test_extraction_config_resolves_with_prefix_caching_and_chunked_prefill_off(
     assert cfg.speculative_config.method == "extract_hidden_states"
     assert list(cfg.speculative_config.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids) == [2, 4, 8]
     assert cfg.kv_transfer_config.kv_connector == "RayHiddenStatesConnector"
+    kw128 = extraction_engine_kwargs(model=tiny_target, layer_ids=[2, 4, 8], max_model_len=256,
+                                     max_num_batched_tokens=512, sink="memory", storage_path="/tmp/unused",
+                                     load_format="dummy", gpu_memory_utilization=0.3, block_size=128)
+    assert EngineArgs(**kw128).create_engine_config().cache_config.block_size == 128  # extract.block_size
 
     # vLLM applies no guard of its own for extract_hidden_states: left to its defaults, both are on.
     # When this fails, vLLM forces them itself and our override is redundant (keep it until 0.26 goes).
@@ -156,6 +160,17 @@ def test_batch_budget_below_sample_length_is_refused():
     with pytest.raises(ValueError, match=r"max_num_batched_tokens=128 < max_model_len=256.*extract.max_num_batched_tokens"):
         extraction_engine_kwargs(model="unused", layer_ids=[1, 2], max_model_len=256, max_num_batched_tokens=128,
                                  sink="memory", storage_path="/tmp/unused")
+
+
+def test_block_size_is_checked_before_any_engine_starts():
+    """Ours, all versions: extract.block_size goes to vLLM as `block_size` (resolved in the test
+    above); a size the attention kernels cannot take is refused when the config loads."""
+    from eagle3.config import ExtractConfig
+
+    assert ExtractConfig().block_size is None and ExtractConfig(block_size=128).block_size == 128
+    for bad in (8, 24):
+        with pytest.raises(ValueError, match=rf"config extract.block_size={bad}: use a multiple of 16"):
+            ExtractConfig(block_size=bad)
 
 
 def test_spec_decode_metric_names_and_stats_default():
