@@ -16,14 +16,11 @@ def write_shard(table, path: str, compression: str | None, direct_io: bool = Tru
             "hs_bytes": table.column("hidden_states").nbytes}
 
 
-def warm_writer(hold_s: float = 1.0) -> int:
+def warm_writer(hold_s: float = 1.0) -> None:
     """Started once per shard in flight on each engine's node while the engines load: Ray starts
     a worker process per concurrent task, and this one imports what write_shard needs, so the
     first shards' writes do not wait for worker start-up inside the extraction loop. Holding
-    `hold_s` keeps the tasks concurrent (one worker each). Returns the worker's pid."""
-    import os
-
+    `hold_s` keeps the tasks concurrent (one worker each)."""
     import eagle3.shards  # noqa: F401 - the import is the point
 
     time.sleep(hold_s)
-    return os.getpid()

@@ -24,17 +24,19 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import torch
+from speculators.models.eagle3.data import shift_batch  # noqa: F401 - imported here, not inside a timed batch
+from speculators.train.data import CollateFn
 
 from benchmarks.extract_bench import machine, versions
+from eagle3.dataset import HiddenStatesDataset, PackedBatches, _to_sample
+from eagle3.schema import decode_hidden_states, hidden_states_schema, stored_bytes_per_token
+from eagle3.shards import advise_page_cache, write_shard_file
 
 SHAPES = {"tiny": (256, [2, 4, 5, 8], 256), "1b": (2048, [2, 8, 13, 16], 1024), "8b": (4096, [2, 16, 29, 32], 1024)}
 
 
 def write_data(root: Path, hidden: int, layer_ids: list[int], seq: int, samples: int, hs_dtype: str,
                per_shard: int = 32) -> list[str]:
-    from eagle3.schema import hidden_states_schema
-    from eagle3.shards import write_shard_file
-
     schema = hidden_states_schema(layer_ids=layer_ids, hidden_size=hidden, hs_dtype=hs_dtype)
     rng = np.random.default_rng(0)
     fp8 = hs_dtype == "float8_e4m3fn"
@@ -57,20 +59,12 @@ def write_data(root: Path, hidden: int, layer_ids: list[int], seq: int, samples:
 
 def drop_cache(files: list[str]) -> None:
     for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        advise_page_cache(f, "dontneed")
 
 
 def collate_batches(ds, micro: int, pin: bool):
     """The former path: per-sample tensors (fp8 dequantised by eagle3.schema in numpy), CollateFn,
     then pinned."""
-    from speculators.train.data import CollateFn
-
-    from eagle3.dataset import _to_sample
-    from eagle3.schema import decode_hidden_states
 
     def sample(ids, mask, hs, scale):
         if scale is not None:
@@ -96,14 +90,10 @@ def collate_batches(ds, micro: int, pin: bool):
 
 
 def pack_batches(ds, micro: int, pin: bool):
-    from eagle3.dataset import PackedBatches
-
     yield from PackedBatches(ds, micro, hidden_states_dtype=torch.bfloat16, pin_memory=pin)
 
 
 def measure(make, files, micro: int, batches: int, pin: bool, cold: bool) -> list[float]:
-    from eagle3.dataset import HiddenStatesDataset
-
     if cold:
         drop_cache(files)
     ds = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=1)  # file order: reading is the cost measured
@@ -142,8 +132,6 @@ def main(argv=None) -> int:
     for f in files:
         os.remove(f)
     root.rmdir()
-    from eagle3.schema import stored_bytes_per_token
-
     bytes_per_batch = args.micro_batch_tokens * stored_bytes_per_token(num_layers=len(layer_ids), hidden_size=hidden,
                                                                       hs_dtype=args.hs_dtype)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(), "versions": versions(),

@@ -23,13 +23,15 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from eagle3.schema import dequantize_fp8
+
 
 def pack(rows: Sequence[tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor | None]], max_len: int,
          dtype: torch.dtype, pin_memory: bool = False) -> dict:
     """rows: (input_ids [T], loss_mask [T], hidden states [T, L, H], scale) per sample, unshifted;
     the last of the L layers is the verifier's last hidden state, the others the aux layers.
     Hidden states are bf16 with scale None, or e4m3 with float32 scales [T, L], dequantised here
-    to bf16 (value * scale in float32, rounded once), as `eagle3.dataset._to_sample` does. Returns
+    to bf16 by `eagle3.schema.dequantize_fp8`, as `eagle3.dataset._to_sample` does. Returns
     the batch `CollateFn(max_len, H, L - 1, dtype)([shift_batch(sample) ...])` returns: input_ids,
     loss_mask, hidden_states [1, max_len, (L-1)*H], verifier_last_hidden_states [1, max_len, H],
     position_ids, document_ids, error_records."""
@@ -68,6 +70,6 @@ def _put(dst: torch.Tensor, src: torch.Tensor, scale: torch.Tensor | None) -> No
     if scale is None:
         dst.copy_(src)
     elif dst.dtype == torch.bfloat16:
-        torch.mul(src.float(), scale.unsqueeze(-1), out=dst)
+        dequantize_fp8(src, scale, out=dst)
     else:  # the sample's values are bf16 (see _to_sample), whatever the batch dtype
-        dst.copy_((src.float() * scale.unsqueeze(-1)).to(torch.bfloat16))
+        dst.copy_(dequantize_fp8(src, scale))

@@ -41,8 +41,8 @@ import numpy as np
 import torch
 
 from compat.speculators_batch import pack
-from eagle3.schema import hs_layout
-from eagle3.shards import ShardFile
+from eagle3.schema import dequantize_fp8, hs_layout
+from eagle3.shards import ShardFile, advise_page_cache
 
 logger = logging.getLogger(__name__)
 
@@ -202,16 +202,18 @@ class HiddenStatesDataset:
         """Rows of this rank's shards, file order, decoding only `needed` ones."""
         L, H = len(self.layer_ids), self.hidden_size
         columns = ["input_ids", "loss_mask", "num_tokens", "hidden_states", "hs_scale"]
-        order = self.rank_shards(epoch)
-        for k, s in enumerate(order):
-            shard = self.shards[s]
-            starts = np.concatenate([[0], np.cumsum(shard.row_group_rows)]).astype(int)
-            groups = [g for g in range(len(shard.row_group_rows))
+        todo = []  # (shard, starts, row groups holding needed rows), in this rank's order
+        for s in self.rank_shards(epoch):
+            starts = np.concatenate([[0], np.cumsum(self.shards[s].row_group_rows)]).astype(int)
+            groups = [g for g in range(len(starts) - 1)
                       if any((s, r) in needed for r in range(starts[g], starts[g + 1]))]
-            if not groups:
-                continue
-            for ahead in order[k:k + 2]:  # this shard and the next one read in the background
-                ShardFile.will_need(self.shards[ahead].path)
+            if groups:
+                todo.append((s, starts, groups))
+        for k, (s, starts, groups) in enumerate(todo):
+            shard = self.shards[s]
+            # each shard is read in the background one shard ahead (the first one, now)
+            for ahead in ([todo[0]] if k == 0 else []) + todo[k + 1:k + 2]:
+                advise_page_cache(self.shards[ahead[0]].path, "willneed")
             pf = ShardFile(shard.path)
             for g in groups:
                 row = int(starts[g])
@@ -268,7 +270,7 @@ def _to_sample(input_ids: np.ndarray, loss_mask: np.ndarray, hs_TLD: torch.Tenso
     from speculators.models.eagle3.data import shift_batch
 
     if scale is not None:
-        hs_TLD = (hs_TLD.float() * scale.unsqueeze(-1)).to(torch.bfloat16)
+        hs_TLD = dequantize_fp8(hs_TLD, scale)
     T, num_layers, hidden_size = hs_TLD.shape
     return shift_batch({
         "input_ids": torch.from_numpy(input_ids.astype(np.int64)),

@@ -138,6 +138,17 @@ def quantize_fp8(hs_TLD):
     return (x / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).view(torch.uint8), scale
 
 
+def dequantize_fp8(q, scale, out=None):
+    """The inverse of quantize_fp8 for the trainer: e4m3 values [..., D] (torch float8_e4m3fn) and
+    float32 scales [...] -> bf16, value * scale in float32 and rounded once; written into `out`
+    (a bf16 tensor) when given, else returned."""
+    import torch
+
+    if out is None:
+        return (q.float() * scale.unsqueeze(-1)).to(torch.bfloat16)
+    return torch.mul(q.float(), scale.unsqueeze(-1), out=out)
+
+
 def decode_hidden_states(values, scale: np.ndarray | None, num_tokens: int,
                          num_layers: int, hidden_size: int, hs_dtype: str) -> np.ndarray:
     """Stored value (bytes, a pyarrow binary scalar/buffer, or a flat numpy array) -> [T, L, D].

@@ -191,22 +191,6 @@ class ShardFile:
     def num_rows(self) -> int:
         return sum(self.batch_rows)
 
-    @staticmethod
-    def will_need(path: str | Path) -> None:
-        """Ask the kernel to start reading the whole file into the page cache, in the background.
-        Arrow shards are read through a memory map, whose page faults otherwise read the file a
-        few pages at a time; shards written with O_DIRECT are not in the cache."""
-        if not hasattr(os, "posix_fadvise"):
-            return
-        try:
-            fd = os.open(str(path), os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        finally:
-            os.close(fd)
-
     def iter_batches(self, batches: list[int] | None = None, columns: list[str] | None = None):
         """Record batches (in file order) of the given batch indices, with only `columns`."""
         indices = range(len(self.batch_rows)) if batches is None else batches
@@ -225,3 +209,18 @@ class ShardFile:
 
 def read_shards(paths, columns: list[str] | None = None) -> pa.Table:
     return pa.concat_tables([ShardFile(p).read(columns) for p in paths])
+
+
+def advise_page_cache(path: str | Path, advice: str) -> None:
+    """posix_fadvise over a whole file. 'willneed': start reading it into the page cache in the
+    background (Arrow shards are read through a memory map, whose page faults otherwise read a
+    few pages at a time, and shards written with O_DIRECT are not cached); 'dontneed': drop its
+    clean pages. A no-op where the OS has no posix_fadvise."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    flag = {"willneed": os.POSIX_FADV_WILLNEED, "dontneed": os.POSIX_FADV_DONTNEED}[advice]
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, flag)
+    finally:
+        os.close(fd)

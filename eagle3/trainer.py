@@ -172,11 +172,9 @@ class Eagle3Trainer:
                 sums[k] = sums.get(k, 0) + v.detach().double()
             tokens += int((batch["document_ids"] >= 0).sum())
             loss_tokens += int(batch["loss_mask"].sum())
-        host = dict(zip(sums, torch.stack([v.reshape(()) for v in sums.values()]).cpu().unbind(), strict=True))
-        keys = sorted(k for k in host if k != "_loss")
-        vec = torch.stack([host["_loss"], torch.tensor(float(gas), dtype=torch.float64),
-                           torch.tensor(float(tokens), dtype=torch.float64),
-                           torch.tensor(float(loss_tokens), dtype=torch.float64)] + [host[k] for k in keys])
+        keys = sorted(k for k in sums if k != "_loss")
+        summed = torch.stack([sums[k].reshape(()) for k in ["_loss", *keys]]).cpu()
+        vec = torch.cat([summed[:1], torch.tensor([gas, tokens, loss_tokens], dtype=torch.float64), summed[1:]])
         dist = _dist()
         if dist is not None and self.world_size > 1:
             vec = vec.to(self.device) if dist.get_backend() == "nccl" else vec
