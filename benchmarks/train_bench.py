@@ -407,6 +407,29 @@ def failure_text(log: str, rc, log_path) -> str:
 # report
 
 
+def direct_read_gb_s(files: list[str], chunk: int = 16 << 20) -> float | None:
+    """The disk's sequential read bandwidth over these files, read with O_DIRECT (no page cache
+    is filled or used): what a cold epoch can read at most. None where O_DIRECT is refused."""
+    import mmap
+
+    buf, total, t = mmap.mmap(-1, chunk), 0, time.perf_counter()
+    for f in files:
+        try:
+            fd = os.open(f, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        except OSError:
+            return None
+        try:
+            offset = 0
+            while (n := os.preadv(fd, [buf], offset)) > 0:
+                offset += n
+            total += offset
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+    return total / (time.perf_counter() - t) / 1e9
+
+
 def set_page_cache(files: list[str], mode: str) -> None:
     """Put both trainers' data on the same footing: 'cold' drops the files' pages from the page
     cache (POSIX_FADV_DONTNEED), 'warm' reads them once. Our shards are written with O_DIRECT and
@@ -461,6 +484,10 @@ def markdown(res: dict) -> str:
         "Ratio ours / speculators: not measured (see speculators' row)", "",
         "Tokens/s: tokens of the measured steps / time between the step records ending step "
         f"{s['skip_steps']} and step {s['num_steps']} (LogRecord time stamps, both trainers).", "",
+        (f"The disk under our shards reads {res['disk_read_gb_s']:.2f} GB/s sequentially with O_DIRECT "
+         f"({s['tokens_per_step'] * res['extract']['bytes'] / res['extract']['num_tokens'] / res['disk_read_gb_s'] / 1e6:.0f}"
+         " ms to read one step's shard bytes at that rate)." if res.get("disk_read_gb_s") else
+         "Disk read bandwidth: not measured."), "",
         "Phases (s): " + ", ".join(f"{k} {v:.1f}" for k, v in res["phases_s"].items()), "",
     ]
     cmd = res["speculators"].get("command")
@@ -598,6 +625,7 @@ def main(argv=None) -> int:
     if gpu:
         _wait_gpu_released("our training")
     res["page_cache"] = args.page_cache
+    res["disk_read_gb_s"] = direct_read_gb_s(ext["files"])  # O_DIRECT: leaves the page cache as it is
     set_page_cache(ext["files"], args.page_cache)
     t = time.perf_counter()
     tcfg = TrainConfig(num_workers=1, num_steps=s.num_steps, lr=s.lr, seed=s.seed, warmup_steps=s.warmup_steps,

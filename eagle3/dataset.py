@@ -42,7 +42,7 @@ import torch
 
 from compat.speculators_batch import pack
 from eagle3.schema import dequantize_fp8, hs_layout
-from eagle3.shards import ShardFile, advise_page_cache
+from eagle3.shards import ShardFile, read_ahead
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class HiddenStatesDataset:
             shard = self.shards[s]
             # each shard is read in the background one shard ahead (the first one, now)
             for ahead in ([todo[0]] if k == 0 else []) + todo[k + 1:k + 2]:
-                advise_page_cache(self.shards[ahead[0]].path, "willneed")
+                read_ahead(self.shards[ahead[0]].path)
             pf = ShardFile(shard.path)
             for g in groups:
                 row = int(starts[g])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -211,16 +212,34 @@ def read_shards(paths, columns: list[str] | None = None) -> pa.Table:
     return pa.concat_tables([ShardFile(p).read(columns) for p in paths])
 
 
+# Linux caps one POSIX_FADV_WILLNEED at the readahead window: one call over a whole 1 GiB shard
+# read 8 MB of it (kernel 6.18, measured). Advised window by window, the whole file is read.
+_WILLNEED_WINDOW = 8 << 20
+
+
 def advise_page_cache(path: str | Path, advice: str) -> None:
-    """posix_fadvise over a whole file. 'willneed': start reading it into the page cache in the
-    background (Arrow shards are read through a memory map, whose page faults otherwise read a
-    few pages at a time, and shards written with O_DIRECT are not cached); 'dontneed': drop its
-    clean pages. A no-op where the OS has no posix_fadvise."""
+    """posix_fadvise over a whole file. 'willneed': read it into the page cache (Arrow shards are
+    read through a memory map, whose page faults otherwise read a few pages at a time, and shards
+    written with O_DIRECT are not cached); this submits the reads window by window and can block
+    while the device queue is full, so callers that must not wait use `read_ahead`. 'dontneed':
+    drop its clean pages. A no-op where the OS has no posix_fadvise."""
     if not hasattr(os, "posix_fadvise"):
         return
-    flag = {"willneed": os.POSIX_FADV_WILLNEED, "dontneed": os.POSIX_FADV_DONTNEED}[advice]
     fd = os.open(str(path), os.O_RDONLY)
     try:
-        os.posix_fadvise(fd, 0, 0, flag)
+        if advice == "dontneed":
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        elif advice == "willneed":
+            for offset in range(0, os.fstat(fd).st_size, _WILLNEED_WINDOW):
+                os.posix_fadvise(fd, offset, _WILLNEED_WINDOW, os.POSIX_FADV_WILLNEED)
+        else:
+            raise ValueError(f"advice={advice!r}: expected 'willneed' or 'dontneed'")
     finally:
         os.close(fd)
+
+
+def read_ahead(path: str | Path) -> threading.Thread:
+    """advise_page_cache(path, 'willneed') in a daemon thread (posix_fadvise releases the GIL)."""
+    thread = threading.Thread(target=advise_page_cache, args=(path, "willneed"), name="shard-read-ahead", daemon=True)
+    thread.start()
+    return thread
