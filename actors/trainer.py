@@ -67,8 +67,9 @@ def train_loop_per_worker(config: dict) -> None:
     def on_step(metrics: dict) -> None:
         last.update(metrics)
         if rank == 0:
-            logger.info("step %d/%d loss %.4f full_acc_0 %.3f lr %.2e tokens %d", metrics["step"], cfg.num_steps,
-                        metrics["loss"], metrics["full_acc_0"], metrics["lr"], metrics["tokens"])
+            logger.info("step %d/%d loss %.4f full_acc_0 %.3f lr %.2e tokens %d input_wait_ms %.1f", metrics["step"],
+                        cfg.num_steps, metrics["loss"], metrics["full_acc_0"], metrics["lr"], metrics["tokens"],
+                        metrics["input_wait_s"] * 1e3)
             progress.update(metrics)
         # The last step's checkpoint goes with the final report, after the export.
         if trainer.checkpoint_due() and trainer.global_step < cfg.num_steps:
@@ -100,6 +101,7 @@ class _Progress:
         self.loss = Gauge("eagle3_train_loss", "EAGLE-3 draft training loss (rank 0)")
         self.acc = Gauge("eagle3_train_accuracy", "Draft accuracy per TTT step (rank 0)", tag_keys=("ttt_step",))
         self.rate = Gauge("eagle3_train_tokens_per_s", "Training tokens/s (rank 0)")
+        self.wait = Gauge("eagle3_train_input_wait_s", "Seconds the last step waited for its batches (rank 0)")
         self.file = open(metrics_path, "a")
         self.t_last = time.perf_counter()
 
@@ -109,6 +111,7 @@ class _Progress:
         self.t_last = now
         self.loss.set(m["loss"])
         self.rate.set(rate)
+        self.wait.set(m["input_wait_s"])
         for k, v in m.items():
             if k.startswith("full_acc_"):
                 self.acc.set(v, tags={"ttt_step": k.rsplit("_", 1)[1]})

@@ -6,9 +6,12 @@
            batch, fp8 dequantised on the way
 over the same shard files (written by the product's shard writer, direct I/O), each read cold
 (the files' pages dropped from the page cache first, as after an extraction that wrote them
-with O_DIRECT) and warm (a second pass).
+with O_DIRECT) and warm (a second pass). Then the throughput of the whole input pipeline as the
+trainer runs it (pack behind the Prefetcher, shards read ahead), over one cold epoch, against the
+disk's own O_DIRECT read rate over the same files: in the long run, reading bounds a trainer
+whose device step is faster than that.
 
-    python -m benchmarks.batch_bench [--shape 1b] [--hs-dtype bfloat16] [--samples 64] [--batches 6] [--out DIR --tag T]
+    python -m benchmarks.batch_bench [--shape 1b] [--hs-dtype bfloat16] [--samples 128] [--batches 6] [--out DIR --tag T]
 """
 
 from __future__ import annotations
@@ -62,6 +65,29 @@ def drop_cache(files: list[str]) -> None:
         advise_page_cache(f, "dontneed")
 
 
+def direct_read_gb_s(files: list[str], chunk: int = 16 << 20) -> float | None:
+    """The disk's sequential read bandwidth over these files, read with O_DIRECT (no page cache
+    is filled or used): what a cold epoch can read at most. None where O_DIRECT is refused."""
+    import mmap
+
+    buf, total, t = mmap.mmap(-1, chunk), 0, time.perf_counter()
+    for f in files:
+        try:
+            fd = os.open(f, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        except OSError:
+            return None
+        try:
+            offset = 0
+            while (n := os.preadv(fd, [buf], offset)) > 0:
+                offset += n
+            total += offset
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+    return total / (time.perf_counter() - t) / 1e9
+
+
 def collate_batches(ds, micro: int, pin: bool):
     """The former path: per-sample tensors (fp8 dequantised by eagle3.schema in numpy), CollateFn,
     then pinned."""
@@ -107,10 +133,32 @@ def measure(make, files, micro: int, batches: int, pin: bool, cold: bool) -> lis
     return times
 
 
+def stream(files, micro: int, seq: int, pin: bool, depth: int) -> dict:
+    """The input pipeline's throughput from a cold page cache, as the trainer runs it
+    (PackedBatches behind a Prefetcher of `depth`, 0 for none), with a consumer that takes each
+    batch as soon as it is built: one epoch's full batches, in GB/s of the bytes read."""
+    from eagle3.dataset import Prefetcher
+
+    drop_cache(files)
+    ds = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=1)
+    num_batches = ds.num_samples // (micro // (seq - 1))  # equal-length samples: full batches only
+    packed = PackedBatches(ds, micro, hidden_states_dtype=torch.bfloat16, pin_memory=pin)
+    it = Prefetcher(packed, depth) if depth else packed
+    t = time.perf_counter()
+    for _ in range(num_batches):
+        next(it)
+    seconds = time.perf_counter() - t
+    if depth:
+        it.close()
+    bytes_per_sample = sum(os.path.getsize(f) for f in files) / ds.num_samples
+    read = num_batches * (micro // (seq - 1)) * bytes_per_sample
+    return {"depth": depth, "batches": num_batches, "seconds": round(seconds, 3), "gb_s": read / seconds / 1e9}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.batch_bench")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
-    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--samples", type=int, default=128, help="written, 32 per shard; the stream rows read them all")
     ap.add_argument("--batches", type=int, default=6, help="batches measured per pass (8 samples each at 1b)")
     ap.add_argument("--micro-batch-tokens", type=int, default=8192)
     ap.add_argument("--hs-dtype", choices=("bfloat16", "float8_e4m3fn"), default="bfloat16")
@@ -129,6 +177,10 @@ def main(argv=None) -> int:
             rows.append({"path": name, "cold": cold, "batch_ms": [round(t * 1e3, 1) for t in times],
                          "median_ms": statistics.median(times) * 1e3})
             print(json.dumps(rows[-1]), flush=True)
+    streams = [stream(files, args.micro_batch_tokens, seq, pin, depth) for depth in (2, 16)]
+    for r in streams:
+        print(json.dumps(r), flush=True)
+    disk_gb_s = direct_read_gb_s(files)
     for f in files:
         os.remove(f)
     root.rmdir()
@@ -136,7 +188,7 @@ def main(argv=None) -> int:
                                                                       hs_dtype=args.hs_dtype)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(), "versions": versions(),
             "args": vars(args), "pinned": pin, "torch_threads": torch.get_num_threads(),
-            "hidden_states_bytes_per_batch": bytes_per_batch}
+            "hidden_states_bytes_per_batch": bytes_per_batch, "stream": streams, "disk_read_gb_s": disk_gb_s}
     med = {(r["path"], r["cold"]): r["median_ms"] for r in rows}
     lines = [f"# Building one packed micro-batch ({meta['date']})", "", f"Machine: {meta['machine']}", "",
              f"Shape {args.shape}: hidden {hidden}, layers {layer_ids}, {seq}-token samples, "
@@ -147,6 +199,11 @@ def main(argv=None) -> int:
     for cold in (True, False):
         a, b = med[("collate", cold)], med[("pack", cold)]
         lines.append(f"| {'cold' if cold else 'warm'} | {a:.1f} | {b:.1f} | {a / b:.2f}x |")
+    lines += ["", f"One epoch ({args.samples} samples) through the trainer's input pipeline from a cold page cache, "
+              "taken as fast as it is built: " + "; ".join(
+                  f"prefetch depth {r['depth']}: {r['gb_s']:.2f} GB/s ({r['batches']} batches in {r['seconds']:.2f} s)"
+                  for r in streams) + ". The same files read with O_DIRECT (16 MiB reads): "
+              + (f"{disk_gb_s:.2f} GB/s." if disk_gb_s else "not measured (no O_DIRECT here).")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"batch{('-' + args.tag) if args.tag else ''}"

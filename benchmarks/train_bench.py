@@ -99,7 +99,7 @@ logger = logging.getLogger("eagle3.train_bench")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STEP_LOG_ENV = "EAGLE3_TRAIN_BENCH_STEP_LOG"
-OUR_STEP_FORMAT = "step %d/%d loss %.4f full_acc_0 %.3f lr %.2e tokens %d"
+OUR_STEP_FORMAT = "step %d/%d loss %.4f full_acc_0 %.3f lr %.2e tokens %d input_wait_ms %.1f"
 """actors.trainer's rank-0 per-step log line, whose arguments the step clock reads;
 tests/test_train_bench.py fails if actors/trainer.py stops logging it."""
 MAX_DRAFT_VOCAB = 32000  # eagle3.trainer.DEFAULT_MAX_DRAFT_VOCAB (the trainer module imports torch)
@@ -197,12 +197,12 @@ class _OurStepClock(logging.Handler):
         self.path = Path(path)
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.msg != OUR_STEP_FORMAT or not isinstance(record.args, tuple) or len(record.args) != 6:
+        if record.msg != OUR_STEP_FORMAT or not isinstance(record.args, tuple) or len(record.args) != 7:
             return
-        step, _num_steps, loss, _acc, _lr, tokens = record.args
+        step, _num_steps, loss, _acc, _lr, tokens, wait_ms = record.args
         with self.path.open("a") as f:
             f.write(json.dumps({"t": record.created, "step": int(step), "tokens": int(tokens),
-                                "loss": float(loss)}) + "\n")
+                                "loss": float(loss), "input_wait_ms": float(wait_ms)}) + "\n")
 
 
 def install_step_clock() -> None:
@@ -407,27 +407,17 @@ def failure_text(log: str, rc, log_path) -> str:
 # report
 
 
-def direct_read_gb_s(files: list[str], chunk: int = 16 << 20) -> float | None:
-    """The disk's sequential read bandwidth over these files, read with O_DIRECT (no page cache
-    is filled or used): what a cold epoch can read at most. None where O_DIRECT is refused."""
-    import mmap
+def _median_over_window(records: list[dict], key: str, s: BenchSettings) -> float | None:
+    """Median of a per-step record value over the measured steps (ours: input_wait_ms; speculators':
+    fetch_ms, the time its loop waited for the DataLoader)."""
+    import statistics
 
-    buf, total, t = mmap.mmap(-1, chunk), 0, time.perf_counter()
-    for f in files:
-        try:
-            fd = os.open(f, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-        except OSError:
-            return None
-        try:
-            offset = 0
-            while (n := os.preadv(fd, [buf], offset)) > 0:
-                offset += n
-            total += offset
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
-    return total / (time.perf_counter() - t) / 1e9
+    vals = [r[key] for r in records if s.skip_steps < r["step"] <= s.num_steps and r.get(key) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f} ms"
 
 
 def set_page_cache(files: list[str], mode: str) -> None:
@@ -625,6 +615,8 @@ def main(argv=None) -> int:
     if gpu:
         _wait_gpu_released("our training")
     res["page_cache"] = args.page_cache
+    from benchmarks.batch_bench import direct_read_gb_s
+
     res["disk_read_gb_s"] = direct_read_gb_s(ext["files"])  # O_DIRECT: leaves the page cache as it is
     set_page_cache(ext["files"], args.page_cache)
     t = time.perf_counter()
@@ -646,8 +638,11 @@ def main(argv=None) -> int:
         ours.update({"whole_run_tokens_per_s": summary["tokens_per_s"], "train_seconds": summary["train_seconds"],
                      "steps": summary["steps"]})
         try:
-            ours["steady"] = steady_state(read_step_log(our_step_log), s.skip_steps, s.num_steps)
-            ours["note"] = f"steps 2..{s.skip_steps} took {ours['steady']['seconds_skipped_steps']} s"
+            records = read_step_log(our_step_log)
+            ours["steady"] = steady_state(records, s.skip_steps, s.num_steps)
+            ours["input_wait_ms_steady"] = _median_over_window(records, "input_wait_ms", s)
+            ours["note"] = (f"steps 2..{s.skip_steps} took {ours['steady']['seconds_skipped_steps']} s; waited for "
+                            f"its batches a median {_ms(ours['input_wait_ms_steady'])} a measured step")
         except ValueError as e:
             ours["error"] = (f"no steady-state figure from {our_step_log}: {e}. The clock reads actors.trainer's "
                              f"'{OUR_STEP_FORMAT}' records through a Ray worker_process_setup_hook; only the "
@@ -678,8 +673,10 @@ def main(argv=None) -> int:
             window = [r for r in records if s.skip_steps < r["step"] <= s.num_steps]
             theirs["profile_tokens_per_s"] = (sum(r["tokens"] for r in window) /
                                               (sum(r["step_ms"] for r in window) / 1000.0))
+            theirs["fetch_ms_steady"] = _median_over_window(records, "fetch_ms", s)
             theirs["note"] = (f"steps 2..{s.skip_steps} took {theirs['steady']['seconds_skipped_steps']} s; its own "
-                              f"profile (tokens / sum of step_ms): {theirs['profile_tokens_per_s']:,.0f} tok/s")
+                              f"profile (tokens / sum of step_ms): {theirs['profile_tokens_per_s']:,.0f} tok/s; "
+                              f"fetch_ms median {_ms(theirs['fetch_ms_steady'])} a measured step")
         except ValueError as e:
             theirs.setdefault("error", f"no steady-state figure: {e}")
         if "error" in theirs:

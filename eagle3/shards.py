@@ -222,12 +222,13 @@ def advise_page_cache(path: str | Path, advice: str) -> None:
     read through a memory map, whose page faults otherwise read a few pages at a time, and shards
     written with O_DIRECT are not cached); this submits the reads window by window and can block
     while the device queue is full, so callers that must not wait use `read_ahead`. 'dontneed':
-    drop its clean pages. A no-op where the OS has no posix_fadvise."""
+    write it back, then drop its pages. A no-op where the OS has no posix_fadvise."""
     if not hasattr(os, "posix_fadvise"):
         return
     fd = os.open(str(path), os.O_RDONLY)
     try:
         if advice == "dontneed":
+            os.fsync(fd)  # dirty pages are not dropped: a file just written buffered would stay cached
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         elif advice == "willneed":
             for offset in range(0, os.fstat(fd).st_size, _WILLNEED_WINDOW):

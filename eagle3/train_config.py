@@ -84,10 +84,11 @@ class TrainConfig:
     shuffle_buffer_size: int = 256
     """Samples held per rank for the streaming shuffle (memory: this many samples, as views of the
     memory-mapped shards: page cache, not copies)."""
-    prefetch_batches: int = 2
+    prefetch_batches: int | None = None
     """Micro-batches built ahead in a background thread (pinned on GPU), so that reading and
-    packing overlap the device's step; memory: this many packed batches. 0: build each batch
-    when the step needs it."""
+    packing overlap the device's step; memory: this many packed batches. None: as many as fit in
+    2 GiB (eagle3.trainer.PREFETCH_AUTO_BYTES), at least 2. 0: build each batch when the step
+    needs it."""
     checkpoint_every: int = 50
     """Save a DeepSpeed checkpoint every this many steps (and always after the last step)."""
     num_checkpoints_to_keep: int | None = 2
@@ -128,8 +129,8 @@ class TrainConfig:
             _fail("loss", self.loss, f"use one of {list(LOSS_NAMES)}")
         if self.draft_attn_impl is not None and self.draft_attn_impl not in DRAFT_ATTN_IMPLS:
             _fail("draft_attn_impl", self.draft_attn_impl, f"use one of {list(DRAFT_ATTN_IMPLS)}")
-        if self.prefetch_batches < 0:
-            _fail("prefetch_batches", self.prefetch_batches, "must be >= 0 (0 = no prefetch)")
+        if self.prefetch_batches is not None and self.prefetch_batches < 0:
+            _fail("prefetch_batches", self.prefetch_batches, "must be >= 0 (0 = no prefetch) or null (auto)")
         if self.shuffle_buffer_size < 1:
             _fail("shuffle_buffer_size", self.shuffle_buffer_size, "must be >= 1 (1 = no shuffle within shards)")
         if self.checkpoint_every < 1:

@@ -36,6 +36,22 @@ from eagle3.train_config import TrainConfig
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_DRAFT_VOCAB = 32000
+# Host memory (pinned on GPU) for batches built ahead, per worker, when train.prefetch_batches is
+# None: ~15 batches of a 1B target at 8,192 tokens, 4 of a hidden-7168 one. A deep queue fills
+# while the device is busy elsewhere (the first step's compile, a checkpoint) and is drawn on
+# after; speculators' DataLoader holds 12 workers x prefetch_factor 4 = 48 batches.
+PREFETCH_AUTO_BYTES = 2 << 30
+PREFETCH_AUTO_MAX = 16  # and no deeper: small batches need no deep queue
+
+
+def prefetch_depth(cfg: TrainConfig, num_layers: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """cfg.prefetch_batches, or where it is None, as many packed micro-batches of `num_layers`
+    captured layers (the aux ones and the verifier's last) as fit in PREFETCH_AUTO_BYTES, from 2 to
+    PREFETCH_AUTO_MAX."""
+    if cfg.prefetch_batches is not None:
+        return cfg.prefetch_batches
+    per_token = num_layers * hidden_size * torch.empty((), dtype=dtype).element_size() + 25  # + ids, pos, doc, mask
+    return min(PREFETCH_AUTO_MAX, max(2, PREFETCH_AUTO_BYTES // (cfg.micro_batch_tokens * per_token)))
 _MODEL_INPUTS = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids",
                  "verifier_last_hidden_states")
 
@@ -141,7 +157,8 @@ class Eagle3Trainer:
         # pinned where there is CUDA, so each batch's copy to the device is asynchronous
         packed = PackedBatches(self.dataset, self.cfg.micro_batch_tokens, hidden_states_dtype=dtype,
                                pin_memory=self.device.type == "cuda")
-        self.batches = Prefetcher(packed, self.cfg.prefetch_batches) if self.cfg.prefetch_batches else packed
+        depth = prefetch_depth(self.cfg, len(self.dataset.layer_ids), self.dataset.hidden_size, dtype)
+        self.batches = Prefetcher(packed, depth) if depth else packed
 
     def _need_engine(self):
         if self.engine is None:
@@ -152,16 +169,21 @@ class Eagle3Trainer:
     def train_step(self) -> dict:
         """One optimizer step (gradient_accumulation_steps micro-batches); metrics averaged over
         all ranks: loss (sum over TTT steps), loss_i, full_acc_i, cond_acc_i per TTT step i,
-        tokens (packed, all ranks), loss_tokens (loss-masked), lr (used by this step)."""
+        tokens (packed, all ranks), loss_tokens (loss-masked), lr (used by this step); and
+        input_wait_s, this rank's own: how long the step waited for its batches (near 0 when reading
+        keeps ahead of the device; the step time when the input is the bound)."""
         self._need_engine()
         lr = float(self.engine.get_lr()[0])
         # Loss and metrics are summed on the device and copied to the host once per step: a copy
         # per value would wait for the device each time, and the host could not queue ahead.
         sums: dict[str, torch.Tensor] = {}
         tokens = loss_tokens = 0
+        input_wait = 0.0
         gas = self.cfg.gradient_accumulation_steps
         for _ in range(gas):
+            t = time.perf_counter()
             batch = next(self.batches)
+            input_wait += time.perf_counter() - t
             inputs = {k: batch[k].to(self.device, non_blocking=True) for k in _MODEL_INPUTS}
             _, loss, metrics = self.engine(**inputs, ttt_steps=self.cfg.ttt_steps,
                                            ttt_step_loss_decay=self.cfg.ttt_step_loss_decay,
@@ -185,7 +207,8 @@ class Eagle3Trainer:
         self.tokens_seen += int(vals["_tokens"])
         self.run_tokens += int(vals["_tokens"])
         out = {"step": self.global_step, "loss": vals["_loss"] / vals["_micro"], "lr": lr,
-               "tokens": int(vals["_tokens"]), "loss_tokens": int(vals["_loss_tokens"])}
+               "tokens": int(vals["_tokens"]), "loss_tokens": int(vals["_loss_tokens"]),
+               "input_wait_s": input_wait}
         for i in range(self.cfg.ttt_steps):
             out[f"loss_{i}"] = vals[f"loss_{i}_sum"] / max(vals[f"loss_{i}_total"], 1.0)
             for acc in ("full_acc", "cond_acc"):

@@ -279,6 +279,22 @@ def test_prefetcher_gives_the_same_batches_and_the_consumed_position(tiny):
     ahead.close()
 
 
+def test_prefetch_depth_fits_the_memory_budget_unless_set():
+    import torch
+
+    from eagle3.train_config import TrainConfig
+    from eagle3.trainer import prefetch_depth
+
+    auto = TrainConfig(micro_batch_tokens=8192)
+    # 4 captured layers of a 1B target (hidden 2048): 134 MB a batch, 15 in 2 GiB
+    assert prefetch_depth(auto, 4, 2048, torch.bfloat16) == 15
+    assert prefetch_depth(auto, 4, 7168, torch.bfloat16) == 4  # 470 MB a batch
+    assert prefetch_depth(auto, 4, 7168, torch.float32) == 2  # never fewer than 2
+    assert prefetch_depth(auto, 4, 256, torch.bfloat16) == 16  # nor more than 16
+    assert prefetch_depth(TrainConfig(micro_batch_tokens=8192, prefetch_batches=0), 4, 2048, torch.bfloat16) == 0
+    assert prefetch_depth(TrainConfig(micro_batch_tokens=8192, prefetch_batches=3), 4, 2048, torch.bfloat16) == 3
+
+
 def test_token_frequencies_reads_only_token_columns(tiny, tmp_path):
     from eagle3.dataset import HiddenStatesDataset, token_frequencies
 
@@ -510,6 +526,7 @@ def test_deepspeed_training_reduces_loss(trained):
     assert losses[-1] < 0.5 * losses[0]
     assert history[0]["lr"] == 0.0 and history[-1]["lr"] < history[4]["lr"]  # warmup, then cosine decay
     assert all(0.0 <= m["full_acc_0"] <= 1.0 for m in history) and history[-1]["full_acc_0"] > 0.1
+    assert all(m["input_wait_s"] >= 0.0 for m in history)  # this rank's wait for its batches, per step
     assert sorted(p.name for p in Path(ckpt).iterdir()) == ["latest", "step_00000006", "step_00000012",
                                                              "zero_to_fp32.py", "zero_to_torch.py"]
 

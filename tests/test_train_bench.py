@@ -163,9 +163,10 @@ def test_step_clocks_read_the_records_both_trainers_log(tmp_path):
     assert f'logger.info("{OUR_STEP_FORMAT}"' in inspect.getsource(actors.trainer.train_loop_per_worker)
     ours = tmp_path / "ours.jsonl"
     rec = logging.LogRecord("actors.trainer", logging.INFO, __file__, 1, OUR_STEP_FORMAT,
-                            (7, 30, 2.5, 0.1, 1e-4, 8184), None)
+                            (7, 30, 2.5, 0.1, 1e-4, 8184, 12.5), None)
     _OurStepClock(str(ours)).emit(rec)
-    assert json.loads(ours.read_text()) == {"t": rec.created, "step": 7, "tokens": 8184, "loss": 2.5}
+    assert json.loads(ours.read_text()) == {"t": rec.created, "step": 7, "tokens": 8184, "loss": 2.5,
+                                            "input_wait_ms": 12.5}
 
     # speculators' per-step record, as speculators.train.trainer logs it (global_step before the increment)
     theirs = tmp_path / "theirs.jsonl"

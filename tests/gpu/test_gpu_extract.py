@@ -78,7 +78,8 @@ def test_doctor_dry_run_on_gpu(gpu_target):
     line = next(x for x in out.stdout.splitlines() if x.startswith("ROW"))
     row = json.loads(line[3:])
     assert row["ok"], row["detail"] + row["fix"]
-    assert "hidden states (16, 3, 512)" in row["detail"]
+    # the 2-layer cut: the job's aux ids fold onto decoder layer 1, the last layer is 2
+    assert "hidden states (16, 2, 512)" in row["detail"] and "layers [1, 2]" in row["detail"], row["detail"]
     from eagle3.doctor import check_gpus
 
     rows = check_gpus(min_free_fraction=0.0)
