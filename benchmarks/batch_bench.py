@@ -3,7 +3,8 @@
            eagle3.schema) + CollateFn, then a copy into pinned memory where there is CUDA (the
            trainer's path until this benchmark)
   pack     compat.speculators_batch.pack: one copy per value from the shard into the (pinned)
-           batch, fp8 dequantised on the way
+           batch; fp8 dequantised on the way on a CPU-only machine, and left e4m3 with its scales
+           where there is CUDA (the trainer dequantises on the device)
 over the same shard files (written by the product's shard writer, direct I/O), each read cold
 (the files' pages dropped from the page cache first, as after an extraction that wrote them
 with O_DIRECT) and warm (a second pass). Then the throughput of the whole input pipeline as the
@@ -116,7 +117,8 @@ def collate_batches(ds, micro: int, pin: bool):
 
 
 def pack_batches(ds, micro: int, pin: bool):
-    yield from PackedBatches(ds, micro, hidden_states_dtype=torch.bfloat16, pin_memory=pin)
+    # as the trainer packs: where there is CUDA, fp8 stays e4m3 for the device to dequantise
+    yield from PackedBatches(ds, micro, hidden_states_dtype=torch.bfloat16, pin_memory=pin, dequantize=not pin)
 
 
 def measure(make, files, micro: int, batches: int, pin: bool, cold: bool) -> list[float]:
@@ -142,7 +144,7 @@ def stream(files, micro: int, seq: int, pin: bool, depth: int) -> dict:
     drop_cache(files)
     ds = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=1)
     num_batches = ds.num_samples // (micro // (seq - 1))  # equal-length samples: full batches only
-    packed = PackedBatches(ds, micro, hidden_states_dtype=torch.bfloat16, pin_memory=pin)
+    packed = PackedBatches(ds, micro, hidden_states_dtype=torch.bfloat16, pin_memory=pin, dequantize=not pin)
     it = Prefetcher(packed, depth) if depth else packed
     t = time.perf_counter()
     for _ in range(num_batches):
@@ -193,7 +195,8 @@ def main(argv=None) -> int:
     lines = [f"# Building one packed micro-batch ({meta['date']})", "", f"Machine: {meta['machine']}", "",
              f"Shape {args.shape}: hidden {hidden}, layers {layer_ids}, {seq}-token samples, "
              f"{args.micro_batch_tokens} tokens per batch ({bytes_per_batch / 1e6:.0f} MB of {args.hs_dtype} hidden "
-             "states, read as stored); "
+             "states, read as stored" + ("; pack leaves fp8 for the device" if pin and args.hs_dtype != "bfloat16"
+                                         else "") + "); "
              f"pinned: {pin}; torch threads: {meta['torch_threads']}; median of {args.batches} batches.", "",
              "| page cache | collate + pin (ms) | pack (ms) | ratio |", "|---|---|---|---|"]
     for cold in (True, False):

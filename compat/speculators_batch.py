@@ -13,6 +13,10 @@ batch, and zero-fills only the padding. On the H200 host, one 8,192-token batch 
 (`python -m benchmarks.batch_bench`, benchmarks/results/batch-h200-1b.md).
 tests/test_compat.py checks that `pack` returns exactly what shift_batch + CollateFn return
 (keys, shapes, dtypes, values, truncation); it fails when speculators changes the format.
+fp8 shards: `pack(dequantize=False)` keeps the e4m3 bytes and their scales (half the bytes to copy
+and to send) and `dequantize_batch` turns them into the same batch where it lands, on the GPU.
+Dequantising on the host took 112 ms a 1B batch on the H200 host (benchmarks/results/
+batch-h200-1b-fp8.md); tests/test_train.py checks both paths against CollateFn.
 Remove when: speculators' collate writes into caller-provided (pinned) buffers from views.
 """
 
@@ -27,23 +31,30 @@ from eagle3.schema import dequantize_fp8
 
 
 def pack(rows: Sequence[tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor | None]], max_len: int,
-         dtype: torch.dtype, pin_memory: bool = False) -> dict:
+         dtype: torch.dtype, pin_memory: bool = False, dequantize: bool = True) -> dict:
     """rows: (input_ids [T], loss_mask [T], hidden states [T, L, H], scale) per sample, unshifted;
     the last of the L layers is the verifier's last hidden state, the others the aux layers.
     Hidden states are bf16 with scale None, or e4m3 with float32 scales [T, L], dequantised here
     to bf16 by `eagle3.schema.dequantize_fp8`, as `eagle3.dataset._to_sample` does. Returns
     the batch `CollateFn(max_len, H, L - 1, dtype)([shift_batch(sample) ...])` returns: input_ids,
     loss_mask, hidden_states [1, max_len, (L-1)*H], verifier_last_hidden_states [1, max_len, H],
-    position_ids, document_ids, error_records."""
+    position_ids, document_ids, error_records.
+    `dequantize=False` with e4m3 rows: both hidden-state tensors stay e4m3 (half the bytes to copy
+    and to send to the device) and the batch also holds their float32 scales,
+    hidden_states_scale [1, max_len, L-1] and verifier_last_hidden_states_scale [1, max_len];
+    `dequantize_batch`, on the device, then gives what `dequantize=True` gives."""
     if not rows:
         raise ValueError("pack got no rows")
     num_layers, hidden = rows[0][2].shape[1:]
+    deferred = not dequantize and rows[0][3] is not None
 
     def empty(shape, dt):
         return torch.empty(shape, dtype=dt, pin_memory=pin_memory)
 
-    hs = empty((max_len, num_layers - 1, hidden), dtype)
-    last = empty((max_len, hidden), dtype)
+    hs = empty((max_len, num_layers - 1, hidden), torch.float8_e4m3fn if deferred else dtype)
+    last = empty((max_len, hidden), torch.float8_e4m3fn if deferred else dtype)
+    if deferred:
+        hs_scale, last_scale = empty((max_len, num_layers - 1), torch.float32), empty((max_len,), torch.float32)
     ids, pos, docs = (empty((max_len,), torch.long) for _ in range(3))
     mask = empty((max_len,), torch.bool)
     offset = 0
@@ -52,18 +63,44 @@ def pack(rows: Sequence[tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor
             break
         n = min(max(len(input_ids) - 1, 0), max_len - offset)  # shifted length; the last one truncated
         end = offset + n
-        _put(hs[offset:end], hs_TLD[:n, :-1, :], None if scale is None else scale[:n, :-1])  # g_0 .. g_{n-1}
-        _put(last[offset:end], hs_TLD[1:n + 1, -1, :], None if scale is None else scale[1:n + 1, -1])  # y_1 .. y_n
+        if deferred:  # the e4m3 bytes and their scales, as stored
+            hs[offset:end].view(torch.uint8).copy_(hs_TLD[:n, :-1, :].view(torch.uint8))
+            last[offset:end].view(torch.uint8).copy_(hs_TLD[1:n + 1, -1, :].view(torch.uint8))
+            hs_scale[offset:end].copy_(scale[:n, :-1])
+            last_scale[offset:end].copy_(scale[1:n + 1, -1])
+        else:
+            _put(hs[offset:end], hs_TLD[:n, :-1, :], None if scale is None else scale[:n, :-1])  # g_0 .. g_{n-1}
+            _put(last[offset:end], hs_TLD[1:n + 1, -1, :], None if scale is None else scale[1:n + 1, -1])  # y_1 .. y_n
         ids[offset:end].copy_(torch.from_numpy(np.asarray(input_ids[1:n + 1], dtype=np.int64)))
         mask[offset:end].copy_(torch.from_numpy(np.asarray(loss_mask[1:n + 1]) != 0))
         pos[offset:end].copy_(torch.arange(1, n + 1))
         docs[offset:end] = doc
         offset = end
-    for t in (hs, last, ids, pos, mask):
-        t[offset:].zero_()
+    for t in (hs, last, ids, pos, mask) + ((hs_scale, last_scale) if deferred else ()):
+        (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)[offset:].zero_()
     docs[offset:] = -1
-    return {"input_ids": ids[None], "hidden_states": hs.view(1, max_len, -1), "verifier_last_hidden_states": last[None],
-            "loss_mask": mask[None], "position_ids": pos[None], "document_ids": docs[None], "error_records": 0}
+    batch = {"input_ids": ids[None], "hidden_states": hs.view(1, max_len, -1), "verifier_last_hidden_states": last[None],
+             "loss_mask": mask[None], "position_ids": pos[None], "document_ids": docs[None], "error_records": 0}
+    if deferred:
+        batch.update(hidden_states_scale=hs_scale[None], verifier_last_hidden_states_scale=last_scale[None])
+    return batch
+
+
+SCALE_KEYS = ("hidden_states_scale", "verifier_last_hidden_states_scale")
+
+
+def dequantize_batch(batch: dict, dtype: torch.dtype) -> dict:
+    """A batch packed with dequantize=False, its e4m3 hidden states replaced by their `dtype`
+    values and the scale keys dropped, wherever its tensors are (the trainer calls it on the
+    device): the values pack(..., dequantize=True) gives. Other batches are returned as they are."""
+    if SCALE_KEYS[0] not in batch:
+        return batch
+    out = {k: v for k, v in batch.items() if k not in SCALE_KEYS}
+    hs, scale = batch["hidden_states"], batch["hidden_states_scale"]
+    hs = dequantize_fp8(hs.view(*scale.shape, -1), scale).view(hs.shape)  # [1, T, (L-1)*H]
+    last = dequantize_fp8(batch["verifier_last_hidden_states"], batch["verifier_last_hidden_states_scale"])
+    out["hidden_states"], out["verifier_last_hidden_states"] = hs.to(dtype), last.to(dtype)
+    return out
 
 
 def _put(dst: torch.Tensor, src: torch.Tensor, scale: torch.Tensor | None) -> None:

@@ -285,7 +285,9 @@ def _to_sample(input_ids: np.ndarray, loss_mask: np.ndarray, hs_TLD: torch.Tenso
 class PackedBatches:
     """Endless micro-batches for one rank: samples packed into [1, micro_batch_tokens] in the
     format of speculators' CollateFn (document_ids mark samples, -1 marks padding; built by
-    compat.speculators_batch.pack, in pinned memory when `pin_memory`), epochs cycled.
+    compat.speculators_batch.pack, in pinned memory when `pin_memory`), epochs cycled. fp8 shards:
+    `dequantize=False` keeps the hidden states e4m3 with their scales, for
+    compat.speculators_batch.dequantize_batch on the device.
 
     `state_dict()` = {"epoch", "samples_seen"}: samples of that epoch inside batches already
     returned. A sample that did not fit the last batch is re-read after a resume.
@@ -294,11 +296,12 @@ class PackedBatches:
 
     def __init__(self, dataset: HiddenStatesDataset, micro_batch_tokens: int,
                  hidden_states_dtype: torch.dtype = torch.bfloat16, state: dict | None = None,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, dequantize: bool = True):
         self.dataset = dataset
         self.micro_batch_tokens = micro_batch_tokens
         self.hidden_states_dtype = hidden_states_dtype
         self.pin_memory = pin_memory
+        self.dequantize = dequantize
         self.num_truncated = 0
         self.num_skipped = 0
         self.load_state_dict(state or {"epoch": 0, "samples_seen": 0})
@@ -344,7 +347,8 @@ class PackedBatches:
                     break
             if batch:
                 self.samples_seen += num_samples
-                return pack(batch, self.micro_batch_tokens, self.hidden_states_dtype, self.pin_memory)
+                return pack(batch, self.micro_batch_tokens, self.hidden_states_dtype, self.pin_memory,
+                            self.dequantize)
             if self.samples_seen == 0 and num_samples == 0:
                 raise ValueError(
                     f"rank {self.dataset.rank} got no samples in epoch {self.epoch} "

@@ -344,6 +344,7 @@ def test_fp8_batches_equal_the_batches_of_samples_dequantised_on_the_host(tiny, 
 
     from eagle3.dataset import HiddenStatesDataset, PackedBatches, _to_sample
     from eagle3.schema import decode_hidden_states
+    from eagle3.trainer import _MODEL_INPUTS, device_inputs
 
     _, _, samples, hidden = tiny
     schema = hidden_states_schema(layer_ids=LAYER_IDS, hidden_size=256, hs_dtype="float8_e4m3fn")
@@ -366,6 +367,14 @@ def test_fp8_batches_equal_the_batches_of_samples_dequantised_on_the_host(tiny, 
         want = CollateFn(max_len=256, hidden_size=256, num_target_layers=3, dtype=dtype)(host[:packed])
         for key in ("hidden_states", "verifier_last_hidden_states", "input_ids", "loss_mask", "document_ids"):
             assert torch.equal(got[key], want[key]), (dtype, key)
+        # the GPU trainer's path: e4m3 as stored in the batch, dequantised where the inputs land
+        stored = next(PackedBatches(ds, micro_batch_tokens=256, hidden_states_dtype=dtype, dequantize=False))
+        assert stored["hidden_states"].dtype == torch.float8_e4m3fn
+        assert stored["hidden_states"].shape == got["hidden_states"].shape
+        on_device = device_inputs(stored, torch.device("cpu"), dtype)
+        assert sorted(on_device) == sorted(_MODEL_INPUTS)
+        for key in _MODEL_INPUTS:
+            assert torch.equal(on_device[key], got[key]), (dtype, key)
 
 
 # ---------------------------------------------------------------------------------------------
