@@ -460,7 +460,8 @@ def markdown(res: dict) -> str:
         f"Draft: {s['num_draft_layers']} layer, vocab {shape['draft_vocab_size']}, TTT {s['ttt_steps']}, "
         f"{s['loss']}, attention {s['draft_attn_impl']}, lr {s['lr']}.", "",
         f"Data: {s['num_prompts']} random-token prompts x {s['prompt_len']} tokens (hidden states by "
-        f"{res['extract']['backend']}); {s['micro_batch_tokens']} tokens per step budget = {s['samples_per_step']} "
+        f"{res['extract']['backend']}; our shards store them in {res['extract'].get('hs_dtype', 'bfloat16')}, "
+        f"speculators' files in bf16); {s['micro_batch_tokens']} tokens per step budget = {s['samples_per_step']} "
         f"samples = {s['samples_per_step'] * (s['prompt_len'] - 1)} tokens per optimizer step; {s['num_steps']} steps "
         f"each, steady state over steps {s['skip_steps'] + 1}..{s['num_steps']}. Each trainer's data files were "
         f"{ {'cold': 'dropped from the page cache', 'warm': 'read into the page cache'}.get(res.get('page_cache'), 'left in the page cache as written')} "
@@ -504,6 +505,9 @@ def main(argv=None) -> int:
                     help="draft attention in both trainers; auto: simple_flex_attention with a GPU (both trainers' "
                          "default there), sdpa without")
     ap.add_argument("--extract-backend", choices=("vllm", "hf"), default="vllm")
+    ap.add_argument("--hs-dtype", choices=("bfloat16", "float8_e4m3fn"), default="bfloat16",
+                    help="how our shards store hidden states; speculators' files hold them in bf16 either way "
+                         "(fp8 shards are dequantised into them), so fp8 gives our trainer half the bytes to read")
     ap.add_argument("--prefetch-batches", type=int, default=None,
                     help="our trainer's train.prefetch_batches (default: TrainConfig's); 0 = no prefetch")
     ap.add_argument("--samples-per-shard", type=int, default=64)
@@ -575,7 +579,7 @@ def main(argv=None) -> int:
     pq.write_table(table, tokens_path)
     cfg = load_job_config(None, {
         "output_dir": str(work), "prepare.max_length": s.prompt_len + 8, "extract.backend": args.extract_backend,
-        "extract.samples_per_shard": args.samples_per_shard, "extract.num_replicas": 1,
+        "extract.samples_per_shard": args.samples_per_shard, "extract.num_replicas": 1, "extract.hs_dtype": args.hs_dtype,
         "extract.max_num_batched_tokens": max(16384, s.prompt_len + 8), "extract.gpu_memory_utilization": 0.8,
         "extract.cpu_kvcache_space_gib": args.cpu_kv_gib})
     ext = run_extract(cfg, str(tokens_path), target_dir, str(work / "hidden_states"), progress=False)
@@ -584,7 +588,7 @@ def main(argv=None) -> int:
                            f"({ext['num_rejected']} rejected: see {work / 'hidden_states' / 'rejects.jsonl'})")
     layer_ids = list(ext["layer_ids"])
     res["shape"]["layer_ids"] = layer_ids
-    res["extract"] = {"backend": args.extract_backend, "num_samples": ext["num_samples"],
+    res["extract"] = {"backend": args.extract_backend, "hs_dtype": args.hs_dtype, "num_samples": ext["num_samples"],
                       "num_tokens": ext["num_tokens"], "bytes": ext["bytes"], "num_shards": len(ext["files"]),
                       "seconds": ext["seconds"]}
     phases["extract"] = time.perf_counter() - t

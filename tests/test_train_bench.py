@@ -10,6 +10,7 @@ import argparse
 import inspect
 import json
 import logging
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -215,3 +216,15 @@ def test_failure_text_names_the_workers_exception_not_torchruns():
     first = failure_text(log, 1, "spec.log").splitlines()[0]
     assert first == "[speculators] exit 1: AssertionError: ListVariable(length=21) is already tracked for mutation."
     assert failure_text("boom\n", 2, "spec.log").splitlines()[0] == "[speculators] exit 2: no exception line found"
+
+
+def test_report_renders_a_committed_result():
+    from benchmarks.train_bench import markdown
+
+    res = json.loads((Path(__file__).parents[1] / "benchmarks/results/train-h200-1b-run4.json").read_text())
+    md = markdown(res)
+    assert "8192 tokens per step budget = 8 samples = 8184 tokens per optimizer step" in md
+    assert "our shards store them in bfloat16" in md
+    assert "| ours: DeepSpeed ZeRO-2, Ray Train, 1 worker | **80,090** |" in md
+    assert "**Ratio ours / speculators: 0.801x**" in md
+    assert "reads 1.64 GB/s sequentially with O_DIRECT (82 ms" in md
