@@ -12,7 +12,8 @@ trainer runs it (pack behind the Prefetcher, shards read ahead), over one cold e
 disk's own O_DIRECT read rate over the same files: in the long run, reading bounds a trainer
 whose device step is faster than that.
 
-    python -m benchmarks.batch_bench [--shape 1b] [--hs-dtype bfloat16] [--samples 128] [--batches 6] [--out DIR --tag T]
+    python -m benchmarks.batch_bench [--shape 1b] [--hs-dtype bfloat16] [--samples 128] [--batches 6]
+                                     [--out DIR --tag T]
 """
 
 from __future__ import annotations

@@ -30,8 +30,12 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections import deque
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+WRITES_IN_FLIGHT = 4  # safetensors files written at once by convert_shards (its writes release the GIL)
 
 STEP_LOG_FIELDS = ("t", "step", "tokens")
 """Every line of a step log has at least these: wall time stamp (s, LogRecord.created), 1-based
@@ -100,27 +104,35 @@ def convert_shards(files: str | Path | Sequence[str | Path], data_path: str | Pa
     sample_ids: list[str] = []
     seen: set[str] = set()
     cols: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
-    num_tokens = num_bytes = 0
-    for i, (sample_id, ids, mask, hs_TLD) in enumerate(_rows(files)):
-        if expected_input_ids is not None:
-            want = expected_input_ids.get(sample_id)
-            if want is None or sample_id in seen:
-                raise ValueError(f"shard sample {sample_id!r} was {'seen twice' if want is not None else 'never sent'}"
-                                 " to extraction; the shards do not hold the benchmark's prompts")
-            got = ids.tolist()
-            if got != list(want):
-                first = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-                raise ValueError(f"sample {sample_id!r}: the shard's {len(got)} token ids differ from the "
-                                 f"{len(want)} sent to extraction (first difference at position {first})")
-            seen.add(sample_id)
-        path = hs_dir / f"hs_{i}.safetensors"
-        save_file({"hidden_states": hs_TLD.contiguous(), "token_ids": ids.clone()}, str(path))
-        num_bytes += path.stat().st_size
-        sample_ids.append(sample_id)
-        cols["input_ids"].append(ids.tolist())
-        cols["loss_mask"].append(mask.tolist())
-        cols["seq_len"].append(len(ids))
-        num_tokens += len(ids)
+    num_tokens = 0
+    writes: deque = deque()
+    with ThreadPoolExecutor(max_workers=WRITES_IN_FLIGHT, thread_name_prefix="convert-write") as pool:
+        for i, (sample_id, ids, mask, hs_TLD) in enumerate(_rows(files)):
+            if expected_input_ids is not None:
+                want = expected_input_ids.get(sample_id)
+                if want is None or sample_id in seen:
+                    how = "seen twice" if want is not None else "never sent"
+                    raise ValueError(f"shard sample {sample_id!r} was {how} to extraction; the shards do not hold "
+                                     "the benchmark's prompts")
+                got = ids.tolist()
+                if got != list(want):
+                    first = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                    raise ValueError(f"sample {sample_id!r}: the shard's {len(got)} token ids differ from the "
+                                     f"{len(want)} sent to extraction (first difference at position {first})")
+                seen.add(sample_id)
+            path = hs_dir / f"hs_{i}.safetensors"
+            writes.append(pool.submit(save_file, {"hidden_states": hs_TLD.contiguous(), "token_ids": ids.clone()},
+                                      str(path)))
+            while len(writes) > WRITES_IN_FLIGHT:  # bounded memory: a few samples' tensors at a time
+                writes.popleft().result()
+            sample_ids.append(sample_id)
+            cols["input_ids"].append(ids.tolist())
+            cols["loss_mask"].append(mask.tolist())
+            cols["seq_len"].append(len(ids))
+            num_tokens += len(ids)
+        for w in writes:
+            w.result()
+    num_bytes = sum((hs_dir / f"hs_{i}.safetensors").stat().st_size for i in range(len(sample_ids)))
     if expected_input_ids is not None and len(sample_ids) != len(expected_input_ids):
         missing = sorted(set(expected_input_ids) - set(sample_ids))
         raise ValueError(f"{len(missing)} of {len(expected_input_ids)} prompts have no hidden states in the "

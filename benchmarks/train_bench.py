@@ -579,7 +579,8 @@ def main(argv=None) -> int:
     pq.write_table(table, tokens_path)
     cfg = load_job_config(None, {
         "output_dir": str(work), "prepare.max_length": s.prompt_len + 8, "extract.backend": args.extract_backend,
-        "extract.samples_per_shard": args.samples_per_shard, "extract.num_replicas": 1, "extract.hs_dtype": args.hs_dtype,
+        "extract.samples_per_shard": args.samples_per_shard, "extract.num_replicas": 1,
+        "extract.hs_dtype": args.hs_dtype,
         "extract.max_num_batched_tokens": max(16384, s.prompt_len + 8), "extract.gpu_memory_utilization": 0.8,
         "extract.cpu_kvcache_space_gib": args.cpu_kv_gib})
     ext = run_extract(cfg, str(tokens_path), target_dir, str(work / "hidden_states"), progress=False)

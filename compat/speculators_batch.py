@@ -79,8 +79,9 @@ def pack(rows: Sequence[tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor
     for t in (hs, last, ids, pos, mask) + ((hs_scale, last_scale) if deferred else ()):
         (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)[offset:].zero_()
     docs[offset:] = -1
-    batch = {"input_ids": ids[None], "hidden_states": hs.view(1, max_len, -1), "verifier_last_hidden_states": last[None],
-             "loss_mask": mask[None], "position_ids": pos[None], "document_ids": docs[None], "error_records": 0}
+    batch = {"input_ids": ids[None], "hidden_states": hs.view(1, max_len, -1),
+             "verifier_last_hidden_states": last[None], "loss_mask": mask[None], "position_ids": pos[None],
+             "document_ids": docs[None], "error_records": 0}
     if deferred:
         batch.update(hidden_states_scale=hs_scale[None], verifier_last_hidden_states_scale=last_scale[None])
     return batch
