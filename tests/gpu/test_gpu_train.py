@@ -1,0 +1,53 @@
+"""On the GPU: fp8 shards reach the device as stored (e4m3 bytes and scales, half the bytes of
+bf16) and are dequantised there, to exactly the batch the host path builds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+LAYER_IDS = [2, 4, 5, 8]
+HIDDEN = 256
+
+
+def fp8_shard(path, lengths=(37, 120, 90, 64, 200), seed=0) -> str:
+    from eagle3.schema import encode_hidden_states, hidden_states_schema
+    from eagle3.shards import write_shard_file
+
+    rng = np.random.default_rng(seed)
+    cols = {"sample_id": [], "input_ids": [], "loss_mask": [], "num_tokens": [], "hidden_states": [], "hs_scale": []}
+    for i, T in enumerate(lengths):
+        values, scale = encode_hidden_states(rng.standard_normal((T, len(LAYER_IDS), HIDDEN)).astype(np.float32) * 3,
+                                             "float8_e4m3fn")
+        row = (f"s{i}", rng.integers(0, 1000, T).tolist(), rng.integers(0, 2, T).tolist(), T, values.tobytes(),
+               scale.tolist())
+        for k, v in zip(cols, row, strict=True):
+            cols[k].append(v)
+    schema = hidden_states_schema(layer_ids=LAYER_IDS, hidden_size=HIDDEN, hs_dtype="float8_e4m3fn")
+    write_shard_file(pa.Table.from_pydict(cols, schema=schema), str(path), None, True)
+    return str(path)
+
+
+def test_fp8_batches_dequantised_on_the_gpu_equal_the_host_path(tmp_path):
+    import torch
+
+    from eagle3.dataset import HiddenStatesDataset, PackedBatches
+    from eagle3.trainer import _MODEL_INPUTS, device_inputs
+
+    files = [fp8_shard(tmp_path / "shard-000000.arrow")]
+    ds = HiddenStatesDataset(files, shuffle_buffer_size=1)
+    cuda = torch.device("cuda")
+    for dtype in (torch.bfloat16, torch.float32):
+        host = PackedBatches(ds, micro_batch_tokens=256, hidden_states_dtype=dtype, pin_memory=True)
+        stored = PackedBatches(ds, micro_batch_tokens=256, hidden_states_dtype=dtype, pin_memory=True,
+                               dequantize=False)
+        for _ in range(3):
+            want, got = next(host), next(stored)
+            assert got["hidden_states"].dtype == torch.float8_e4m3fn and got["hidden_states"].is_pinned()
+            on_gpu = device_inputs(got, cuda, dtype)
+            for key in _MODEL_INPUTS:
+                assert on_gpu[key].device.type == "cuda", key
+                assert torch.equal(on_gpu[key].cpu(), want[key]), (dtype, key)
