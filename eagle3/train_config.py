@@ -87,7 +87,7 @@ class TrainConfig:
     prefetch_batches: int | None = None
     """Micro-batches built ahead in a background thread (pinned on GPU), so that reading and
     packing overlap the device's step; memory: this many packed batches. None: as many as fit in
-    2 GiB (eagle3.trainer.PREFETCH_AUTO_BYTES), at least 2. 0: build each batch when the step
+    2 GiB (eagle3.trainer.PREFETCH_AUTO_BYTES), from 2 to 16. 0: build each batch when the step
     needs it."""
     checkpoint_every: int = 50
     """Save a DeepSpeed checkpoint every this many steps (and always after the last step)."""

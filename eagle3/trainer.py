@@ -37,6 +37,8 @@ from eagle3.train_config import TrainConfig
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_DRAFT_VOCAB = 32000
+_MODEL_INPUTS = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids",
+                 "verifier_last_hidden_states")
 # Host memory (pinned on GPU) for batches built ahead, per worker, when train.prefetch_batches is
 # None: ~15 batches of a 1B target at 8,192 tokens, 4 of a hidden-7168 one. A deep queue fills
 # while the device is busy elsewhere (the first step's compile, a checkpoint) and is drawn on
@@ -58,10 +60,8 @@ def prefetch_depth(cfg: TrainConfig, num_layers: int, hidden_size: int, dtype: t
     PREFETCH_AUTO_MAX."""
     if cfg.prefetch_batches is not None:
         return cfg.prefetch_batches
-    per_token = num_layers * hidden_size * torch.empty((), dtype=dtype).element_size() + 25  # + ids, pos, doc, mask
+    per_token = num_layers * hidden_size * dtype.itemsize + 25  # + ids, pos, doc, mask
     return min(PREFETCH_AUTO_MAX, max(2, PREFETCH_AUTO_BYTES // (cfg.micro_batch_tokens * per_token)))
-_MODEL_INPUTS = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids",
-                 "verifier_last_hidden_states")
 
 
 def _dist():
@@ -162,11 +162,11 @@ class Eagle3Trainer:
         from compat.speculators_loss import loss_implementation
 
         self.loss_config = resolve_loss_config(self.cfg.loss, loss_implementation())
-        # pinned where there is CUDA, so each batch's copy to the device is asynchronous
-        # On GPU, fp8 shards go to the device as stored and are dequantised there: the host's
-        # dequantisation cost 112 ms a 1B batch on the H200 host, against 38 ms to pack bf16.
+        # On GPU, batches are pinned (each copy to the device is asynchronous) and fp8 shards go to
+        # the device as stored, to be dequantised there: the host's dequantisation cost 112 ms a 1B
+        # batch on the H200 host, against 38 ms to pack bf16.
         on_gpu = self.device.type == "cuda"
-        self.hs_dtype = dtype
+        self.model_dtype = dtype
         packed = PackedBatches(self.dataset, self.cfg.micro_batch_tokens, hidden_states_dtype=dtype,
                                pin_memory=on_gpu, dequantize=not on_gpu)
         depth = prefetch_depth(self.cfg, len(self.dataset.layer_ids), self.dataset.hidden_size, dtype)
@@ -196,7 +196,7 @@ class Eagle3Trainer:
             t = time.perf_counter()
             batch = next(self.batches)
             input_wait += time.perf_counter() - t
-            inputs = device_inputs(batch, self.device, self.hs_dtype)
+            inputs = device_inputs(batch, self.device, self.model_dtype)
             _, loss, metrics = self.engine(**inputs, ttt_steps=self.cfg.ttt_steps,
                                            ttt_step_loss_decay=self.cfg.ttt_step_loss_decay,
                                            loss_config=self.loss_config)

@@ -540,6 +540,30 @@ def test_deepspeed_training_reduces_loss(trained):
                                                              "zero_to_fp32.py", "zero_to_torch.py"]
 
 
+def test_input_wait_is_the_time_a_step_waits_for_its_batches(tiny):
+    """input_wait_s counts the time train_step is blocked on its batch source, and nothing else:
+    a source 0.3 s late per batch shows as >= 0.3 s a micro-batch (2 here), a ready one as less
+    than one late batch."""
+    import time
+
+    target, files, _, _ = tiny
+    trainer = _trainer(target, files, small_cfg(num_steps=4, prefetch_batches=0, gradient_accumulation_steps=2))
+    packed = trainer.batches
+    ready = [next(packed) for _ in range(4)]
+
+    def late(batches):
+        for b in batches:
+            time.sleep(0.3)
+            yield b
+
+    trainer.batches = late(ready[:2])
+    slow = trainer.train_step()
+    trainer.batches = iter(ready[2:])
+    fast = trainer.train_step()
+    assert slow["input_wait_s"] >= 0.6
+    assert fast["input_wait_s"] < 0.3  # less than one late batch: the step's own compute is not counted
+
+
 KILL_SCRIPT = textwrap.dedent("""
     import json, os, signal, sys
     from eagle3 import deepspeed_backend
