@@ -54,6 +54,65 @@ def device_inputs(batch: dict, device: torch.device, dtype: torch.dtype) -> dict
     return dequantize_batch({k: batch[k].to(device, non_blocking=True) for k in keys}, dtype)
 
 
+class DeviceBatches:
+    """Packed batches with their model inputs already on the device: `stage()` takes the next batch
+    from `source` and starts its copy (and fp8 dequantisation) on a side CUDA stream, so that it
+    runs under the current step's kernels instead of in front of the next step's. Off CUDA the copy
+    is in line.
+
+    `next()` returns (host batch, device inputs, seconds blocked on `source`). `state_dict()` is the
+    data position after the last batch *returned*, as with Prefetcher, so a staged batch is not
+    counted in a checkpoint; `load_state_dict` drops it.
+    """
+
+    def __init__(self, source, device: torch.device, dtype: torch.dtype):
+        self.source, self.device, self.dtype = source, device, dtype
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._staged: tuple | None = None
+        self._state = source.state_dict()
+
+    def stage(self) -> float:
+        """Take the next batch and start its copy, unless one is staged; returns the seconds
+        spent waiting for the source."""
+        if self._staged is not None:
+            return 0.0
+        t = time.perf_counter()
+        batch = next(self.source)
+        wait = time.perf_counter() - t
+        event = None
+        if self.stream is None:
+            inputs = device_inputs(batch, self.device, self.dtype)
+        else:
+            with torch.cuda.stream(self.stream):
+                inputs = device_inputs(batch, self.device, self.dtype)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        self._staged = (batch, inputs, event, self.source.state_dict())
+        return wait
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[dict, dict, float]:
+        wait = self.stage()
+        batch, inputs, event, self._state = self._staged
+        self._staged = None
+        if event is not None:  # the step's kernels wait for the copy; its memory is theirs from now
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            for t in inputs.values():
+                t.record_stream(current)
+        return batch, inputs, wait
+
+    def state_dict(self) -> dict:
+        return dict(self._state)
+
+    def load_state_dict(self, state: dict) -> None:
+        self._staged = None
+        self.source.load_state_dict(state)
+        self._state = self.source.state_dict()
+
+
 def prefetch_depth(cfg: TrainConfig, num_layers: int, hidden_size: int, dtype: torch.dtype) -> int:
     """cfg.prefetch_batches, or where it is None, as many packed micro-batches of `num_layers`
     captured layers (the aux ones and the verifier's last) as fit in PREFETCH_AUTO_BYTES, from 2 to
@@ -142,7 +201,7 @@ class Eagle3Trainer:
         )
         ensure_text_verifier_weights(self.model, self.target_dir)
         self.engine = None
-        self.batches: PackedBatches | Prefetcher | None = None
+        self.batches: DeviceBatches | None = None
         self.global_step = 0
         self.tokens_seen = 0
         self.loss_first: float | None = None
@@ -166,11 +225,10 @@ class Eagle3Trainer:
         # the device as stored, to be dequantised there: the host's dequantisation cost 112 ms a 1B
         # batch on the H200 host, against 38 ms to pack bf16.
         on_gpu = self.device.type == "cuda"
-        self.model_dtype = dtype
         packed = PackedBatches(self.dataset, self.cfg.micro_batch_tokens, hidden_states_dtype=dtype,
                                pin_memory=on_gpu, dequantize=not on_gpu)
         depth = prefetch_depth(self.cfg, len(self.dataset.layer_ids), self.dataset.hidden_size, dtype)
-        self.batches = Prefetcher(packed, depth) if depth else packed
+        self.batches = DeviceBatches(Prefetcher(packed, depth) if depth else packed, self.device, dtype)
 
     def _need_engine(self):
         if self.engine is None:
@@ -193,13 +251,12 @@ class Eagle3Trainer:
         input_wait = 0.0
         gas = self.cfg.gradient_accumulation_steps
         for _ in range(gas):
-            t = time.perf_counter()
-            batch = next(self.batches)
-            input_wait += time.perf_counter() - t
-            inputs = device_inputs(batch, self.device, self.model_dtype)
+            batch, inputs, wait = next(self.batches)
             _, loss, metrics = self.engine(**inputs, ttt_steps=self.cfg.ttt_steps,
                                            ttt_step_loss_decay=self.cfg.ttt_step_loss_decay,
                                            loss_config=self.loss_config)
+            # the forward is queued: the next batch's copy runs under it and the backward
+            input_wait += wait + self.batches.stage()
             self.engine.backward(loss)
             self.engine.step()
             for k, v in (("_loss", loss), *metrics.items()):

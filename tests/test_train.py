@@ -546,22 +546,56 @@ def test_input_wait_is_the_time_a_step_waits_for_its_batches(tiny):
     than one late batch."""
     import time
 
+    from eagle3.trainer import DeviceBatches
+
     target, files, _, _ = tiny
     trainer = _trainer(target, files, small_cfg(num_steps=4, prefetch_batches=0, gradient_accumulation_steps=2))
-    packed = trainer.batches
-    ready = [next(packed) for _ in range(4)]
+    source = trainer.batches.source
+    ready = [next(source) for _ in range(6)]  # each step takes 2 and stages the next step's first
 
-    def late(batches):
-        for b in batches:
-            time.sleep(0.3)
-            yield b
+    class Late:
+        def __init__(self, batches, delay):
+            self.batches, self.delay = iter(batches), delay
 
-    trainer.batches = late(ready[:2])
+        def __next__(self):
+            time.sleep(self.delay)
+            return next(self.batches)
+
+        def state_dict(self):
+            return {}
+
+    trainer.batches = DeviceBatches(Late(ready[:3], 0.3), trainer.device, trainer.batches.dtype)
     slow = trainer.train_step()
-    trainer.batches = iter(ready[2:])
+    trainer.batches = DeviceBatches(Late(ready[3:], 0.0), trainer.device, trainer.batches.dtype)
     fast = trainer.train_step()
     assert slow["input_wait_s"] >= 0.6
     assert fast["input_wait_s"] < 0.3  # less than one late batch: the step's own compute is not counted
+
+
+def test_device_batches_stage_one_ahead_and_checkpoint_the_returned_position(tiny):
+    """A staged batch is taken from the source but not counted: state_dict() is the position
+    after the last batch returned, and loading a position drops the staged batch."""
+    import torch
+
+    from eagle3.dataset import HiddenStatesDataset, PackedBatches
+    from eagle3.trainer import DeviceBatches
+
+    target, files, _, _ = tiny
+    ds = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=4)
+    plain = PackedBatches(ds, 256)
+    want = [next(plain) for _ in range(4)]
+    staged = DeviceBatches(PackedBatches(ds, 256), torch.device("cpu"), torch.float32)
+    batch, inputs, _ = next(staged)
+    assert torch.equal(batch["input_ids"], want[0]["input_ids"])
+    assert torch.equal(inputs["hidden_states"], want[0]["hidden_states"])
+    at_one = staged.state_dict()
+    staged.stage()
+    assert staged.state_dict() == at_one != staged.source.state_dict()
+    assert torch.equal(next(staged)[0]["input_ids"], want[1]["input_ids"])
+    staged.stage()
+    staged.load_state_dict(at_one)
+    assert torch.equal(next(staged)[0]["input_ids"], want[1]["input_ids"])
+    assert torch.equal(next(staged)[0]["input_ids"], want[2]["input_ids"])
 
 
 KILL_SCRIPT = textwrap.dedent("""

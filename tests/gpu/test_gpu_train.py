@@ -51,3 +51,26 @@ def test_fp8_batches_dequantised_on_the_gpu_equal_the_host_path(tmp_path):
             for key in _MODEL_INPUTS:
                 assert on_gpu[key].device.type == "cuda", key
                 assert torch.equal(on_gpu[key].cpu(), want[key]), (dtype, key)
+
+
+def test_device_batches_copy_on_a_side_stream_and_equal_the_in_line_copy(tmp_path):
+    """The trainer's staged batches (copied and dequantised on a side stream while the step
+    computes) are the same tensors as an in-line copy, once the compute stream has waited."""
+    import torch
+
+    from eagle3.dataset import HiddenStatesDataset, PackedBatches
+    from eagle3.trainer import _MODEL_INPUTS, DeviceBatches, device_inputs
+
+    ds = HiddenStatesDataset([fp8_shard(tmp_path / "shard-000000.arrow")], shuffle_buffer_size=1)
+    cuda = torch.device("cuda")
+    want = PackedBatches(ds, micro_batch_tokens=256, pin_memory=True, dequantize=False)
+    staged = DeviceBatches(PackedBatches(ds, micro_batch_tokens=256, pin_memory=True, dequantize=False), cuda,
+                           torch.bfloat16)
+    assert staged.stream is not None
+    for _ in range(3):
+        staged.stage()
+        torch.cuda._sleep(10_000_000)  # the compute stream is busy while the copy runs
+        _, got, _ = next(staged)
+        ref = device_inputs(next(want), cuda, torch.bfloat16)
+        for key in _MODEL_INPUTS:
+            assert torch.equal(got[key], ref[key]), key
