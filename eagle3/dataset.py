@@ -358,6 +358,60 @@ class PackedBatches:
         raise ValueError(f"rank {self.dataset.rank}: two consecutive epochs without a usable sample (all < 2 tokens)")
 
 
+class _PackedStream(torch.utils.data.IterableDataset):
+    """A DataLoader worker's side of WorkerPrefetcher: (batch, data position after it), forever."""
+
+    def __init__(self, batches: PackedBatches):
+        self.batches = batches
+
+    def __iter__(self):
+        while True:
+            yield next(self.batches), self.batches.state_dict()
+
+
+class WorkerPrefetcher:
+    """Prefetcher's contract, with the batches built in a torch DataLoader worker process instead
+    of a thread. A thread that reads and packs holds the GIL in bursts, and the training loop, which
+    launches the step's many small kernels from Python, stalls behind it: on the 2-core CI machine a
+    loop of 3,000 small torch ops took 15.9 ms alone and 52.9 ms next to a packing thread, 17.4 ms
+    next to a worker process (`python -m benchmarks.batch_bench` measures it). One worker keeps the order exact; batches cross through
+    shared memory and are pinned in this process (DataLoader's pin_memory thread) when
+    `pin_memory`. The worker is forked: it must not touch CUDA, so `batches` must not pin.
+    """
+
+    def __init__(self, batches: PackedBatches, depth: int = 2, pin_memory: bool = False):
+        if batches.pin_memory:
+            raise ValueError("WorkerPrefetcher pins in this process: build its PackedBatches with pin_memory=False")
+        self.batches, self.depth, self.pin_memory = batches, max(1, depth), pin_memory
+        self._state = batches.state_dict()
+        self._start()
+
+    def _start(self) -> None:
+        loader = torch.utils.data.DataLoader(_PackedStream(self.batches), batch_size=None, num_workers=1,
+                                             prefetch_factor=self.depth, pin_memory=self.pin_memory,
+                                             multiprocessing_context="fork")
+        self._it = iter(loader)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        batch, self._state = next(self._it)
+        return batch
+
+    def state_dict(self) -> dict:
+        return dict(self._state)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.close()
+        self.batches.load_state_dict(state)  # this process's copy; the new worker forks from it
+        self._state = self.batches.state_dict()
+        self._start()
+
+    def close(self) -> None:
+        self._it = None  # the last reference: DataLoader's iterator stops its worker when collected
+
+
 class Prefetcher:
     """Builds the next `depth` micro-batches of a PackedBatches in a background thread, so that
     reading and packing overlap the device's step instead of preceding it (`python -m

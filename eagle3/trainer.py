@@ -22,6 +22,7 @@ Usage on each rank:
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 
 from compat.speculators_batch import SCALE_KEYS, dequantize_batch
-from eagle3.dataset import HiddenStatesDataset, PackedBatches, Prefetcher, token_frequencies
+from eagle3.dataset import HiddenStatesDataset, PackedBatches, Prefetcher, WorkerPrefetcher, token_frequencies
 from eagle3.train_config import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -113,14 +114,44 @@ class DeviceBatches:
         self._state = self.source.state_dict()
 
 
+def batch_bytes(cfg: TrainConfig, num_layers: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one packed micro-batch of `num_layers` captured layers (the aux ones and the
+    verifier's last) in `dtype`."""
+    return cfg.micro_batch_tokens * (num_layers * hidden_size * dtype.itemsize + 25)  # + ids, pos, doc, mask
+
+
 def prefetch_depth(cfg: TrainConfig, num_layers: int, hidden_size: int, dtype: torch.dtype) -> int:
-    """cfg.prefetch_batches, or where it is None, as many packed micro-batches of `num_layers`
-    captured layers (the aux ones and the verifier's last) as fit in PREFETCH_AUTO_BYTES, from 2 to
-    PREFETCH_AUTO_MAX."""
+    """cfg.prefetch_batches, or where it is None, as many packed micro-batches as fit in
+    PREFETCH_AUTO_BYTES, from 2 to PREFETCH_AUTO_MAX."""
     if cfg.prefetch_batches is not None:
         return cfg.prefetch_batches
-    per_token = num_layers * hidden_size * dtype.itemsize + 25  # + ids, pos, doc, mask
-    return min(PREFETCH_AUTO_MAX, max(2, PREFETCH_AUTO_BYTES // (cfg.micro_batch_tokens * per_token)))
+    return min(PREFETCH_AUTO_MAX, max(2, PREFETCH_AUTO_BYTES // batch_bytes(cfg, num_layers, hidden_size, dtype)))
+
+
+def shm_free_bytes(path: str = "/dev/shm") -> int:
+    """Free bytes of the shared memory that DataLoader workers hand their batches through (0 if none)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def batch_source(dataset: HiddenStatesDataset, micro: int, dtype: torch.dtype, depth: int, need_bytes: int, *,
+                 on_gpu: bool, dequantize: bool):
+    """Where a rank's batches come from: built `depth` ahead in a DataLoader worker process
+    (WorkerPrefetcher, pinned here on GPU), or in a thread (Prefetcher) where /dev/shm has less
+    than `need_bytes` free, or in line when depth is 0."""
+    if depth and shm_free_bytes() >= need_bytes:
+        return WorkerPrefetcher(PackedBatches(dataset, micro, dtype, dequantize=dequantize), depth, pin_memory=on_gpu)
+    packed = PackedBatches(dataset, micro, dtype, pin_memory=on_gpu, dequantize=dequantize)
+    if not depth:
+        return packed
+    logger.warning("/dev/shm has %.2f GB free, %.2f GB needed to build batches in a worker process: building them "
+                   "in a thread, which slows the step's kernel launches (give the container more shared memory, "
+                   "e.g. docker --shm-size, or set train.prefetch_batches lower)", shm_free_bytes() / 1e9,
+                   need_bytes / 1e9)
+    return Prefetcher(packed, depth)
 
 
 def _dist():
@@ -225,10 +256,11 @@ class Eagle3Trainer:
         # the device as stored, to be dequantised there: the host's dequantisation cost 112 ms a 1B
         # batch on the H200 host, against 38 ms to pack bf16.
         on_gpu = self.device.type == "cuda"
-        packed = PackedBatches(self.dataset, self.cfg.micro_batch_tokens, hidden_states_dtype=dtype,
-                               pin_memory=on_gpu, dequantize=not on_gpu)
-        depth = prefetch_depth(self.cfg, len(self.dataset.layer_ids), self.dataset.hidden_size, dtype)
-        self.batches = DeviceBatches(Prefetcher(packed, depth) if depth else packed, self.device, dtype)
+        shape = (self.cfg, len(self.dataset.layer_ids), self.dataset.hidden_size, dtype)
+        depth = prefetch_depth(*shape)
+        source = batch_source(self.dataset, self.cfg.micro_batch_tokens, dtype, depth,
+                              (depth + 2) * batch_bytes(*shape), on_gpu=on_gpu, dequantize=not on_gpu)
+        self.batches = DeviceBatches(source, self.device, dtype)
 
     def _need_engine(self):
         if self.engine is None:

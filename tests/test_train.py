@@ -250,10 +250,13 @@ def test_packed_batches_resume_from_state_across_epochs(tiny):
             assert torch.equal(got[k], want[k]), k
 
 
-def test_prefetcher_gives_the_same_batches_and_the_consumed_position(tiny):
+@pytest.mark.parametrize("kind", ["thread", "worker"])
+def test_prefetcher_gives_the_same_batches_and_the_consumed_position(tiny, kind):
     import torch
 
-    from eagle3.dataset import HiddenStatesDataset, PackedBatches, Prefetcher
+    from eagle3.dataset import HiddenStatesDataset, PackedBatches, Prefetcher, WorkerPrefetcher
+
+    Prefetcher = {"thread": Prefetcher, "worker": WorkerPrefetcher}[kind]  # noqa: N806 - same contract
 
     _, files, _, _ = tiny
     ds = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=8)
@@ -277,6 +280,30 @@ def test_prefetcher_gives_the_same_batches_and_the_consumed_position(tiny):
     assert torch.equal(next(ahead)["input_ids"], want[2]["input_ids"])
     assert ahead.state_dict() == states[2]
     ahead.close()
+
+
+def test_batches_are_built_in_a_worker_process_unless_shared_memory_is_short(tiny, caplog):
+    """The trainer's batches come from a DataLoader worker process (they arrive in shared memory),
+    or from a thread with a warning where /dev/shm cannot hold the queue; both give the same batches."""
+    import torch
+
+    from eagle3.dataset import HiddenStatesDataset, Prefetcher, WorkerPrefetcher
+    from eagle3.trainer import batch_source
+
+    _, files, _, _ = tiny
+    ds = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=8)
+    worker = batch_source(ds, 256, torch.float32, 3, 1 << 20, on_gpu=False, dequantize=True)
+    assert isinstance(worker, WorkerPrefetcher)
+    first = next(worker)
+    assert first["hidden_states"].is_shared()
+    with caplog.at_level("WARNING"):
+        thread = batch_source(ds, 256, torch.float32, 3, 1 << 62, on_gpu=False, dequantize=True)
+    assert isinstance(thread, Prefetcher) and "/dev/shm" in caplog.text
+    same = next(thread)
+    assert not same["hidden_states"].is_shared()
+    assert torch.equal(same["hidden_states"], first["hidden_states"])
+    worker.close()
+    thread.close()
 
 
 def test_prefetch_depth_fits_the_memory_budget_unless_set():
