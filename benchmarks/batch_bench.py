@@ -8,11 +8,11 @@
 over the same shard files (written by the product's shard writer, direct I/O), each read cold
 (the files' pages dropped from the page cache first, as after an extraction that wrote them
 with O_DIRECT) and warm (a second pass). Then the throughput of the whole input pipeline as the
-trainer runs it (pack in a DataLoader worker process, or behind a thread as before; shards read
+trainer runs it (pack in DataLoader worker processes (1, 2, 4), or behind a thread as before; shards read
 ahead), over one cold epoch, against the disk's own O_DIRECT read rate over the same files: in
 the long run, reading bounds a trainer whose device step is faster than that. Last, what the
 producer costs the step's host side: a loop of small torch ops from Python, alone and next to a
-packing thread or a worker process (the thread holds the GIL in bursts).
+packing thread or 4 worker processes (the thread holds the GIL in bursts).
 
     python -m benchmarks.batch_bench [--shape 1b] [--hs-dtype bfloat16] [--samples 128] [--batches 6]
                                      [--out DIR --tag T]
@@ -138,24 +138,24 @@ def measure(make, files, micro: int, batches: int, pin: bool, cold: bool) -> lis
     return times
 
 
-def _source(ds, micro: int, pin: bool, kind: str, depth: int):
+def _source(ds, micro: int, pin: bool, kind: str, depth: int, workers: int = 1):
     from eagle3.dataset import Prefetcher, WorkerPrefetcher
 
-    if kind == "worker":  # as the trainer builds them: in a DataLoader worker, pinned in this process
+    if kind == "worker":  # as the trainer builds them: in DataLoader workers, pinned in this process
         return WorkerPrefetcher(PackedBatches(ds, micro, hidden_states_dtype=torch.bfloat16, dequantize=not pin),
-                                depth, pin_memory=pin)
+                                depth, pin_memory=pin, num_workers=workers)
     packed = PackedBatches(ds, micro, hidden_states_dtype=torch.bfloat16, pin_memory=pin, dequantize=not pin)
     return Prefetcher(packed, depth) if depth else packed
 
 
-def stream(files, micro: int, seq: int, pin: bool, depth: int, kind: str = "thread") -> dict:
+def stream(files, micro: int, seq: int, pin: bool, depth: int, kind: str = "thread", workers: int = 1) -> dict:
     """The input pipeline's throughput from a cold page cache (PackedBatches behind a Prefetcher
-    thread or a WorkerPrefetcher process, of `depth`; 0 for none), with a consumer that takes each
-    batch as soon as it is built: one epoch's full batches, in GB/s of the bytes read."""
+    thread or a WorkerPrefetcher of `workers` processes, of `depth`; 0 for none), with a consumer
+    that takes each batch as soon as it is built: one epoch's full batches, in GB/s of the bytes read."""
     drop_cache(files)
     ds = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=1)
     num_batches = ds.num_samples // (micro // (seq - 1))  # equal-length samples: full batches only
-    it = _source(ds, micro, pin, kind, depth)
+    it = _source(ds, micro, pin, kind, depth, workers)
     t = time.perf_counter()
     for _ in range(num_batches):
         next(it)
@@ -164,7 +164,8 @@ def stream(files, micro: int, seq: int, pin: bool, depth: int, kind: str = "thre
         it.close()
     bytes_per_sample = sum(os.path.getsize(f) for f in files) / ds.num_samples
     read = num_batches * (micro // (seq - 1)) * bytes_per_sample
-    return {"kind": kind, "depth": depth, "batches": num_batches, "seconds": round(seconds, 3),
+    return {"kind": kind if kind == "thread" else f"{workers} worker{'s' if workers > 1 else ''}", "depth": depth,
+            "batches": num_batches, "seconds": round(seconds, 3),
             "gb_s": read / seconds / 1e9}
 
 
@@ -179,14 +180,14 @@ def launch_loop(x: torch.Tensor, n: int = 3000) -> float:
 
 def gil(files, micro: int, pin: bool, loops: int = 30) -> dict:
     """The launch loop's median ms alone, then between batches taken from a packing thread and from
-    a worker process (each loop after one batch, as a step does): what the producer's GIL costs."""
+    4 worker processes (each loop after one batch, as a step does): what the producer's GIL costs."""
     x = torch.zeros(16, device="cuda" if pin else "cpu")
     for _ in range(3):
         launch_loop(x)
     out = {"alone_ms": statistics.median(launch_loop(x) for _ in range(loops)) * 1e3}
     for kind in ("thread", "worker"):
         drop_cache(files)
-        it = _source(HiddenStatesDataset(files, seed=0, shuffle_buffer_size=1), micro, pin, kind, 16)
+        it = _source(HiddenStatesDataset(files, seed=0, shuffle_buffer_size=1), micro, pin, kind, 16, 4)
         times = []
         for _ in range(loops):
             next(it)
@@ -218,8 +219,9 @@ def main(argv=None) -> int:
             rows.append({"path": name, "cold": cold, "batch_ms": [round(t * 1e3, 1) for t in times],
                          "median_ms": statistics.median(times) * 1e3})
             print(json.dumps(rows[-1]), flush=True)
-    streams = [stream(files, args.micro_batch_tokens, seq, pin, depth, kind)
-               for kind, depth in (("thread", 2), ("thread", 16), ("worker", 16))]
+    streams = [stream(files, args.micro_batch_tokens, seq, pin, depth, kind, workers)
+               for kind, depth, workers in (("thread", 2, 0), ("thread", 16, 0), ("worker", 16, 1), ("worker", 16, 2),
+                                            ("worker", 16, 4))]
     for r in streams:
         print(json.dumps(r), flush=True)
     launches = gil(files, args.micro_batch_tokens, pin)
@@ -252,7 +254,7 @@ def main(argv=None) -> int:
               + (f"{disk_gb_s:.2f} GB/s." if disk_gb_s else "not measured (no O_DIRECT here)."),
               "", f"A step's host side next to the producer (3,000 small {'CUDA' if pin else 'CPU'} ops from Python, "
               f"median of 30, each after one batch is taken): alone {launches['alone_ms']:.1f} ms; next to a packing "
-              f"thread {launches['thread_ms']:.1f} ms; next to a worker process {launches['worker_ms']:.1f} ms."]
+              f"thread {launches['thread_ms']:.1f} ms; next to 4 worker processes {launches['worker_ms']:.1f} ms."]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"batch{('-' + args.tag) if args.tag else ''}"

@@ -29,6 +29,7 @@ group), so the extract stage's row-group size bounds the transient read memory.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -318,6 +319,13 @@ class PackedBatches:
         return self
 
     def __next__(self) -> dict:
+        return self.pack(self.take())
+
+    def pack(self, rows: list) -> dict:
+        return pack(rows, self.micro_batch_tokens, self.hidden_states_dtype, self.pin_memory, self.dequantize)
+
+    def take(self) -> list:
+        """The next batch's rows (views of the shards: nothing is copied yet), advancing the position."""
         for _ in range(2):  # an exhausted epoch gets one retry in the next epoch
             batch, num_samples = [], 0
             used = 0
@@ -347,8 +355,7 @@ class PackedBatches:
                     break
             if batch:
                 self.samples_seen += num_samples
-                return pack(batch, self.micro_batch_tokens, self.hidden_states_dtype, self.pin_memory,
-                            self.dequantize)
+                return batch
             if self.samples_seen == 0 and num_samples == 0:
                 raise ValueError(
                     f"rank {self.dataset.rank} got no samples in epoch {self.epoch} "
@@ -359,37 +366,47 @@ class PackedBatches:
 
 
 class _PackedStream(torch.utils.data.IterableDataset):
-    """A DataLoader worker's side of WorkerPrefetcher: (batch, data position after it), forever."""
+    """A DataLoader worker's side of WorkerPrefetcher: (batch, data position after it), forever.
+    Worker w of k walks the whole batch sequence but packs only batches w, w + k, ...: taking a
+    batch's rows touches no hidden states, and DataLoader returns the workers' items round-robin,
+    so the batches come out in order."""
 
     def __init__(self, batches: PackedBatches):
         self.batches = batches
 
     def __iter__(self):
-        while True:
-            yield next(self.batches), self.batches.state_dict()
+        info = torch.utils.data.get_worker_info()
+        w, k = (info.id, info.num_workers) if info is not None else (0, 1)
+        for i in itertools.count():
+            rows = self.batches.take()
+            if i % k == w:
+                yield self.batches.pack(rows), self.batches.state_dict()
 
 
 class WorkerPrefetcher:
-    """Prefetcher's contract, with the batches built in a torch DataLoader worker process instead
-    of a thread. A thread that reads and packs holds the GIL in bursts, and the training loop, which
-    launches the step's many small kernels from Python, stalls behind it: on the 2-core CI machine a
-    loop of 3,000 small torch ops took 15.9 ms alone and 52.9 ms next to a packing thread, 17.4 ms
-    next to a worker process (`python -m benchmarks.batch_bench` measures it). One worker keeps the order exact; batches cross through
-    shared memory and are pinned in this process (DataLoader's pin_memory thread) when
-    `pin_memory`. The worker is forked: it must not touch CUDA, so `batches` must not pin.
+    """Prefetcher's contract, with the batches built in `num_workers` torch DataLoader worker
+    processes instead of a thread. A thread that reads and packs holds the GIL in bursts, and the
+    training loop, which launches the step's many small kernels from Python, stalls behind it: a
+    loop of 3,000 small CUDA ops took 65.8 ms alone on the H200 host, 111.1 ms next to a packing
+    thread, 51.3 ms next to a worker (`python -m benchmarks.batch_bench`). Batches come out in
+    order (_PackedStream), cross through shared memory, and are pinned in this process
+    (DataLoader's pin_memory thread) when `pin_memory`. Workers are forked: they must not touch
+    CUDA, so `batches` must not pin. `depth` batches are built ahead in all (at least one a worker).
     """
 
-    def __init__(self, batches: PackedBatches, depth: int = 2, pin_memory: bool = False):
+    def __init__(self, batches: PackedBatches, depth: int = 2, pin_memory: bool = False, num_workers: int = 1):
         if batches.pin_memory:
             raise ValueError("WorkerPrefetcher pins in this process: build its PackedBatches with pin_memory=False")
-        self.batches, self.depth, self.pin_memory = batches, max(1, depth), pin_memory
+        self.batches, self.pin_memory, self.num_workers = batches, pin_memory, max(1, num_workers)
+        self.depth = max(1, depth)
         self._state = batches.state_dict()
         self._start()
 
     def _start(self) -> None:
-        loader = torch.utils.data.DataLoader(_PackedStream(self.batches), batch_size=None, num_workers=1,
-                                             prefetch_factor=self.depth, pin_memory=self.pin_memory,
-                                             multiprocessing_context="fork")
+        loader = torch.utils.data.DataLoader(_PackedStream(self.batches), batch_size=None,
+                                             num_workers=self.num_workers,
+                                             prefetch_factor=-(-self.depth // self.num_workers),
+                                             pin_memory=self.pin_memory, multiprocessing_context="fork")
         self._it = iter(loader)
 
     def __iter__(self):
@@ -404,12 +421,12 @@ class WorkerPrefetcher:
 
     def load_state_dict(self, state: dict) -> None:
         self.close()
-        self.batches.load_state_dict(state)  # this process's copy; the new worker forks from it
+        self.batches.load_state_dict(state)  # this process's copy; new workers fork from it
         self._state = self.batches.state_dict()
         self._start()
 
     def close(self) -> None:
-        self._it = None  # the last reference: DataLoader's iterator stops its worker when collected
+        self._it = None  # the last reference: DataLoader's iterator stops its workers when collected
 
 
 class Prefetcher:

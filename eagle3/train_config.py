@@ -85,10 +85,15 @@ class TrainConfig:
     """Samples held per rank for the streaming shuffle (memory: this many samples, as views of the
     memory-mapped shards: page cache, not copies)."""
     prefetch_batches: int | None = None
-    """Micro-batches built ahead in a background thread (pinned on GPU), so that reading and
-    packing overlap the device's step; memory: this many packed batches. None: as many as fit in
-    2 GiB (eagle3.trainer.PREFETCH_AUTO_BYTES), from 2 to 16. 0: build each batch when the step
-    needs it."""
+    """Micro-batches built ahead (by data_workers, pinned on GPU), so that reading and packing
+    overlap the device's step; memory: this many packed batches, in /dev/shm and pinned. None: as
+    many as fit in 2 GiB (eagle3.trainer.PREFETCH_AUTO_BYTES), from 2 to 16. 0: build each batch
+    when the step needs it."""
+    data_workers: int | None = None
+    """Processes per rank that read and pack the prefetched batches (torch DataLoader workers,
+    each packing every k-th batch; the order is unchanged). None: min(4, CPUs // 4), at least 1.
+    0: a thread of the trainer, whose GIL slows the step's kernel launches (the fallback, with a
+    warning, where /dev/shm cannot hold the queue)."""
     checkpoint_every: int = 50
     """Save a DeepSpeed checkpoint every this many steps (and always after the last step)."""
     num_checkpoints_to_keep: int | None = 2
@@ -131,6 +136,8 @@ class TrainConfig:
             _fail("draft_attn_impl", self.draft_attn_impl, f"use one of {list(DRAFT_ATTN_IMPLS)}")
         if self.prefetch_batches is not None and self.prefetch_batches < 0:
             _fail("prefetch_batches", self.prefetch_batches, "must be >= 0 (0 = no prefetch) or null (auto)")
+        if self.data_workers is not None and self.data_workers < 0:
+            _fail("data_workers", self.data_workers, "must be >= 0 (0 = a thread) or null (auto)")
         if self.shuffle_buffer_size < 1:
             _fail("shuffle_buffer_size", self.shuffle_buffer_size, "must be >= 1 (1 = no shuffle within shards)")
         if self.checkpoint_every < 1:

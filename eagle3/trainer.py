@@ -137,20 +137,29 @@ def shm_free_bytes(path: str = "/dev/shm") -> int:
     return st.f_bavail * st.f_frsize
 
 
-def batch_source(dataset: HiddenStatesDataset, micro: int, dtype: torch.dtype, depth: int, need_bytes: int, *,
-                 on_gpu: bool, dequantize: bool):
-    """Where a rank's batches come from: built `depth` ahead in a DataLoader worker process
-    (WorkerPrefetcher, pinned here on GPU), or in a thread (Prefetcher) where /dev/shm has less
-    than `need_bytes` free, or in line when depth is 0."""
-    if depth and shm_free_bytes() >= need_bytes:
-        return WorkerPrefetcher(PackedBatches(dataset, micro, dtype, dequantize=dequantize), depth, pin_memory=on_gpu)
+def data_workers(cfg: TrainConfig) -> int:
+    """cfg.data_workers, or where it is None, min(4, CPUs // 4), at least 1."""
+    if cfg.data_workers is not None:
+        return cfg.data_workers
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+def batch_source(dataset: HiddenStatesDataset, micro: int, dtype: torch.dtype, depth: int, workers: int,
+                 need_bytes: int, *, on_gpu: bool, dequantize: bool):
+    """Where a rank's batches come from: built `depth` ahead by `workers` DataLoader worker
+    processes (WorkerPrefetcher, pinned here on GPU), or in a thread (Prefetcher) where workers is
+    0 or /dev/shm has less than `need_bytes` free, or in line when depth is 0."""
+    if depth and workers and shm_free_bytes() >= need_bytes:
+        return WorkerPrefetcher(PackedBatches(dataset, micro, dtype, dequantize=dequantize), depth,
+                                pin_memory=on_gpu, num_workers=workers)
     packed = PackedBatches(dataset, micro, dtype, pin_memory=on_gpu, dequantize=dequantize)
     if not depth:
         return packed
-    logger.warning("/dev/shm has %.2f GB free, %.2f GB needed to build batches in a worker process: building them "
-                   "in a thread, which slows the step's kernel launches (give the container more shared memory, "
-                   "e.g. docker --shm-size, or set train.prefetch_batches lower)", shm_free_bytes() / 1e9,
-                   need_bytes / 1e9)
+    if workers:
+        logger.warning("/dev/shm has %.2f GB free, %.2f GB needed to build batches in worker processes: building "
+                       "them in a thread, which slows the step's kernel launches (give the container more shared "
+                       "memory, e.g. docker --shm-size, or set train.prefetch_batches lower)",
+                       shm_free_bytes() / 1e9, need_bytes / 1e9)
     return Prefetcher(packed, depth)
 
 
@@ -258,8 +267,9 @@ class Eagle3Trainer:
         on_gpu = self.device.type == "cuda"
         shape = (self.cfg, len(self.dataset.layer_ids), self.dataset.hidden_size, dtype)
         depth = prefetch_depth(*shape)
-        source = batch_source(self.dataset, self.cfg.micro_batch_tokens, dtype, depth,
-                              (depth + 2) * batch_bytes(*shape), on_gpu=on_gpu, dequantize=not on_gpu)
+        workers = data_workers(self.cfg)
+        source = batch_source(self.dataset, self.cfg.micro_batch_tokens, dtype, depth, workers,
+                              (depth + 2 * workers) * batch_bytes(*shape), on_gpu=on_gpu, dequantize=not on_gpu)
         self.batches = DeviceBatches(source, self.device, dtype)
 
     def _need_engine(self):

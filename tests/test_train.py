@@ -156,6 +156,8 @@ def test_train_config_validation_names_field_value_and_fix():
         TrainConfig(num_steps=20, warmup_steps=30)
     with pytest.raises(ValueError, match=r"train\.draft_attn_impl='flash'"):
         TrainConfig(draft_attn_impl="flash")
+    with pytest.raises(ValueError, match=r"train\.data_workers=-1: must be >= 0"):
+        TrainConfig(data_workers=-1)
     assert TrainConfig().ttt_steps == 3 and TrainConfig().draft_attn_impl is None  # None: flex on GPU, sdpa on CPU
 
 
@@ -250,13 +252,16 @@ def test_packed_batches_resume_from_state_across_epochs(tiny):
             assert torch.equal(got[k], want[k]), k
 
 
-@pytest.mark.parametrize("kind", ["thread", "worker"])
+@pytest.mark.parametrize("kind", ["thread", "1 worker", "3 workers"])
 def test_prefetcher_gives_the_same_batches_and_the_consumed_position(tiny, kind):
+    import functools
+
     import torch
 
     from eagle3.dataset import HiddenStatesDataset, PackedBatches, Prefetcher, WorkerPrefetcher
 
-    Prefetcher = {"thread": Prefetcher, "worker": WorkerPrefetcher}[kind]  # noqa: N806 - same contract
+    Prefetcher = {"thread": Prefetcher, "1 worker": WorkerPrefetcher,  # noqa: N806 - the same contract
+                  "3 workers": functools.partial(WorkerPrefetcher, num_workers=3)}[kind]
 
     _, files, _, _ = tiny
     ds = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=8)
@@ -270,15 +275,16 @@ def test_prefetcher_gives_the_same_batches_and_the_consumed_position(tiny, kind)
         want.append(next(plain))
         states.append(plain.state_dict())
     ahead = Prefetcher(packed(), depth=3)
-    for i in range(4):
+    for i in range(7):
         got = next(ahead)
         assert torch.equal(got["hidden_states"], want[i]["hidden_states"])
         assert torch.equal(got["document_ids"], want[i]["document_ids"])
         # the position after the batch returned, although up to 3 more are built already
         assert ahead.state_dict() == states[i]
     ahead.load_state_dict(states[1])  # batches built ahead are dropped
-    assert torch.equal(next(ahead)["input_ids"], want[2]["input_ids"])
-    assert ahead.state_dict() == states[2]
+    for i in (2, 3, 4):
+        assert torch.equal(next(ahead)["input_ids"], want[i]["input_ids"])
+        assert ahead.state_dict() == states[i]
     ahead.close()
 
 
@@ -292,12 +298,12 @@ def test_batches_are_built_in_a_worker_process_unless_shared_memory_is_short(tin
 
     _, files, _, _ = tiny
     ds = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=8)
-    worker = batch_source(ds, 256, torch.float32, 3, 1 << 20, on_gpu=False, dequantize=True)
+    worker = batch_source(ds, 256, torch.float32, 3, 2, 1 << 20, on_gpu=False, dequantize=True)
     assert isinstance(worker, WorkerPrefetcher)
     first = next(worker)
     assert first["hidden_states"].is_shared()
     with caplog.at_level("WARNING"):
-        thread = batch_source(ds, 256, torch.float32, 3, 1 << 62, on_gpu=False, dequantize=True)
+        thread = batch_source(ds, 256, torch.float32, 3, 2, 1 << 62, on_gpu=False, dequantize=True)
     assert isinstance(thread, Prefetcher) and "/dev/shm" in caplog.text
     same = next(thread)
     assert not same["hidden_states"].is_shared()
