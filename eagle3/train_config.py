@@ -89,11 +89,13 @@ class TrainConfig:
     overlap the device's step; memory: this many packed batches, in /dev/shm and pinned. None: as
     many as fit in 2 GiB (eagle3.trainer.PREFETCH_AUTO_BYTES), from 2 to 16. 0: build each batch
     when the step needs it."""
-    data_workers: int | None = None
+    data_workers: int = 1
     """Processes per rank that read and pack the prefetched batches (torch DataLoader workers,
-    each packing every k-th batch; the order is unchanged). None: min(4, CPUs // 4), at least 1.
-    0: a thread of the trainer, whose GIL slows the step's kernel launches (the fallback, with a
-    warning, where /dev/shm cannot hold the queue)."""
+    each packing every k-th batch; the order is unchanged). On GPU one is as fast as four: the
+    batches' pinning, in one thread of the trainer, is the serial part (benchmarks/results,
+    batch-h200-1b-run4-pin-probe.md); more help where packing is the cost (CPU, Parquet shards).
+    0: a thread of the trainer instead, whose GIL slows the step's kernel launches (the fallback,
+    with a warning, where /dev/shm cannot hold the queue)."""
     checkpoint_every: int = 50
     """Save a DeepSpeed checkpoint every this many steps (and always after the last step)."""
     num_checkpoints_to_keep: int | None = 2
@@ -136,8 +138,8 @@ class TrainConfig:
             _fail("draft_attn_impl", self.draft_attn_impl, f"use one of {list(DRAFT_ATTN_IMPLS)}")
         if self.prefetch_batches is not None and self.prefetch_batches < 0:
             _fail("prefetch_batches", self.prefetch_batches, "must be >= 0 (0 = no prefetch) or null (auto)")
-        if self.data_workers is not None and self.data_workers < 0:
-            _fail("data_workers", self.data_workers, "must be >= 0 (0 = a thread) or null (auto)")
+        if self.data_workers < 0:
+            _fail("data_workers", self.data_workers, "must be >= 0 (0 = a thread)")
         if self.shuffle_buffer_size < 1:
             _fail("shuffle_buffer_size", self.shuffle_buffer_size, "must be >= 1 (1 = no shuffle within shards)")
         if self.checkpoint_every < 1:

@@ -137,13 +137,6 @@ def shm_free_bytes(path: str = "/dev/shm") -> int:
     return st.f_bavail * st.f_frsize
 
 
-def data_workers(cfg: TrainConfig) -> int:
-    """cfg.data_workers, or where it is None, min(4, CPUs // 4), at least 1."""
-    if cfg.data_workers is not None:
-        return cfg.data_workers
-    return max(1, min(4, (os.cpu_count() or 1) // 4))
-
-
 def batch_source(dataset: HiddenStatesDataset, micro: int, dtype: torch.dtype, depth: int, workers: int,
                  need_bytes: int, *, on_gpu: bool, dequantize: bool):
     """Where a rank's batches come from: built `depth` ahead by `workers` DataLoader worker
@@ -267,7 +260,7 @@ class Eagle3Trainer:
         on_gpu = self.device.type == "cuda"
         shape = (self.cfg, len(self.dataset.layer_ids), self.dataset.hidden_size, dtype)
         depth = prefetch_depth(*shape)
-        workers = data_workers(self.cfg)
+        workers = self.cfg.data_workers
         source = batch_source(self.dataset, self.cfg.micro_batch_tokens, dtype, depth, workers,
                               (depth + 2 * workers) * batch_bytes(*shape), on_gpu=on_gpu, dequantize=not on_gpu)
         self.batches = DeviceBatches(source, self.device, dtype)
