@@ -63,9 +63,15 @@ def train_loop_per_worker(config: dict) -> None:
 
     last: dict = {}
     progress = _Progress(cfg, config["metrics_path"]) if rank == 0 else None
+    profiler = StepProfiler(cfg.profile_steps, Path(config["metrics_path"]).parent / "profile") \
+        if rank == 0 and cfg.profile_steps else None
+    if profiler is not None:
+        profiler.before_step(trainer.global_step + 1)
 
     def on_step(metrics: dict) -> None:
         last.update(metrics)
+        if profiler is not None:
+            profiler.after_step(metrics["step"])
         if rank == 0:
             logger.info("step %d/%d loss %.4f full_acc_0 %.3f lr %.2e tokens %d input_wait_ms %.1f", metrics["step"],
                         cfg.num_steps, metrics["loss"], metrics["full_acc_0"], metrics["lr"], metrics["tokens"],
@@ -87,6 +93,40 @@ def train_loop_per_worker(config: dict) -> None:
         "tokens_per_s": trainer.tokens_per_s, "train_seconds": train_seconds,
         "resumed_from_step": trainer.resumed_from_step, "draft_dir": config["draft_dir"],
     })
+
+
+class StepProfiler:
+    """torch.profiler over optimizer steps [first, last] of one rank: call before_step(n) before
+    step n runs and after_step(n) once it is done. Writes trace.json and top_ops.txt (the ops
+    with the most self time, device time first where there is CUDA) into out_dir."""
+
+    def __init__(self, steps: list[int], out_dir: Path):
+        self.first, self.last = steps
+        self.out_dir = Path(out_dir)
+        self.prof = None
+
+    def before_step(self, step: int) -> None:
+        if step != self.first or self.prof is not None:
+            return
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = torch.cuda.is_available()
+        self.sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+        self.prof.__enter__()
+
+    def after_step(self, step: int) -> None:
+        if self.prof is not None and step >= self.last:
+            self.prof.__exit__(None, None, None)
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self.prof.export_chrome_trace(str(self.out_dir / "trace.json"))
+            (self.out_dir / "top_ops.txt").write_text(
+                f"steps {self.first}..{self.last}\n" + self.prof.key_averages().table(sort_by=self.sort_by, row_limit=40))
+            logger.info("profile of steps %d..%d written to %s", self.first, self.last, self.out_dir)
+            self.prof = None
+        else:
+            self.before_step(step + 1)
 
 
 class _Progress:

@@ -18,6 +18,10 @@ local_rank)`, `torch.accelerator.synchronize()`, Triton fused losses), only ours
 
     python -m benchmarks.train_bench --shape tiny --extract-backend hf --skip-speculators --out /tmp/tb
 
+`--profile-steps FIRST LAST` also records those steps of ours with torch.profiler
+(train.profile_steps) and copies its top-ops table and gzipped trace to --out; the profiler slows
+what it records, so such a run's throughput is not a figure to compare.
+
 What one run does:
 1. Builds the target: a Llama of benchmarks/shapes.py's shape with seeded random bf16 weights,
    saved with save_pretrained (on the GPU when there is one, in a Ray task), so both trainers read
@@ -81,6 +85,7 @@ less) or `--extract-backend hf` (~30 s less).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import logging
 import os
@@ -510,6 +515,9 @@ def main(argv=None) -> int:
                          "(fp8 shards are dequantised into them), so fp8 gives our trainer half the bytes to read")
     ap.add_argument("--prefetch-batches", type=int, default=None,
                     help="our trainer's train.prefetch_batches (default: TrainConfig's); 0 = no prefetch")
+    ap.add_argument("--profile-steps", type=int, nargs=2, default=None, metavar=("FIRST", "LAST"),
+                    help="our trainer's train.profile_steps: torch.profiler over these steps; its top_ops.txt "
+                         "(and trace.json.gz) go to --out. It slows the steps it records: not for a throughput run")
     ap.add_argument("--samples-per-shard", type=int, default=64)
     ap.add_argument("--page-cache", choices=("cold", "warm"), default="cold",
                     help="each trainer's data files before it starts: dropped from the page cache (cold: a data "
@@ -630,8 +638,8 @@ def main(argv=None) -> int:
                        ttt_steps=s.ttt_steps, ttt_step_loss_decay=1.0, num_draft_layers=s.num_draft_layers,
                        draft_vocab_size=draft_vocab, loss=s.loss, draft_attn_impl=s.draft_attn_impl,
                        shuffle_buffer_size=s.samples_per_step, checkpoint_every=s.num_steps,
-                       num_checkpoints_to_keep=1, **({} if args.prefetch_batches is None
-                                                     else {"prefetch_batches": args.prefetch_batches}))
+                       num_checkpoints_to_keep=1, profile_steps=args.profile_steps,
+                       **({} if args.prefetch_batches is None else {"prefetch_batches": args.prefetch_batches}))
     ours: dict = {"train_config": asdict(tcfg), "use_gpu": gpu}
     try:
         summary = run_training(tcfg, ext["files"], target_dir, str(work / "ours"), use_gpu=gpu)
@@ -700,9 +708,14 @@ def main(argv=None) -> int:
     (out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
     md = markdown(res)
     (out / f"{name}.md").write_text(md)
-    for src in (our_step_log, work / "speculators_steps.jsonl", work / "speculators.log"):
+    for src in (our_step_log, work / "speculators_steps.jsonl", work / "speculators.log",
+                work / "ours" / "profile" / "top_ops.txt"):
         if src.exists():  # the work dir goes away; these explain a surprising figure or a failure
             shutil.copy(src, out / f"{name}-{src.name}")
+    trace = work / "ours" / "profile" / "trace.json"
+    if trace.exists():
+        with open(trace, "rb") as f, gzip.open(out / f"{name}-ours_trace.json.gz", "wb") as g:
+            shutil.copyfileobj(f, g)
     print(md, flush=True)
     if not args.keep_work and not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)

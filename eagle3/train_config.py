@@ -96,6 +96,11 @@ class TrainConfig:
     batch-h200-1b-run4-pin-probe.md); more help where packing is the cost (CPU, Parquet shards).
     0: a thread of the trainer instead, whose GIL slows the step's kernel launches (the fallback,
     with a warning, where /dev/shm cannot hold the queue)."""
+    profile_steps: list[int] | None = None
+    """[first, last]: rank 0 records optimizer steps first..last with torch.profiler (CPU, and
+    CUDA where there is one) and writes profile/trace.json (Perfetto, chrome://tracing) and
+    profile/top_ops.txt next to metrics.jsonl: what a slow step waits for. Off by default: the
+    profiler slows the steps it records."""
     checkpoint_every: int = 50
     """Save a DeepSpeed checkpoint every this many steps (and always after the last step)."""
     num_checkpoints_to_keep: int | None = 2
@@ -140,6 +145,10 @@ class TrainConfig:
             _fail("prefetch_batches", self.prefetch_batches, "must be >= 0 (0 = no prefetch) or null (auto)")
         if self.data_workers < 0:
             _fail("data_workers", self.data_workers, "must be >= 0 (0 = a thread)")
+        if self.profile_steps is not None and not (
+                len(self.profile_steps) == 2 and 1 <= self.profile_steps[0] <= self.profile_steps[1] <= self.num_steps):
+            _fail("profile_steps", self.profile_steps, f"use [first, last] with 1 <= first <= last <= num_steps="
+                  f"{self.num_steps}, or null")
         if self.shuffle_buffer_size < 1:
             _fail("shuffle_buffer_size", self.shuffle_buffer_size, "must be >= 1 (1 = no shuffle within shards)")
         if self.checkpoint_every < 1:

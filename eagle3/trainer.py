@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from compat.speculators_batch import SCALE_KEYS, dequantize_batch
 from eagle3.dataset import HiddenStatesDataset, PackedBatches, Prefetcher, WorkerPrefetcher, token_frequencies
@@ -286,20 +287,26 @@ class Eagle3Trainer:
         input_wait = 0.0
         gas = self.cfg.gradient_accumulation_steps
         for _ in range(gas):
-            batch, inputs, wait = next(self.batches)
-            _, loss, metrics = self.engine(**inputs, ttt_steps=self.cfg.ttt_steps,
-                                           ttt_step_loss_decay=self.cfg.ttt_step_loss_decay,
-                                           loss_config=self.loss_config)
+            with record_function("eagle3.next_batch"):
+                batch, inputs, wait = next(self.batches)
+            with record_function("eagle3.forward"):
+                _, loss, metrics = self.engine(**inputs, ttt_steps=self.cfg.ttt_steps,
+                                               ttt_step_loss_decay=self.cfg.ttt_step_loss_decay,
+                                               loss_config=self.loss_config)
             # the forward is queued: the next batch's copy runs under it and the backward
-            input_wait += wait + self.batches.stage()
-            self.engine.backward(loss)
-            self.engine.step()
+            with record_function("eagle3.stage_batch"):
+                input_wait += wait + self.batches.stage()
+            with record_function("eagle3.backward"):
+                self.engine.backward(loss)
+            with record_function("eagle3.optimizer_step"):
+                self.engine.step()
             for k, v in (("_loss", loss), *metrics.items()):
                 sums[k] = sums.get(k, 0) + v.detach().double()
             tokens += int((batch["document_ids"] >= 0).sum())
             loss_tokens += int(batch["loss_mask"].sum())
         keys = sorted(k for k in sums if k != "_loss")
-        summed = torch.stack([sums[k].reshape(()) for k in ["_loss", *keys]]).cpu()
+        with record_function("eagle3.metrics_to_host"):  # waits for the step's kernels
+            summed = torch.stack([sums[k].reshape(()) for k in ["_loss", *keys]]).cpu()
         vec = torch.cat([summed[:1], torch.tensor([gas, tokens, loss_tokens], dtype=torch.float64), summed[1:]])
         dist = _dist()
         if dist is not None and self.world_size > 1:

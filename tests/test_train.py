@@ -158,6 +158,10 @@ def test_train_config_validation_names_field_value_and_fix():
         TrainConfig(draft_attn_impl="flash")
     with pytest.raises(ValueError, match=r"train\.data_workers=-1: must be >= 0"):
         TrainConfig(data_workers=-1)
+    with pytest.raises(ValueError, match=r"train\.profile_steps=\[3, 2\]: use \[first, last\]"):
+        TrainConfig(profile_steps=[3, 2])
+    with pytest.raises(ValueError, match=r"train\.profile_steps=\[5, 30\].*num_steps=20"):
+        TrainConfig(num_steps=20, profile_steps=[5, 30])
     assert TrainConfig().ttt_steps == 3 and TrainConfig().draft_attn_impl is None  # None: flex on GPU, sdpa on CPU
 
 
@@ -310,6 +314,24 @@ def test_batches_are_built_in_a_worker_process_unless_shared_memory_is_short(tin
     assert torch.equal(same["hidden_states"], first["hidden_states"])
     worker.close()
     thread.close()
+
+
+def test_step_profiler_records_the_asked_steps(tiny, tmp_path):
+    """train.profile_steps [2, 3]: a trace and a table of the ops of steps 2 and 3 exactly, with the
+    trainer's own ranges (eagle3.forward, ...) in them."""
+    import json
+
+    from actors.trainer import StepProfiler
+
+    target, files, _, _ = tiny
+    trainer = _trainer(target, files, small_cfg(num_steps=4))
+    profiler = StepProfiler([2, 3], tmp_path / "profile")
+    profiler.before_step(1)
+    trainer.fit(on_step=lambda m: profiler.after_step(m["step"]))
+    top = (tmp_path / "profile" / "top_ops.txt").read_text()
+    assert top.startswith("steps 2..3") and "eagle3.optimizer_step" in top
+    events = json.loads((tmp_path / "profile" / "trace.json").read_text())["traceEvents"]
+    assert sum(1 for e in events if e.get("name") == "eagle3.forward") == 2  # one micro-batch a step, 2 steps
 
 
 def test_prefetch_depth_fits_the_memory_budget_unless_set():
