@@ -63,15 +63,13 @@ def train_loop_per_worker(config: dict) -> None:
 
     last: dict = {}
     progress = _Progress(cfg, config["metrics_path"]) if rank == 0 else None
-    profiler = StepProfiler(cfg.profile_steps, Path(config["metrics_path"]).parent / "profile") \
-        if rank == 0 and cfg.profile_steps else None
-    if profiler is not None:
-        profiler.before_step(trainer.global_step + 1)
+    profiler = StepProfiler(cfg.profile_steps, Path(config["metrics_path"]).parent / "profile",
+                            done=trainer.global_step) if rank == 0 and cfg.profile_steps else None
 
     def on_step(metrics: dict) -> None:
         last.update(metrics)
         if profiler is not None:
-            profiler.after_step(metrics["step"])
+            profiler.step()
         if rank == 0:
             logger.info("step %d/%d loss %.4f full_acc_0 %.3f lr %.2e tokens %d input_wait_ms %.1f", metrics["step"],
                         cfg.num_steps, metrics["loss"], metrics["full_acc_0"], metrics["lr"], metrics["tokens"],
@@ -84,6 +82,8 @@ def train_loop_per_worker(config: dict) -> None:
     t0 = time.perf_counter()
     trainer.fit(on_step=on_step)
     train_seconds = time.perf_counter() - t0
+    if profiler is not None:
+        profiler.close()
     if progress is not None:
         progress.close()
     trainer.export(config["draft_dir"])
@@ -96,37 +96,47 @@ def train_loop_per_worker(config: dict) -> None:
 
 
 class StepProfiler:
-    """torch.profiler over optimizer steps [first, last] of one rank: call before_step(n) before
-    step n runs and after_step(n) once it is done. Writes trace.json and top_ops.txt (the ops
-    with the most self time, device time first where there is CUDA) into out_dir."""
+    """torch.profiler, on its own schedule, over optimizer steps [first, last] of a run that has
+    `done` steps behind it (a resume): call step() after each optimizer step and close() at the
+    end. Writes trace.json and top_ops.txt (the ops with the most self time, device time first
+    where there is CUDA) into out_dir. Nothing is recorded when the run resumes past `first`."""
 
-    def __init__(self, steps: list[int], out_dir: Path):
+    def __init__(self, steps: list[int], out_dir: Path, done: int = 0):
+        import torch
+        from torch.profiler import ProfilerActivity, profile, schedule
+
         self.first, self.last = steps
         self.out_dir = Path(out_dir)
         self.prof = None
-
-    def before_step(self, step: int) -> None:
-        if step != self.first or self.prof is not None:
+        before = self.first - 1 - done  # profiler steps before the first recorded one
+        if before < 0:
+            logger.warning("train.profile_steps %s: this run starts at step %d, past them; not profiling",
+                           steps, done + 1)
             return
-        import torch
-        from torch.profiler import ProfilerActivity, profile
-
         cuda = torch.cuda.is_available()
         self.sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-        self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
-        self.prof.__enter__()
+        warmup = min(1, before)  # one warm-up step where there is one (torch warns without)
+        self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+                            schedule=schedule(wait=before - warmup, warmup=warmup, active=self.last - self.first + 1,
+                                              repeat=1),
+                            on_trace_ready=self._write)
+        self.prof.start()
 
-    def after_step(self, step: int) -> None:
-        if self.prof is not None and step >= self.last:
-            self.prof.__exit__(None, None, None)
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            self.prof.export_chrome_trace(str(self.out_dir / "trace.json"))
-            (self.out_dir / "top_ops.txt").write_text(
-                f"steps {self.first}..{self.last}\n" + self.prof.key_averages().table(sort_by=self.sort_by, row_limit=40))
-            logger.info("profile of steps %d..%d written to %s", self.first, self.last, self.out_dir)
+    def _write(self, prof) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(self.out_dir / "trace.json"))
+        (self.out_dir / "top_ops.txt").write_text(
+            f"steps {self.first}..{self.last}\n" + prof.key_averages().table(sort_by=self.sort_by, row_limit=40))
+        logger.info("profile of steps %d..%d written to %s", self.first, self.last, self.out_dir)
+
+    def step(self) -> None:
+        if self.prof is not None:
+            self.prof.step()
+
+    def close(self) -> None:
+        if self.prof is not None:
+            self.prof.stop()
             self.prof = None
-        else:
-            self.before_step(step + 1)
 
 
 class _Progress:

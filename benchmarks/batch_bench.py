@@ -38,6 +38,7 @@ from benchmarks.extract_bench import machine, versions
 from eagle3.dataset import HiddenStatesDataset, PackedBatches, _to_sample
 from eagle3.schema import decode_hidden_states, hidden_states_schema, stored_bytes_per_token
 from eagle3.shards import advise_page_cache, write_shard_file
+from eagle3.trainer import batch_source
 
 SHAPES = {"tiny": (256, [2, 4, 5, 8], 256), "1b": (2048, [2, 8, 13, 16], 1024), "8b": (4096, [2, 16, 29, 32], 1024)}
 
@@ -138,24 +139,20 @@ def measure(make, files, micro: int, batches: int, pin: bool, cold: bool) -> lis
     return times
 
 
-def _source(ds, micro: int, pin: bool, kind: str, depth: int, workers: int = 1):
-    from eagle3.dataset import Prefetcher, WorkerPrefetcher
-
-    if kind == "worker":  # as the trainer builds them: in DataLoader workers, pinned in this process
-        return WorkerPrefetcher(PackedBatches(ds, micro, hidden_states_dtype=torch.bfloat16, dequantize=not pin),
-                                depth, pin_memory=pin, num_workers=workers)
-    packed = PackedBatches(ds, micro, hidden_states_dtype=torch.bfloat16, pin_memory=pin, dequantize=not pin)
-    return Prefetcher(packed, depth) if depth else packed
+def _source(files, micro: int, pin: bool, depth: int, workers: int):
+    """The trainer's batch source over `files` (eagle3.trainer.batch_source): `workers` DataLoader
+    processes, or a thread where 0, `depth` batches ahead; fp8 left for the device where there is CUDA."""
+    ds = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=1)  # file order: reading is the cost measured
+    return ds, batch_source(ds, micro, torch.bfloat16, depth, workers, 0, on_gpu=pin, dequantize=not pin)
 
 
-def stream(files, micro: int, seq: int, pin: bool, depth: int, kind: str = "thread", workers: int = 1) -> dict:
-    """The input pipeline's throughput from a cold page cache (PackedBatches behind a Prefetcher
-    thread or a WorkerPrefetcher of `workers` processes, of `depth`; 0 for none), with a consumer
+def stream(files, micro: int, seq: int, pin: bool, depth: int, workers: int = 0) -> dict:
+    """The input pipeline's throughput from a cold page cache (the trainer's batch source: a thread
+    where `workers` is 0, else that many DataLoader processes, `depth` batches ahead), with a consumer
     that takes each batch as soon as it is built: one epoch's full batches, in GB/s of the bytes read."""
     drop_cache(files)
-    ds = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=1)
+    ds, it = _source(files, micro, pin, depth, workers)
     num_batches = ds.num_samples // (micro // (seq - 1))  # equal-length samples: full batches only
-    it = _source(ds, micro, pin, kind, depth, workers)
     t = time.perf_counter()
     for _ in range(num_batches):
         next(it)
@@ -164,7 +161,7 @@ def stream(files, micro: int, seq: int, pin: bool, depth: int, kind: str = "thre
         it.close()
     bytes_per_sample = sum(os.path.getsize(f) for f in files) / ds.num_samples
     read = num_batches * (micro // (seq - 1)) * bytes_per_sample
-    return {"kind": kind if kind == "thread" else f"{workers} worker{'s' if workers > 1 else ''}", "depth": depth,
+    return {"kind": f"{workers} worker{'s' if workers > 1 else ''}" if workers else "thread", "depth": depth,
             "batches": num_batches, "seconds": round(seconds, 3),
             "gb_s": read / seconds / 1e9}
 
@@ -185,9 +182,9 @@ def gil(files, micro: int, pin: bool, loops: int = 30) -> dict:
     for _ in range(3):
         launch_loop(x)
     out = {"alone_ms": statistics.median(launch_loop(x) for _ in range(loops)) * 1e3}
-    for kind in ("thread", "worker"):
+    for kind, workers in (("thread", 0), ("worker", 4)):
         drop_cache(files)
-        it = _source(HiddenStatesDataset(files, seed=0, shuffle_buffer_size=1), micro, pin, kind, 16, 4)
+        _, it = _source(files, micro, pin, 16, workers)
         times = []
         for _ in range(loops):
             next(it)
@@ -219,9 +216,8 @@ def main(argv=None) -> int:
             rows.append({"path": name, "cold": cold, "batch_ms": [round(t * 1e3, 1) for t in times],
                          "median_ms": statistics.median(times) * 1e3})
             print(json.dumps(rows[-1]), flush=True)
-    streams = [stream(files, args.micro_batch_tokens, seq, pin, depth, kind, workers)
-               for kind, depth, workers in (("thread", 2, 0), ("thread", 16, 0), ("worker", 16, 1), ("worker", 16, 2),
-                                            ("worker", 16, 4))]
+    streams = [stream(files, args.micro_batch_tokens, seq, pin, depth, workers)
+               for depth, workers in ((2, 0), (16, 0), (16, 1), (16, 2), (16, 4))]
     for r in streams:
         print(json.dumps(r), flush=True)
     launches = gil(files, args.micro_batch_tokens, pin)

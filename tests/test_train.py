@@ -264,7 +264,7 @@ def test_prefetcher_gives_the_same_batches_and_the_consumed_position(tiny, kind)
 
     from eagle3.dataset import HiddenStatesDataset, PackedBatches, Prefetcher, WorkerPrefetcher
 
-    Prefetcher = {"thread": Prefetcher, "1 worker": WorkerPrefetcher,  # noqa: N806 - the same contract
+    prefetcher = {"thread": Prefetcher, "1 worker": WorkerPrefetcher,  # the same contract
                   "3 workers": functools.partial(WorkerPrefetcher, num_workers=3)}[kind]
 
     _, files, _, _ = tiny
@@ -278,7 +278,7 @@ def test_prefetcher_gives_the_same_batches_and_the_consumed_position(tiny, kind)
     for _ in range(10):
         want.append(next(plain))
         states.append(plain.state_dict())
-    ahead = Prefetcher(packed(), depth=3)
+    ahead = prefetcher(packed(), depth=3)
     for i in range(7):
         got = next(ahead)
         assert torch.equal(got["hidden_states"], want[i]["hidden_states"])
@@ -326,8 +326,8 @@ def test_step_profiler_records_the_asked_steps(tiny, tmp_path):
     target, files, _, _ = tiny
     trainer = _trainer(target, files, small_cfg(num_steps=4))
     profiler = StepProfiler([2, 3], tmp_path / "profile")
-    profiler.before_step(1)
-    trainer.fit(on_step=lambda m: profiler.after_step(m["step"]))
+    trainer.fit(on_step=lambda m: profiler.step())
+    profiler.close()
     top = (tmp_path / "profile" / "top_ops.txt").read_text()
     assert top.startswith("steps 2..3") and "eagle3.optimizer_step" in top
     events = json.loads((tmp_path / "profile" / "trace.json").read_text())["traceEvents"]
@@ -590,7 +590,7 @@ def test_deepspeed_training_reduces_loss(trained):
     assert losses[-1] < 0.5 * losses[0]
     assert history[0]["lr"] == 0.0 and history[-1]["lr"] < history[4]["lr"]  # warmup, then cosine decay
     assert all(0.0 <= m["full_acc_0"] <= 1.0 for m in history) and history[-1]["full_acc_0"] > 0.1
-    assert all(m["input_wait_s"] >= 0.0 for m in history)  # this rank's wait for its batches, per step
+    assert all("input_wait_s" in m for m in history)  # every step reports it; its value: the test below
     assert sorted(p.name for p in Path(ckpt).iterdir()) == ["latest", "step_00000006", "step_00000012",
                                                              "zero_to_fp32.py", "zero_to_torch.py"]
 
