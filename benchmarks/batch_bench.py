@@ -181,7 +181,8 @@ def gil(files, micro: int, pin: bool, loops: int = 30) -> dict:
     x = torch.zeros(16, device="cuda" if pin else "cpu")
     for _ in range(3):
         launch_loop(x)
-    out = {"alone_ms": statistics.median(launch_loop(x) for _ in range(loops)) * 1e3}
+    alone = [launch_loop(x) for _ in range(loops)]
+    out = {"alone_ms": statistics.median(alone) * 1e3, "alone_max_ms": max(alone) * 1e3}
     for kind, workers in (("thread", 0), ("worker", 4)):
         drop_cache(files)
         _, it = _source(files, micro, pin, 16, workers)
@@ -191,7 +192,53 @@ def gil(files, micro: int, pin: bool, loops: int = 30) -> dict:
             times.append(launch_loop(x))
         it.close()
         out[f"{kind}_ms"] = statistics.median(times) * 1e3
+        out[f"{kind}_max_ms"] = max(times) * 1e3  # a stall of the producer's shows here
     return out
+
+
+class _Blobs(torch.utils.data.IterableDataset):
+    def __init__(self, nbytes: int, n: int):
+        self.nbytes, self.n = nbytes, n
+
+    def __iter__(self):
+        for _ in range(self.n):
+            yield {"hidden_states": torch.ones(self.nbytes, dtype=torch.uint8)}
+
+
+def drop_probe(nbytes: int, n: int = 8) -> dict:
+    """What the ring avoids: a DataLoader worker hands a batch of `nbytes` through a new
+    shared-memory segment, and dropping it in this process unmaps that segment with the GIL held.
+    Median and max ms of `del batch`, while a thread that wakes every 0.5 ms measures its longest
+    wait for the GIL meanwhile."""
+    import threading
+
+    waits, stop = [], threading.Event()
+
+    def ticker():
+        last = time.perf_counter()
+        while not stop.is_set():
+            time.sleep(0.0005)
+            now = time.perf_counter()
+            waits.append(now - last)
+            last = now
+
+    th = threading.Thread(target=ticker, daemon=True)
+    th.start()
+    drops, held = [], []
+    loader = torch.utils.data.DataLoader(_Blobs(nbytes, n), batch_size=None, num_workers=1, prefetch_factor=2,
+                                         multiprocessing_context="fork")
+    for batch in loader:
+        time.sleep(0.02)
+        mark = len(waits)
+        t = time.perf_counter()
+        del batch
+        drops.append(time.perf_counter() - t)
+        time.sleep(0.02)
+        held.append(max(waits[mark:], default=0.0))
+    stop.set()
+    th.join()
+    return {"batch_mb": nbytes / 1e6, "drop_ms": statistics.median(drops) * 1e3, "drop_max_ms": max(drops) * 1e3,
+            "other_thread_max_wait_ms": statistics.median(held) * 1e3}
 
 
 def main(argv=None) -> int:
@@ -222,16 +269,18 @@ def main(argv=None) -> int:
         print(json.dumps(r), flush=True)
     launches = gil(files, args.micro_batch_tokens, pin)
     print(json.dumps(launches), flush=True)
+    bytes_per_batch = args.micro_batch_tokens * stored_bytes_per_token(num_layers=len(layer_ids), hidden_size=hidden,
+                                                                      hs_dtype=args.hs_dtype)
+    drops = drop_probe(bytes_per_batch)
+    print(json.dumps(drops), flush=True)
     disk_gb_s = direct_read_gb_s(files)
     for f in files:
         os.remove(f)
     root.rmdir()
-    bytes_per_batch = args.micro_batch_tokens * stored_bytes_per_token(num_layers=len(layer_ids), hidden_size=hidden,
-                                                                      hs_dtype=args.hs_dtype)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(), "versions": versions(),
             "args": vars(args), "pinned": pin, "torch_threads": torch.get_num_threads(),
             "hidden_states_bytes_per_batch": bytes_per_batch, "stream": streams, "disk_read_gb_s": disk_gb_s,
-            "launch_loop": launches}
+            "launch_loop": launches, "dataloader_drop": drops}
     med = {(r["path"], r["cold"]): r["median_ms"] for r in rows}
     lines = [f"# Building one packed micro-batch ({meta['date']})", "", f"Machine: {meta['machine']}", "",
              f"Shape {args.shape}: hidden {hidden}, layers {layer_ids}, {seq}-token samples, "
@@ -249,8 +298,13 @@ def main(argv=None) -> int:
                   f"{r['seconds']:.2f} s)" for r in streams) + ". The same files read with O_DIRECT (16 MiB reads): "
               + (f"{disk_gb_s:.2f} GB/s." if disk_gb_s else "not measured (no O_DIRECT here)."),
               "", f"A step's host side next to the producer (3,000 small {'CUDA' if pin else 'CPU'} ops from Python, "
-              f"median of 30, each after one batch is taken): alone {launches['alone_ms']:.1f} ms; next to a packing "
-              f"thread {launches['thread_ms']:.1f} ms; next to 4 worker processes {launches['worker_ms']:.1f} ms."]
+              f"each after one batch is taken; median (max) of 30): alone {launches['alone_ms']:.1f} "
+              f"({launches['alone_max_ms']:.1f}) ms; next to a packing thread {launches['thread_ms']:.1f} "
+              f"({launches['thread_max_ms']:.1f}) ms; next to 4 worker processes {launches['worker_ms']:.1f} "
+              f"({launches['worker_max_ms']:.1f}) ms.",
+              "", f"What the workers' ring avoids: a {drops['batch_mb']:.0f} MB batch handed over by DataLoader's own "
+              f"shared memory took {drops['drop_ms']:.1f} ms (max {drops['drop_max_ms']:.1f}) to drop, and another "
+              f"thread waited up to {drops['other_thread_max_wait_ms']:.1f} ms (median over batches) for the GIL meanwhile."]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"batch{('-' + args.tag) if args.tag else ''}"

@@ -30,8 +30,23 @@ import torch
 from eagle3.schema import dequantize_fp8
 
 
+def batch_layout(max_len: int, num_layers: int, hidden: int, dtype: torch.dtype,
+                 deferred: bool = False) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{name: (shape, dtype)} of the buffers `pack` fills for rows of `num_layers` captured
+    layers of size `hidden`; `deferred`: e4m3 hidden states kept as stored, with their scales."""
+    hs_dtype = torch.float8_e4m3fn if deferred else dtype
+    layout = {"hidden_states": ((max_len, num_layers - 1, hidden), hs_dtype),
+              "verifier_last_hidden_states": ((max_len, hidden), hs_dtype),
+              "input_ids": ((max_len,), torch.long), "position_ids": ((max_len,), torch.long),
+              "document_ids": ((max_len,), torch.long), "loss_mask": ((max_len,), torch.bool)}
+    if deferred:
+        layout.update(hidden_states_scale=((max_len, num_layers - 1), torch.float32),
+                      verifier_last_hidden_states_scale=((max_len,), torch.float32))
+    return layout
+
+
 def pack(rows: Sequence[tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor | None]], max_len: int,
-         dtype: torch.dtype, pin_memory: bool = False, dequantize: bool = True) -> dict:
+         dtype: torch.dtype, pin_memory: bool = False, dequantize: bool = True, alloc=None) -> dict:
     """rows: (input_ids [T], loss_mask [T], hidden states [T, L, H], scale) per sample, unshifted;
     the last of the L layers is the verifier's last hidden state, the others the aux layers.
     Hidden states are bf16 with scale None, or e4m3 with float32 scales [T, L], dequantised here
@@ -42,21 +57,21 @@ def pack(rows: Sequence[tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor
     `dequantize=False` with e4m3 rows: both hidden-state tensors stay e4m3 (half the bytes to copy
     and to send to the device) and the batch also holds their float32 scales,
     hidden_states_scale [1, max_len, L-1] and verifier_last_hidden_states_scale [1, max_len];
-    `dequantize_batch`, on the device, then gives what `dequantize=True` gives."""
+    `dequantize_batch`, on the device, then gives what `dequantize=True` gives.
+    `alloc(shape, dtype)`, if given, makes the buffers (of `batch_layout`) instead of torch.empty."""
     if not rows:
         raise ValueError("pack got no rows")
     num_layers, hidden = rows[0][2].shape[1:]
     deferred = not dequantize and rows[0][3] is not None
+    if alloc is None:
+        def alloc(shape, dt):
+            return torch.empty(shape, dtype=dt, pin_memory=pin_memory)
 
-    def empty(shape, dt):
-        return torch.empty(shape, dtype=dt, pin_memory=pin_memory)
-
-    hs = empty((max_len, num_layers - 1, hidden), torch.float8_e4m3fn if deferred else dtype)
-    last = empty((max_len, hidden), torch.float8_e4m3fn if deferred else dtype)
+    out = {k: alloc(shape, dt) for k, (shape, dt) in batch_layout(max_len, num_layers, hidden, dtype, deferred).items()}
+    hs, last, mask = out["hidden_states"], out["verifier_last_hidden_states"], out["loss_mask"]
+    ids, pos, docs = out["input_ids"], out["position_ids"], out["document_ids"]
     if deferred:
-        hs_scale, last_scale = empty((max_len, num_layers - 1), torch.float32), empty((max_len,), torch.float32)
-    ids, pos, docs = (empty((max_len,), torch.long) for _ in range(3))
-    mask = empty((max_len,), torch.bool)
+        hs_scale, last_scale = out["hidden_states_scale"], out["verifier_last_hidden_states_scale"]
     offset = 0
     for doc, (input_ids, loss_mask, hs_TLD, scale) in enumerate(rows):
         if offset == max_len:

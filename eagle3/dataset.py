@@ -31,7 +31,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
+import mmap
+import os
 import queue
+import tempfile
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
@@ -41,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from compat.speculators_batch import pack
+from compat.speculators_batch import batch_layout, pack
 from eagle3.schema import dequantize_fp8, hs_layout
 from eagle3.shards import ShardFile, read_ahead
 
@@ -321,8 +325,15 @@ class PackedBatches:
     def __next__(self) -> dict:
         return self.pack(self.take())
 
-    def pack(self, rows: list) -> dict:
-        return pack(rows, self.micro_batch_tokens, self.hidden_states_dtype, self.pin_memory, self.dequantize)
+    def pack(self, rows: list, alloc=None) -> dict:
+        return pack(rows, self.micro_batch_tokens, self.hidden_states_dtype, self.pin_memory, self.dequantize,
+                    alloc=alloc)
+
+    def layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """{name: (shape, dtype)} of a batch's tensor buffers (compat.speculators_batch.batch_layout)."""
+        deferred = not self.dequantize and self.dataset.hs_dtype == "float8_e4m3fn"
+        return batch_layout(self.micro_batch_tokens, len(self.dataset.layer_ids), self.dataset.hidden_size,
+                            self.hidden_states_dtype, deferred)
 
     def take(self) -> list:
         """The next batch's rows (views of the shards: nothing is copied yet), advancing the position."""
@@ -365,22 +376,136 @@ class PackedBatches:
         raise ValueError(f"rank {self.dataset.rank}: two consecutive epochs without a usable sample (all < 2 tokens)")
 
 
-class _PackedStream(torch.utils.data.IterableDataset):
-    """A DataLoader worker's side of WorkerPrefetcher: (batch, data position after it), forever.
-    Worker w of k walks the whole batch sequence but packs only batches w, w + k, ...: taking a
-    batch's rows touches no hidden states, and DataLoader returns the workers' items round-robin,
-    so the batches come out in order."""
+_ALIGN = 4096  # each buffer of a slot starts on its own page
 
-    def __init__(self, batches: PackedBatches):
-        self.batches = batches
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+class BatchRing:
+    """`num_slots` batch buffers of `slot_bytes` in one shared-memory file, which DataLoader
+    workers pack batches into and this process reads in place: a batch crosses processes as a
+    slot number and a layout, and no memory is mapped, pinned or freed per batch.
+
+    Why not DataLoader's own way: it moves each tensor through a new shared-memory segment, which
+    the receiving process unmaps when the tensor is dropped, holding the GIL: 16 ms for a 167 MB
+    batch on the CI machine, during which the training loop launches no kernel. On the H200 each
+    of those stalls left the GPU idle for 15-22 ms, in 7 of 9 profiled steps
+    (benchmarks/results/train-h200-1b-prof-top_ops.txt). Its pin_memory thread then copied every
+    batch once more, serially: ~1.1 GB/s (batch-h200-1b-run4). Here the file is page-locked once
+    with cudaHostRegister (`page_lock`), so the copy to the device reads the slot itself.
+    The file is unlinked at once: its memory goes when no process maps it any more.
+    """
+
+    def __init__(self, num_slots: int, slot_bytes: int, *, page_lock: bool = False, dir: str = "/dev/shm"):
+        self.num_slots, self.slot_bytes = num_slots, _aligned(slot_bytes)
+        self.nbytes = num_slots * self.slot_bytes
+        fd, path = tempfile.mkstemp(prefix="eagle3-batch-ring-", dir=dir if os.path.isdir(dir) else None)
+        os.unlink(path)
+        os.ftruncate(fd, self.nbytes)
+        self._fd = fd
+        self._map()
+        self.page_locked = False
+        if page_lock:
+            err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.nbytes, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of the {self.nbytes / 1e9:.2f} GB batch ring failed: {err}")
+            self.page_locked = True
+
+    def _map(self) -> None:
+        """Map the file in this process (a forked worker maps it anew: CUDA may keep page-locked
+        memory out of a child's address space)."""
+        self.buffer = torch.frombuffer(mmap.mmap(self._fd, self.nbytes), dtype=torch.uint8)
+        self._pid = os.getpid()
+
+    def attach(self) -> None:
+        """In a worker process: map the ring there (once)."""
+        if self._pid != os.getpid():
+            self._map()
+
+    def slot(self, s: int) -> torch.Tensor:
+        start = s * self.slot_bytes
+        return self.buffer[start:start + self.slot_bytes]
+
+    def layout(self, batch: dict, s: int) -> dict:
+        """Worker side: a batch packed into slot s as {key: (offset, shape, dtype)} (other values as they are)."""
+        base = self.slot(s).data_ptr()
+        out = {}
+        for k, v in batch.items():
+            if isinstance(v, torch.Tensor):
+                if not v.is_contiguous() or not base <= v.data_ptr() < base + self.slot_bytes:
+                    raise ValueError(f"{k} is not a contiguous buffer of slot {s}")
+                v = (v.data_ptr() - base, tuple(v.shape), v.dtype)
+            out[k] = v
+        return out
+
+    def views(self, layout: dict, s: int) -> dict:
+        """The batch of `layout` as views of slot s."""
+        slot, out = self.slot(s), {}
+        for k, v in layout.items():
+            if isinstance(v, tuple):
+                offset, shape, dtype = v
+                v = slot[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+            out[k] = v
+        return out
+
+    def allocator(self, s: int):
+        """alloc(shape, dtype) for compat.speculators_batch.pack: page-aligned buffers of slot s."""
+        slot, used = self.slot(s), 0
+
+        def alloc(shape, dtype):
+            nonlocal used
+            n = math.prod(shape) * dtype.itemsize
+            if used + n > self.slot_bytes:
+                raise ValueError(f"a batch needs more than the ring's {self.slot_bytes} bytes a slot")
+            t = slot[used:used + n].view(dtype).view(shape)
+            used += _aligned(n)
+            return t
+
+        return alloc
+
+    def close(self) -> None:
+        """Unlock the pages (views of them stay valid, as plain memory)."""
+        if self.page_locked:
+            torch.cuda.synchronize()  # no copy may still read them
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            self.page_locked = False
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    @staticmethod
+    def slot_bytes_for(layout: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> int:
+        """Bytes of a slot that holds a batch of `layout` ({name: (shape, dtype)})."""
+        return sum(_aligned(math.prod(shape) * dtype.itemsize) for shape, dtype in layout.values())
+
+
+class _PackedStream(torch.utils.data.IterableDataset):
+    """A DataLoader worker's side of WorkerPrefetcher: (slot, batch layout, data position after
+    it), batch after batch, each packed straight into its slot of the ring. Worker w of k walks the
+    whole batch sequence but packs only batches w, w + k, ...: taking a batch's rows touches no
+    hidden states, and DataLoader returns the workers' items round-robin, so the batches come out
+    in order."""
+
+    def __init__(self, batches: PackedBatches, ring: BatchRing):
+        self.batches, self.ring = batches, ring
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         w, k = (info.id, info.num_workers) if info is not None else (0, 1)
+        self.ring.attach()
         for i in itertools.count():
             rows = self.batches.take()
-            if i % k == w:
-                yield self.batches.pack(rows), self.batches.state_dict()
+            if i % k != w:
+                continue
+            s = i % self.ring.num_slots
+            batch = self.batches.pack(rows, alloc=self.ring.allocator(s))
+            yield s, self.ring.layout(batch, s), self.batches.state_dict()
+
+
+def _as_is(item):
+    return item
 
 
 class WorkerPrefetcher:
@@ -389,32 +514,41 @@ class WorkerPrefetcher:
     training loop, which launches the step's many small kernels from Python, stalls behind it: a
     loop of 3,000 small CUDA ops took 65.8 ms alone on the H200 host, 111.1 ms next to a packing
     thread, 51.3 ms next to a worker (`python -m benchmarks.batch_bench`). Batches come out in
-    order (_PackedStream), cross through shared memory, and are pinned in this process
-    (DataLoader's pin_memory thread) when `pin_memory`. Workers are forked: they must not touch
-    CUDA, so `batches` must not pin. `depth` batches are built ahead in all (at least one a worker).
+    order (_PackedStream), packed by the workers straight into a BatchRing (page-locked when
+    `page_lock`). Workers are forked: they must not touch CUDA, so `batches` must not pin.
+    `depth` batches are built ahead in all (at least one a worker).
+
+    A batch returned is a view of the ring: it stays valid until the second `next` after it (the
+    trainer's DeviceBatches waits for its copy to the device before that); clone what must live longer.
     """
 
-    def __init__(self, batches: PackedBatches, depth: int = 2, pin_memory: bool = False, num_workers: int = 1):
+    def __init__(self, batches: PackedBatches, depth: int = 2, page_lock: bool = False, num_workers: int = 1):
         if batches.pin_memory:
-            raise ValueError("WorkerPrefetcher pins in this process: build its PackedBatches with pin_memory=False")
-        self.batches, self.pin_memory, self.num_workers = batches, pin_memory, max(1, num_workers)
+            raise ValueError("WorkerPrefetcher's batches live in its ring: build its PackedBatches with pin_memory=False")
+        self.batches, self.page_lock, self.num_workers = batches, page_lock, max(1, num_workers)
         self.depth = max(1, depth)
         self._state = batches.state_dict()
+        self.ring: BatchRing | None = None
         self._start()
 
     def _start(self) -> None:
-        loader = torch.utils.data.DataLoader(_PackedStream(self.batches), batch_size=None,
-                                             num_workers=self.num_workers,
-                                             prefetch_factor=-(-self.depth // self.num_workers),
-                                             pin_memory=self.pin_memory, multiprocessing_context="fork")
+        prefetch = -(-self.depth // self.num_workers)
+        # DataLoader has at most prefetch x workers batches requested beyond the one it returned last
+        # (its prefetch_factor), and returns them in order: with 2 slots more, batch m + P is packed
+        # into batch m - 2's slot, after batch m is returned.
+        slots = prefetch * self.num_workers + 2
+        self.ring = BatchRing(slots, BatchRing.slot_bytes_for(self.batches.layout()), page_lock=self.page_lock)
+        loader = torch.utils.data.DataLoader(_PackedStream(self.batches, self.ring), batch_size=None,
+                                             num_workers=self.num_workers, prefetch_factor=prefetch,
+                                             collate_fn=_as_is, multiprocessing_context="fork")
         self._it = iter(loader)
 
     def __iter__(self):
         return self
 
     def __next__(self) -> dict:
-        batch, self._state = next(self._it)
-        return batch
+        s, layout, self._state = next(self._it)
+        return self.ring.views(layout, s)
 
     def state_dict(self) -> dict:
         return dict(self._state)
@@ -427,6 +561,8 @@ class WorkerPrefetcher:
 
     def close(self) -> None:
         self._it = None  # the last reference: DataLoader's iterator stops its workers when collected
+        if self.ring is not None:
+            self.ring.close()
 
 
 class Prefetcher:

@@ -64,13 +64,15 @@ class DeviceBatches:
 
     `next()` returns (host batch, device inputs, seconds blocked on `source`). `state_dict()` is the
     data position after the last batch *returned*, as with Prefetcher, so a staged batch is not
-    counted in a checkpoint; `load_state_dict` drops it.
+    counted in a checkpoint; `load_state_dict` drops it. A host batch stays valid until the second
+    `next` after it, as WorkerPrefetcher's do.
     """
 
     def __init__(self, source, device: torch.device, dtype: torch.dtype):
         self.source, self.device, self.dtype = source, device, dtype
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._staged: tuple | None = None
+        self._copied: torch.cuda.Event | None = None
         self._state = source.state_dict()
 
     def stage(self) -> float:
@@ -78,6 +80,8 @@ class DeviceBatches:
         spent waiting for the source."""
         if self._staged is not None:
             return 0.0
+        if self._copied is not None:  # the source may reuse the memory of the batch before it from now on
+            self._copied.synchronize()  # (WorkerPrefetcher's ring); that copy ran under the last step
         t = time.perf_counter()
         batch = next(self.source)
         wait = time.perf_counter() - t
@@ -89,6 +93,7 @@ class DeviceBatches:
                 inputs = device_inputs(batch, self.device, self.dtype)
                 event = torch.cuda.Event()
                 event.record(self.stream)
+        self._copied = event
         self._staged = (batch, inputs, event, self.source.state_dict())
         return wait
 
@@ -141,11 +146,11 @@ def shm_free_bytes(path: str = "/dev/shm") -> int:
 def batch_source(dataset: HiddenStatesDataset, micro: int, dtype: torch.dtype, depth: int, workers: int,
                  need_bytes: int, *, on_gpu: bool, dequantize: bool):
     """Where a rank's batches come from: built `depth` ahead by `workers` DataLoader worker
-    processes (WorkerPrefetcher, pinned here on GPU), or in a thread (Prefetcher) where workers is
+    processes (WorkerPrefetcher, into a ring page-locked on GPU), or in a thread (Prefetcher) where workers is
     0 or /dev/shm has less than `need_bytes` free, or in line when depth is 0."""
     if depth and workers and shm_free_bytes() >= need_bytes:
         return WorkerPrefetcher(PackedBatches(dataset, micro, dtype, dequantize=dequantize), depth,
-                                pin_memory=on_gpu, num_workers=workers)
+                                page_lock=on_gpu, num_workers=workers)
     packed = PackedBatches(dataset, micro, dtype, pin_memory=on_gpu, dequantize=dequantize)
     if not depth:
         return packed

@@ -293,7 +293,7 @@ def test_prefetcher_gives_the_same_batches_and_the_consumed_position(tiny, kind)
 
 
 def test_batches_are_built_in_a_worker_process_unless_shared_memory_is_short(tiny, caplog):
-    """The trainer's batches come from a DataLoader worker process (they arrive in shared memory),
+    """The trainer's batches come from a DataLoader worker process (packed into the shared ring),
     or from a thread with a warning where /dev/shm cannot hold the queue; both give the same batches."""
     import torch
 
@@ -305,15 +305,39 @@ def test_batches_are_built_in_a_worker_process_unless_shared_memory_is_short(tin
     worker = batch_source(ds, 256, torch.float32, 3, 2, 1 << 20, on_gpu=False, dequantize=True)
     assert isinstance(worker, WorkerPrefetcher)
     first = next(worker)
-    assert first["hidden_states"].is_shared()
+    ring = worker.ring.buffer
+    assert ring.data_ptr() <= first["hidden_states"].data_ptr() < ring.data_ptr() + ring.numel()
     with caplog.at_level("WARNING"):
         thread = batch_source(ds, 256, torch.float32, 3, 2, 1 << 62, on_gpu=False, dequantize=True)
     assert isinstance(thread, Prefetcher) and "/dev/shm" in caplog.text
     same = next(thread)
-    assert not same["hidden_states"].is_shared()
     assert torch.equal(same["hidden_states"], first["hidden_states"])
     worker.close()
     thread.close()
+
+
+def test_worker_batches_stay_valid_until_the_second_next_after_them(tiny):
+    """WorkerPrefetcher's batches are views of a ring of depth + 2 slots that its workers reuse: each
+    batch must be unchanged until the second next() after it, over several turns of the ring; a
+    batch of the ring is released by the consumer, never overwritten ahead of it."""
+    import torch
+
+    from eagle3.dataset import HiddenStatesDataset, PackedBatches, WorkerPrefetcher
+
+    _, files, _, _ = tiny
+    ds = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=8)
+    plain = PackedBatches(ds, micro_batch_tokens=256, hidden_states_dtype=torch.float32)
+    want = [next(plain) for _ in range(12)]
+    ahead = WorkerPrefetcher(PackedBatches(ds, micro_batch_tokens=256, hidden_states_dtype=torch.float32),
+                             depth=1, num_workers=2)
+    assert ahead.ring.num_slots == 4  # 2 in flight (one a worker) + the 2 the consumer holds
+    held = []
+    for i in range(12):
+        held.append(next(ahead))
+        for j in range(max(0, i - 1), i + 1):  # this batch and the one before it
+            for k in ("hidden_states", "verifier_last_hidden_states", "input_ids", "loss_mask"):
+                assert torch.equal(held[j][k], want[j][k]), (i, j, k)
+    ahead.close()
 
 
 def test_step_profiler_records_the_asked_steps(tiny, tmp_path):

@@ -74,3 +74,31 @@ def test_device_batches_copy_on_a_side_stream_and_equal_the_in_line_copy(tmp_pat
         ref = device_inputs(next(want), cuda, torch.bfloat16)
         for key in _MODEL_INPUTS:
             assert torch.equal(got[key], ref[key]), key
+
+
+def test_worker_ring_is_page_locked_and_device_batches_from_it_equal_the_host_path(tmp_path):
+    """The trainer's GPU source: DataLoader workers pack into a ring page-locked in this process
+    (cudaHostRegister), so its batches are pinned without a pinning copy; over several turns of
+    the ring (depth 2: 4 slots), the device inputs staged from it equal the in-line path's."""
+    import torch
+
+    from eagle3.dataset import HiddenStatesDataset, PackedBatches
+    from eagle3.trainer import _MODEL_INPUTS, DeviceBatches, WorkerPrefetcher, device_inputs
+
+    ds = HiddenStatesDataset([fp8_shard(tmp_path / "shard-000000.arrow", lengths=(37, 120, 90, 64, 200) * 4)],
+                             shuffle_buffer_size=1)
+    cuda = torch.device("cuda")
+    want = PackedBatches(ds, micro_batch_tokens=256, pin_memory=True, dequantize=False)
+    ring = WorkerPrefetcher(PackedBatches(ds, micro_batch_tokens=256, dequantize=False), depth=2, page_lock=True)
+    assert ring.ring.page_locked and ring.ring.num_slots == 4
+    staged = DeviceBatches(ring, cuda, torch.bfloat16)
+    for i in range(12):
+        host, got, _ = next(staged)
+        assert host["hidden_states"].is_pinned(), i
+        staged.stage()
+        torch.cuda._sleep(10_000_000)  # the compute stream is busy while the next copy runs
+        ref = device_inputs(next(want), cuda, torch.bfloat16)
+        for key in _MODEL_INPUTS:
+            assert torch.equal(got[key], ref[key]), (i, key)
+    ring.close()
+    assert not ring.ring.page_locked
