@@ -19,7 +19,8 @@ local_rank)`, `torch.accelerator.synchronize()`, Triton fused losses), only ours
     python -m benchmarks.train_bench --shape tiny --extract-backend hf --skip-speculators --out /tmp/tb
 
 `--profile-steps FIRST LAST` also records those steps of ours with torch.profiler
-(train.profile_steps) and copies its top-ops table and gzipped trace to --out; the profiler slows
+(train.profile_steps) and copies its top-ops table and gzipped trace to --out, with the GPU's idle
+gaps in it (benchmarks.trace_gaps, NAME-gaps.md); the profiler slows
 what it records, so such a run's throughput is not a figure to compare.
 
 What one run does:
@@ -716,6 +717,9 @@ def main(argv=None) -> int:
     if trace.exists():
         with open(trace, "rb") as f, gzip.open(out / f"{name}-ours_trace.json.gz", "wb") as g:
             shutil.copyfileobj(f, g)
+        from benchmarks import trace_gaps
+
+        (out / f"{name}-gaps.md").write_text(trace_gaps.markdown(trace_gaps.gaps(trace_gaps.load(trace)), 5.0))
     print(md, flush=True)
     if not args.keep_work and not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)

@@ -390,11 +390,13 @@ class BatchRing:
 
     Why not DataLoader's own way: it moves each tensor through a new shared-memory segment, which
     the receiving process unmaps when the tensor is dropped, holding the GIL: 16 ms for a 167 MB
-    batch on the CI machine, during which the training loop launches no kernel. On the H200 each
-    of those stalls left the GPU idle for 15-22 ms, in 7 of 9 profiled steps
-    (benchmarks/results/train-h200-1b-prof-top_ops.txt). Its pin_memory thread then copied every
-    batch once more, serially: ~1.1 GB/s (batch-h200-1b-run4). Here the file is page-locked once
-    with cudaHostRegister (`page_lock`), so the copy to the device reads the slot itself.
+    batch on the CI machine and on the H200 host, during which the training loop launches no
+    kernel. In a profile of 9 training steps on the H200, 7 had a 15-22 ms GPU-idle gap, each just
+    after the pinning thread's last call (benchmarks/results/train-h200-1b-prof-gaps.md), and steps
+    varied from 63 to 95 ms; read from this ring they took 71-82 ms (train-h200-1b-run7). Its
+    pin_memory thread also copied every batch once more, serially: ~1.1 GB/s (batch-h200-1b-run4).
+    Here the file is page-locked once with cudaHostRegister (`page_lock`), so the copy to the
+    device reads the slot itself.
     The file is unlinked at once: its memory goes when no process maps it any more.
     """
 

@@ -89,13 +89,14 @@ class TrainConfig:
     overlap the device's step; memory: this many packed batches, in /dev/shm and pinned. None: as
     many as fit in 2 GiB (eagle3.trainer.PREFETCH_AUTO_BYTES), from 2 to 16. 0: build each batch
     when the step needs it."""
-    data_workers: int = 1
+    data_workers: int | None = None
     """Processes per rank that read and pack the prefetched batches (torch DataLoader workers,
-    each packing every k-th batch; the order is unchanged). On GPU one is as fast as four: the
-    batches' pinning, in one thread of the trainer, is the serial part (benchmarks/results,
-    batch-h200-1b-run4-pin-probe.md); more help where packing is the cost (CPU, Parquet shards).
-    0: a thread of the trainer instead, whose GIL slows the step's kernel launches (the fallback,
-    with a warning, where /dev/shm cannot hold the queue)."""
+    each packing every k-th batch straight into a shared page-locked ring; the order is
+    unchanged). None: min(4, this rank's share of the node's CPUs // 4), at least 1. On the H200
+    host 1, 2 and 4 workers built cold 1B batches at 0.93, 1.19 and 1.39 GB/s against the disk's
+    1.59 (benchmarks/results/batch-h200-1b-run5.md), and 4 of them cost the step's kernel launches
+    nothing measurable. 0: a thread of the trainer instead, whose GIL slows those launches (the
+    fallback, with a warning, where /dev/shm cannot hold the ring)."""
     profile_steps: list[int] | None = None
     """[first, last]: rank 0 records optimizer steps first..last with torch.profiler (CPU, and
     CUDA where there is one) and writes profile/trace.json (Perfetto, chrome://tracing) and
@@ -143,8 +144,8 @@ class TrainConfig:
             _fail("draft_attn_impl", self.draft_attn_impl, f"use one of {list(DRAFT_ATTN_IMPLS)}")
         if self.prefetch_batches is not None and self.prefetch_batches < 0:
             _fail("prefetch_batches", self.prefetch_batches, "must be >= 0 (0 = no prefetch) or null (auto)")
-        if self.data_workers < 0:
-            _fail("data_workers", self.data_workers, "must be >= 0 (0 = a thread)")
+        if self.data_workers is not None and self.data_workers < 0:
+            _fail("data_workers", self.data_workers, "must be >= 0 (0 = a thread) or null (auto)")
         if self.profile_steps is not None and not (
                 len(self.profile_steps) == 2 and 1 <= self.profile_steps[0] <= self.profile_steps[1] <= self.num_steps):
             _fail("profile_steps", self.profile_steps, f"use [first, last] with 1 <= first <= last <= num_steps="

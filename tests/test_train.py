@@ -358,6 +358,18 @@ def test_step_profiler_records_the_asked_steps(tiny, tmp_path):
     assert sum(1 for e in events if e.get("name") == "eagle3.forward") == 2  # one micro-batch a step, 2 steps
 
 
+def test_data_workers_default_to_a_share_of_the_cpus():
+    from eagle3.train_config import TrainConfig
+    from eagle3.trainer import data_workers
+
+    auto = TrainConfig()
+    assert data_workers(auto, cpus=2, local_ranks=1) == 1  # never fewer than one
+    assert data_workers(auto, cpus=16, local_ranks=1) == 4  # the H200 host
+    assert data_workers(auto, cpus=16, local_ranks=2) == 2
+    assert data_workers(auto, cpus=128, local_ranks=8) == 4  # nor more than four
+    assert data_workers(TrainConfig(data_workers=0), cpus=16, local_ranks=1) == 0
+
+
 def test_prefetch_depth_fits_the_memory_budget_unless_set():
     import torch
 

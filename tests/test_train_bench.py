@@ -228,3 +228,25 @@ def test_report_renders_a_committed_result():
     assert "| ours: DeepSpeed ZeRO-2, Ray Train, 1 worker | **80,090** |" in md
     assert "**Ratio ours / speculators: 0.801x**" in md
     assert "reads 1.64 GB/s sequentially with O_DIRECT (82 ms" in md
+
+
+def test_trace_gaps_finds_where_the_gpu_waited_and_what_the_host_did():
+    """benchmarks.trace_gaps on a small trace: a 20 ms gap between kernels inside eagle3.forward,
+    in which the training thread started no op and just after another thread's event; a 1 ms gap
+    is below the threshold."""
+    from benchmarks.trace_gaps import gaps, markdown
+
+    def ev(cat, name, ts, dur, tid=1):
+        return {"cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 0}
+
+    events = [ev("user_annotation", "ProfilerStep#3", 0, 100_000), ev("user_annotation", "eagle3.forward", 0, 60_000),
+              ev("kernel", "k1", 1_000, 9_000, tid=7), ev("kernel", "k2", 30_000, 10_000, tid=7),
+              ev("kernel", "k3", 41_000, 1_000, tid=7), ev("cpu_op", "aten::add", 500, 100),
+              ev("cpu_op", "aten::mm", 31_000, 100), ev("cuda_runtime", "cudaPointerGetAttributes", 8_000, 10, tid=2)]
+    (step,) = gaps(events, min_ms=5)
+    assert step["step"] == 4 and step["kernel_ms"] == 20.0  # ProfilerStep#3: the run's 4th step
+    (gap,) = step["gaps"]
+    assert (gap["at_ms"], gap["ms"], gap["ranges"], gap["host_ops_started"]) == (10.0, 20.0, ["eagle3.forward"], 0)
+    assert [(o["tid"], o["name"]) for o in gap["others"]] == [(2, "cudaPointerGetAttributes")]
+    assert abs(gap["others"][0]["ended_ms_before"] - 1.99) < 1e-9
+    assert "**20.0**" in markdown([step], 5)
