@@ -143,7 +143,7 @@ def _source(files, micro: int, pin: bool, depth: int, workers: int):
     """The trainer's batch source over `files` (eagle3.trainer.batch_source): `workers` DataLoader
     processes, or a thread where 0, `depth` batches ahead; fp8 left for the device where there is CUDA."""
     ds = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=1)  # file order: reading is the cost measured
-    return ds, batch_source(ds, micro, torch.bfloat16, depth, workers, 0, on_gpu=pin, dequantize=not pin)
+    return ds, batch_source(ds, micro, torch.bfloat16, depth, workers, on_gpu=pin, dequantize=not pin)
 
 
 def stream(files, micro: int, seq: int, pin: bool, depth: int, workers: int = 0) -> dict:

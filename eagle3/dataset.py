@@ -389,11 +389,12 @@ class BatchRing:
     slot number and a layout, and no memory is mapped, pinned or freed per batch.
 
     Why not DataLoader's own way: it moves each tensor through a new shared-memory segment, which
-    the receiving process unmaps when the tensor is dropped, holding the GIL: 16 ms for a 167 MB
-    batch on the CI machine and on the H200 host, during which the training loop launches no
-    kernel. In a profile of 9 training steps on the H200, 7 had a 15-22 ms GPU-idle gap, each just
-    after the pinning thread's last call (benchmarks/results/train-h200-1b-prof-gaps.md), and steps
-    varied from 63 to 95 ms; read from this ring they took 71-82 ms (train-h200-1b-run7). Its
+    the receiving process unmaps when the tensor is dropped, holding the GIL: 16.2 ms for a 134 MB
+    batch on the H200 host, 11.5 ms on the CI machine (`batch_bench`'s drop probe), during which
+    the training loop launches no kernel. In a profile of 9 training steps on the H200, 7 had a
+    15-22 ms GPU-idle gap, each just after the pinning thread's last call
+    (benchmarks/results/train-h200-1b-prof-gaps.md), and steps 6..20 varied from 63 to 95 ms; read
+    from this ring they took 73-82 ms (train-h200-1b-run7). Its
     pin_memory thread also copied every batch once more, serially: ~1.1 GB/s (batch-h200-1b-run4).
     Here the file is page-locked once with cudaHostRegister (`page_lock`), so the copy to the
     device reads the slot itself.
@@ -533,12 +534,22 @@ class WorkerPrefetcher:
         self.ring: BatchRing | None = None
         self._start()
 
+    @staticmethod
+    def _prefetch_and_slots(depth: int, num_workers: int) -> tuple[int, int]:
+        """DataLoader's prefetch_factor, and the ring's slots. DataLoader has at most prefetch x
+        workers batches requested beyond the one it returned last, and returns them in order: with 2
+        slots more, batch m + P is packed into batch m - 2's slot, after batch m is returned."""
+        prefetch = -(-max(1, depth) // max(1, num_workers))
+        return prefetch, prefetch * max(1, num_workers) + 2
+
+    @staticmethod
+    def ring_bytes(batches: PackedBatches, depth: int, num_workers: int) -> int:
+        """Shared memory the ring of WorkerPrefetcher(batches, depth, num_workers=...) takes."""
+        _, slots = WorkerPrefetcher._prefetch_and_slots(depth, num_workers)
+        return slots * BatchRing.slot_bytes_for(batches.layout())
+
     def _start(self) -> None:
-        prefetch = -(-self.depth // self.num_workers)
-        # DataLoader has at most prefetch x workers batches requested beyond the one it returned last
-        # (its prefetch_factor), and returns them in order: with 2 slots more, batch m + P is packed
-        # into batch m - 2's slot, after batch m is returned.
-        slots = prefetch * self.num_workers + 2
+        prefetch, slots = self._prefetch_and_slots(self.depth, self.num_workers)
         self.ring = BatchRing(slots, BatchRing.slot_bytes_for(self.batches.layout()), page_lock=self.page_lock)
         loader = torch.utils.data.DataLoader(_PackedStream(self.batches, self.ring), batch_size=None,
                                              num_workers=self.num_workers, prefetch_factor=prefetch,

@@ -22,6 +22,7 @@ Usage on each rank:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import time
@@ -32,7 +33,7 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
-from compat.speculators_batch import SCALE_KEYS, dequantize_batch
+from compat.speculators_batch import SCALE_KEYS, batch_layout, dequantize_batch
 from eagle3.dataset import HiddenStatesDataset, PackedBatches, Prefetcher, WorkerPrefetcher, token_frequencies
 from eagle3.train_config import TrainConfig
 
@@ -122,8 +123,9 @@ class DeviceBatches:
 
 def batch_bytes(cfg: TrainConfig, num_layers: int, hidden_size: int, dtype: torch.dtype) -> int:
     """Bytes of one packed micro-batch of `num_layers` captured layers (the aux ones and the
-    verifier's last) in `dtype`."""
-    return cfg.micro_batch_tokens * (num_layers * hidden_size * dtype.itemsize + 25)  # + ids, pos, doc, mask
+    verifier's last) in `dtype`: the buffers of compat.speculators_batch.batch_layout."""
+    layout = batch_layout(cfg.micro_batch_tokens, num_layers, hidden_size, dtype)
+    return sum(math.prod(shape) * dt.itemsize for shape, dt in layout.values())
 
 
 def prefetch_depth(cfg: TrainConfig, num_layers: int, hidden_size: int, dtype: torch.dtype) -> int:
@@ -154,13 +156,16 @@ def shm_free_bytes(path: str = "/dev/shm") -> int:
 
 
 def batch_source(dataset: HiddenStatesDataset, micro: int, dtype: torch.dtype, depth: int, workers: int,
-                 need_bytes: int, *, on_gpu: bool, dequantize: bool):
+                 *, on_gpu: bool, dequantize: bool):
     """Where a rank's batches come from: built `depth` ahead by `workers` DataLoader worker
-    processes (WorkerPrefetcher, into a ring page-locked on GPU), or in a thread (Prefetcher) where workers is
-    0 or /dev/shm has less than `need_bytes` free, or in line when depth is 0."""
-    if depth and workers and shm_free_bytes() >= need_bytes:
-        return WorkerPrefetcher(PackedBatches(dataset, micro, dtype, dequantize=dequantize), depth,
-                                page_lock=on_gpu, num_workers=workers)
+    processes (WorkerPrefetcher, into a ring page-locked on GPU), or in a thread (Prefetcher) where
+    workers is 0 or /dev/shm cannot hold that ring, or in line when depth is 0."""
+    need_bytes = 0
+    if depth and workers:
+        batches = PackedBatches(dataset, micro, dtype, dequantize=dequantize)
+        need_bytes = WorkerPrefetcher.ring_bytes(batches, depth, workers)
+        if shm_free_bytes() >= need_bytes:
+            return WorkerPrefetcher(batches, depth, page_lock=on_gpu, num_workers=workers)
     packed = PackedBatches(dataset, micro, dtype, pin_memory=on_gpu, dequantize=dequantize)
     if not depth:
         return packed
@@ -278,7 +283,7 @@ class Eagle3Trainer:
         depth = prefetch_depth(*shape)
         workers = data_workers(self.cfg)
         source = batch_source(self.dataset, self.cfg.micro_batch_tokens, dtype, depth, workers,
-                              (depth + workers + 2) * batch_bytes(*shape), on_gpu=on_gpu, dequantize=not on_gpu)
+                              on_gpu=on_gpu, dequantize=not on_gpu)
         self.batches = DeviceBatches(source, self.device, dtype)
         logger.info("rank %d: batches built %d ahead by %s", self.rank, depth,
                     f"{workers} worker process(es)" if isinstance(source, WorkerPrefetcher) else

@@ -292,23 +292,26 @@ def test_prefetcher_gives_the_same_batches_and_the_consumed_position(tiny, kind)
     ahead.close()
 
 
-def test_batches_are_built_in_a_worker_process_unless_shared_memory_is_short(tiny, caplog):
+def test_batches_are_built_in_a_worker_process_unless_shared_memory_is_short(tiny, caplog, monkeypatch):
     """The trainer's batches come from a DataLoader worker process (packed into the shared ring),
     or from a thread with a warning where /dev/shm cannot hold the queue; both give the same batches."""
     import torch
 
+    import eagle3.trainer
     from eagle3.dataset import HiddenStatesDataset, Prefetcher, WorkerPrefetcher
     from eagle3.trainer import batch_source
 
     _, files, _, _ = tiny
     ds = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=8)
-    worker = batch_source(ds, 256, torch.float32, 3, 2, 1 << 20, on_gpu=False, dequantize=True)
+    worker = batch_source(ds, 256, torch.float32, 3, 2, on_gpu=False, dequantize=True)
     assert isinstance(worker, WorkerPrefetcher)
     first = next(worker)
     ring = worker.ring.buffer
     assert ring.data_ptr() <= first["hidden_states"].data_ptr() < ring.data_ptr() + ring.numel()
+    assert worker.ring.nbytes <= eagle3.trainer.shm_free_bytes()  # what it checked
+    monkeypatch.setattr(eagle3.trainer, "shm_free_bytes", lambda: worker.ring.nbytes - 1)  # one byte short
     with caplog.at_level("WARNING"):
-        thread = batch_source(ds, 256, torch.float32, 3, 2, 1 << 62, on_gpu=False, dequantize=True)
+        thread = batch_source(ds, 256, torch.float32, 3, 2, on_gpu=False, dequantize=True)
     assert isinstance(thread, Prefetcher) and "/dev/shm" in caplog.text
     same = next(thread)
     assert torch.equal(same["hidden_states"], first["hidden_states"])
@@ -317,9 +320,9 @@ def test_batches_are_built_in_a_worker_process_unless_shared_memory_is_short(tin
 
 
 def test_worker_batches_stay_valid_until_the_second_next_after_them(tiny):
-    """WorkerPrefetcher's batches are views of a ring of depth + 2 slots that its workers reuse: each
-    batch must be unchanged until the second next() after it, over several turns of the ring; a
-    batch of the ring is released by the consumer, never overwritten ahead of it."""
+    """WorkerPrefetcher's batches are views of a ring that its workers reuse (the batches DataLoader
+    has in flight, plus 2 slots): each batch must be unchanged until the second next() after it,
+    over several turns of the ring."""
     import torch
 
     from eagle3.dataset import HiddenStatesDataset, PackedBatches, WorkerPrefetcher
