@@ -71,7 +71,7 @@ def _pretrain(model, tok, conversations_path, steps: int, seed: int) -> None:
     AdamW 3e-3 (~0.4 s a step on 2 CPU cores; loss ~7.0 -> ~0.4 in 100 steps at size 1)."""
     import torch
 
-    from eagle3.prepare import load_conversations
+    from eagle3.conversations import load_conversations
 
     texts = [tok.apply_chat_template(msgs, tokenize=False) for _, msgs in load_conversations(conversations_path)]
     data = torch.tensor([i for t in texts for i in tok(t, add_special_tokens=False)["input_ids"]])
