@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cfg = load_job_config(args.config)
     from ray_jobs.cluster import init_ray
-    from ray_jobs.run import resolve_target
+    from ray_jobs.target import resolve_target
 
     init_ray(cfg.ray.address, cfg.ray.num_cpus)
     target_dir = resolve_target(cfg, Path(cfg.output_dir).resolve())
