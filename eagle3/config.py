@@ -13,9 +13,20 @@ import dataclasses
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from eagle3.train_config import TrainConfig
+from eagle3.typed_config import check_types, field_hints
+
+# Choices, each defined once: the field's hint is the check (eagle3.typed_config).
+ModelDtype = Literal["bfloat16", "float16", "float32"]
+HsDtype = Literal["bfloat16", "float8_e4m3fn"]
+FileFormat = Literal["arrow", "parquet"]
+Compression = Literal["zstd", "lz4", "snappy", "gzip"]
+ARROW_CODECS = ("zstd", "lz4")  # Arrow IPC compresses buffers with these two only
+ExtractBackend = Literal["vllm", "hf"]
+Sink = Literal["auto", "memory", "shm"]
+Stage = Literal["prepare", "regenerate", "extract", "train", "export", "eval"]
 
 
 def _fail(section: str, name: str, value: Any, fix: str) -> None:
@@ -36,12 +47,15 @@ class TargetConfig:
     text resembles them and acceptance length means something; 0 = random weights."""
     trust_remote_code: bool = False
     """Off unless set: a target's own Python code runs in every engine process when on."""
-    dtype: str = "bfloat16"
+    dtype: ModelDtype = "bfloat16"
     """Engine dtype. Hidden states are stored in bf16 (or fp8) whatever this is."""
 
     def __post_init__(self):
-        if self.dtype not in ("bfloat16", "float16", "float32"):
-            _fail("target", "dtype", self.dtype, "use bfloat16, float16 or float32")
+        check_types(self, "target")
+        if self.tiny_size < 1:
+            _fail("target", "tiny_size", self.tiny_size, "must be >= 1 (1 = 8 layers, hidden 256)")
+        if self.tiny_pretrain_steps < 0:
+            _fail("target", "tiny_pretrain_steps", self.tiny_pretrain_steps, "must be >= 0 (0 = random weights)")
 
 
 @dataclass(frozen=True)
@@ -49,7 +63,11 @@ class PrepareConfig:
     """Conversations -> chat template -> input_ids + loss_mask (Arrow)."""
 
     conversations: str = "data/demo_conversations.jsonl"
-    """JSONL file (or directory of them): OpenAI `messages` or ShareGPT `conversations` records."""
+    """OpenAI `messages` or ShareGPT `conversations` records, from: a JSONL file, a JSON array
+    file (read record by record, never whole; a file cut inside a record ends in one reject),
+    a Parquet or Arrow file, a directory of those (read in name order), or a directory written
+    by `datasets.save_to_disk` (one split). ShareGPT's chatgpt/bing/bard turns are assistant
+    turns, counted in the summary's mapped_roles. Must be readable where the job's driver runs."""
     max_length: int = 2048
     """Samples with more tokens go to rejects.jsonl with their reason; nothing is truncated."""
     max_samples: int | None = None
@@ -59,14 +77,20 @@ class PrepareConfig:
     num_eval_prompts: int = 16
     """The first N good records are held out of training: their prompts (up to the first
     assistant turn) go to eval_prompts.jsonl for the acceptance-length evaluation."""
+    num_workers: int | None = None
+    """Ray tasks (1 CPU each, on any node) that tokenize contiguous chunks of records at once;
+    None = the cluster's CPUs. The output is the same for any value."""
 
     def __post_init__(self):
+        check_types(self, "prepare")
         if self.max_length < 8:
             _fail("prepare", "max_length", self.max_length, "must be >= 8 tokens")
         if self.num_eval_prompts < 0:
             _fail("prepare", "num_eval_prompts", self.num_eval_prompts, "must be >= 0")
         if self.max_samples is not None and self.max_samples < 1:
             _fail("prepare", "max_samples", self.max_samples, "must be >= 1 or null")
+        if self.num_workers is not None and self.num_workers < 1:
+            _fail("prepare", "num_workers", self.num_workers, "must be >= 1, or null for the cluster's CPUs")
 
 
 @dataclass(frozen=True)
@@ -89,23 +113,25 @@ class ExtractConfig:
     stored bytes per token: samples_per_shard is lowered to fit (at least 1 sample). A shard's
     table sits in pinned host memory and in the object store up to max_inflight_shards times per
     replica: 256 samples of 4K tokens of a hidden-7168 target would be 60 GB. 0: no bound."""
-    hs_dtype: str = "bfloat16"
+    hs_dtype: HsDtype = "bfloat16"
     """Storage of hidden states: bfloat16 (lossless) or float8_e4m3fn (per-token scale, half the bytes)."""
-    file_format: str = "arrow"
+    file_format: FileFormat = "arrow"
     """Shard files: 'arrow' (Arrow IPC, memory-mapped by the trainer, written at near disk speed)
     or 'parquet' (smaller with compression, ~3x slower to write). See eagle3/shards.py."""
     direct_io: bool = True
     """Write Arrow shards with O_DIRECT (near the disk's raw bandwidth; buffered writes + fsync
     measured 0.2-0.5x of it), falling back to buffered writes where the file system refuses it.
     false: always buffered (e.g. a network file system whose O_DIRECT path is slow)."""
-    compression: str | None = None
+    compression: Compression | None = None
     """None, or a codec: 'lz4'/'zstd' (both formats), 'snappy'/'gzip' (Parquet only). Hidden
     states are noisy floats: expect little gain for much CPU."""
     max_num_batched_tokens: int | None = None
     """vLLM scheduler budget; None = max(8192, prepare.max_length). Must be >= the longest sample,
     since chunked prefill is off for extraction."""
     max_num_seqs: int = 256
+    """vLLM's limit on sequences in one step."""
     gpu_memory_utilization: float = 0.85
+    """Fraction of each GPU's memory vLLM may take (weights, activations, KV cache), in (0, 1]."""
     enforce_eager: bool = True
     """Skip CUDA graph / torch.compile warm-up: extraction is prefill-only, so graphs buy little."""
     block_size: int | None = None
@@ -117,10 +143,10 @@ class ExtractConfig:
     --block-size)."""
     cpu_kvcache_space_gib: int = 1
     """VLLM_CPU_KVCACHE_SPACE on CPU-only engines (vLLM's default takes most of the NUMA node)."""
-    backend: str = "vllm"
+    backend: ExtractBackend = "vllm"
     """'vllm' (the product) or 'hf' (transformers forward: the reference, and for CPU tests of the
     orchestration without an engine start)."""
-    sink: str = "auto"
+    sink: Sink = "auto"
     """How hidden states leave the engine: 'memory' (in-process, no files; needs an in-process
     engine, i.e. tp*pp == 1), 'shm' (files in /dev/shm, deleted as soon as read), 'auto'."""
     max_inflight_shards: int = 3
@@ -133,25 +159,41 @@ class ExtractConfig:
     """vLLM load_format; 'dummy' gives random weights of the target's shape (benchmarks only)."""
 
     def __post_init__(self):
-        if self.hs_dtype not in ("bfloat16", "float8_e4m3fn"):
-            _fail("extract", "hs_dtype", self.hs_dtype, "use bfloat16 or float8_e4m3fn")
-        if self.file_format not in ("arrow", "parquet"):
-            _fail("extract", "file_format", self.file_format, "use arrow or parquet")
-        codecs = (None, "zstd", "lz4") if self.file_format == "arrow" else (None, "zstd", "lz4", "snappy", "gzip")
-        if self.compression not in codecs:
-            _fail("extract", "compression", self.compression, f"use one of {list(codecs)} with {self.file_format} files")
-        if self.backend not in ("vllm", "hf"):
-            _fail("extract", "backend", self.backend, "use vllm or hf")
-        if self.sink not in ("auto", "memory", "shm"):
-            _fail("extract", "sink", self.sink, "use auto, memory or shm")
+        check_types(self, "extract")
+        if self.file_format == "arrow" and self.compression not in (None, *ARROW_CODECS):
+            _fail("extract", "compression", self.compression,
+                  f"use one of {[None, *ARROW_CODECS]} with arrow files (snappy and gzip are Parquet only)")
         if self.block_size is not None and (self.block_size < 16 or self.block_size % 16):
             _fail("extract", "block_size", self.block_size, "use a multiple of 16 (the attention kernels' unit), or null")
         if self.samples_per_shard < 1:
             _fail("extract", "samples_per_shard", self.samples_per_shard, "must be >= 1")
         if self.shard_bytes < 0:
             _fail("extract", "shard_bytes", self.shard_bytes, "must be >= 0 (0: no bound)")
-        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
-            _fail("extract", "tensor_parallel_size", self.tensor_parallel_size, "sizes must be >= 1")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                _fail("extract", name, getattr(self, name), "must be >= 1 (GPUs per engine replica along this axis)")
+        if self.sink == "memory" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            # The memory sink hands tensors over inside the engine's process; tp*pp > 1 runs the model in
+            # other processes (eagle3.extract.VLLMBackend refuses it at engine start).
+            _fail("extract", "sink", self.sink, f"'memory' needs tensor_parallel_size * pipeline_parallel_size == 1, "
+                  f"found {self.tensor_parallel_size} * {self.pipeline_parallel_size}; use 'shm' or 'auto'")
+        if self.num_replicas is not None and self.num_replicas < 1:
+            _fail("extract", "num_replicas", self.num_replicas, "must be >= 1, or null (as many as the GPUs allow)")
+        if self.max_inflight_shards < 1:
+            # 0 would hand out no shard at all: the job would wait forever with engines up.
+            _fail("extract", "max_inflight_shards", self.max_inflight_shards, "must be >= 1 (3 overlaps engine and writes)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            _fail("extract", "gpu_memory_utilization", self.gpu_memory_utilization,
+                  "must be in (0, 1]: the fraction of each GPU's memory vLLM may take")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 16:
+            _fail("extract", "max_num_batched_tokens", self.max_num_batched_tokens,
+                  "must be >= the longest sample (>= prepare.max_length), or null")
+        if self.max_num_seqs < 1:
+            _fail("extract", "max_num_seqs", self.max_num_seqs, "must be >= 1")
+        if self.cpu_kvcache_space_gib < 1:
+            _fail("extract", "cpu_kvcache_space_gib", self.cpu_kvcache_space_gib, "must be >= 1 GiB")
+        if not self.placement_timeout_s > 0:
+            _fail("extract", "placement_timeout_s", self.placement_timeout_s, "must be > 0 seconds")
         if self.aux_hidden_state_layer_ids is not None and len(self.aux_hidden_state_layer_ids) < 1:
             _fail("extract", "aux_hidden_state_layer_ids", self.aux_hidden_state_layer_ids, "give at least one id or null")
 
@@ -171,6 +213,50 @@ class ExtractConfig:
 
 
 @dataclass(frozen=True)
+class RegenerateConfig:
+    """Optional stage between prepare and extract: the target rewrites every assistant turn of the
+    prepared conversations with its own sampling, so the draft learns the target's text (on-policy
+    data). Runs on extraction's replica layout (extract.num_replicas, tensor_parallel_size,
+    pipeline_parallel_size, gpu_memory_utilization, cpu_kvcache_space_gib, placement_timeout_s).
+    See eagle3/regenerate.py."""
+
+    enabled: bool = False
+    """Train on regenerated responses: the stage runs (or resumes) before extract whenever extract or
+    regenerate is among the stages, and extract reads regenerated/tokens.parquet. A switch, not a
+    stage name alone, so that which data a draft is trained on never depends on which stages one
+    invocation reruns."""
+    temperature: float | None = None
+    """Sampling temperature; 0 = greedy (a draft for greedy serving). None: the target's
+    generation_config.json, else 1.0 (the target's own distribution)."""
+    top_p: float | None = None
+    """Nucleus sampling, in (0, 1]. None: the target's generation_config.json, else 1.0."""
+    max_tokens: int = 1024
+    """Tokens generated per assistant turn at most; a turn that reaches it (or the context's end,
+    prepare.max_length) is cut mid-answer, so its conversation is a reject."""
+    seed: int = 0
+    """Each turn's sampling seed is derived from this, the sample id and the turn: the same text
+    whatever the sharding, the batch or a resume."""
+    samples_per_shard: int = 256
+    """Conversations per shard: the unit committed exactly once, and the batch each round of
+    generation sends to the engine (round r generates turn r of every conversation of the shard)."""
+    max_num_seqs: int = 256
+    """vLLM's limit on sequences decoded together."""
+    enforce_eager: bool = False
+    """Off: CUDA graphs, which decoding (unlike extraction's prefill) gains much from; on CPU
+    true skips torch.compile's warm-up."""
+
+    def __post_init__(self):
+        check_types(self, "regenerate")
+        if self.temperature is not None and self.temperature < 0:
+            _fail("regenerate", "temperature", self.temperature, "must be >= 0 (0 = greedy), or null")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            _fail("regenerate", "top_p", self.top_p, "must be in (0, 1], or null")
+        for name in ("max_tokens", "samples_per_shard", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                _fail("regenerate", name, getattr(self, name), "must be >= 1")
+
+
+@dataclass(frozen=True)
 class EvalConfig:
     """Acceptance length of the exported draft, measured inside vLLM speculative decoding."""
 
@@ -179,7 +265,18 @@ class EvalConfig:
     num_prompts: int = 16
     """Held-out prompts (the last records of the conversation file not used for training)."""
     max_tokens: int = 64
+    """Tokens generated per prompt."""
     enabled: bool = True
+
+    def __post_init__(self):
+        check_types(self, "eval")
+        if not self.num_speculative_tokens or min(self.num_speculative_tokens) < 1:
+            _fail("eval", "num_speculative_tokens", list(self.num_speculative_tokens),
+                  "give at least one value, each >= 1, e.g. [1, 3]")
+        if self.num_prompts < 1:
+            _fail("eval", "num_prompts", self.num_prompts, "must be >= 1 (or eval.enabled: false)")
+        if self.max_tokens < 1:
+            _fail("eval", "max_tokens", self.max_tokens, "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -189,12 +286,18 @@ class RayConfig:
     num_cpus: int | None = None
     """Only for a local cluster started by the job."""
 
+    def __post_init__(self):
+        check_types(self, "ray")
+        if self.num_cpus is not None and self.num_cpus < 1:
+            _fail("ray", "num_cpus", self.num_cpus, "must be >= 1, or null (all of this machine's)")
+
 
 @dataclass(frozen=True)
 class JobConfig:
     output_dir: str = "runs/demo"
     target: TargetConfig = field(default_factory=TargetConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     extract: ExtractConfig = field(default_factory=ExtractConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -202,49 +305,61 @@ class JobConfig:
     doctor: bool = True
     """Run ray_jobs.doctor's checks (versions, seams, GPUs, disk, a 2-layer dry run) before any
     weights load; the job stops on a failed check."""
-    stages: tuple[str, ...] = ("prepare", "extract", "train", "export", "eval")
+    stages: tuple[Stage, ...] = ("prepare", "extract", "train", "export", "eval")
     """Which stages run; each reuses the committed outputs of earlier ones."""
 
     def __post_init__(self):
-        allowed = ("prepare", "extract", "train", "export", "eval")
-        bad = [s for s in self.stages if s not in allowed]
-        if bad:
-            _fail("job", "stages", list(self.stages), f"unknown stages {bad}; allowed: {list(allowed)}")
+        check_types(self, "")
+        self._check_across_stages()
+
+    def _check_across_stages(self) -> None:
+        """Limits between sections, which each engine would otherwise find only when it starts."""
+        p, e, t, ev = self.prepare, self.extract, self.train, self.eval
+        # Chunked prefill is off for extraction (compat.vllm_engine), so every sample prepare lets
+        # through must fit one scheduler step; a target whose max_position_embeddings is shorter
+        # still needs prepare.max_length lowered to it, or its long samples are rejected at extraction.
+        if e.max_num_batched_tokens is not None and e.max_num_batched_tokens < p.max_length:
+            _fail("extract", "max_num_batched_tokens", e.max_num_batched_tokens,
+                  f"must be >= prepare.max_length={p.max_length} (chunked prefill is off for extraction: each "
+                  "sample must fit one step); raise it, lower prepare.max_length, or use null (max(8192, max_length))")
+        # Samples of up to prepare.max_length tokens would be cut in training; prepare rejects
+        # over-long samples rather than truncate them, so training must not truncate either.
+        if "train" in self.stages and t.micro_batch_tokens < p.max_length:
+            _fail("train", "micro_batch_tokens", t.micro_batch_tokens,
+                  f"must be >= prepare.max_length={p.max_length}, or samples would be truncated in training; "
+                  "raise it or lower prepare.max_length")
+        if "regenerate" in self.stages and not self.regenerate.enabled:
+            _fail("job", "stages", list(self.stages), "lists regenerate but regenerate.enabled is false; set "
+                  "regenerate.enabled: true (extract then trains on the regenerated responses), or drop the stage")
+        if "eval" in self.stages and ev.enabled and ev.num_prompts > p.num_eval_prompts:
+            _fail("eval", "num_prompts", ev.num_prompts,
+                  f"only prepare.num_eval_prompts={p.num_eval_prompts} prompts are held out for eval; raise "
+                  "prepare.num_eval_prompts, lower eval.num_prompts, or set eval.enabled: false")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
 def _build(cls, data: Any, where: str):
-    if not dataclasses.is_dataclass(cls):
-        return data
+    """The dataclass `cls` from a mapping; a field whose hint is a config dataclass is a section,
+    built the same way. Types, ranges and cross-stage limits are checked by the dataclasses'
+    own __post_init__ (eagle3.typed_config.check_types first)."""
     if data is None:
         return cls()
     if not isinstance(data, dict):
-        raise ValueError(f"config {where}: expected a mapping, found {type(data).__name__} {data!r}")
+        raise ValueError(f"config {where or 'file'}: expected a mapping, found {type(data).__name__} {data!r}")
     known = {f.name: f for f in fields(cls)}
-    unknown = sorted(set(data) - set(known))
+    unknown = sorted(set(data) - set(known), key=str)
     if unknown:
-        raise ValueError(f"config {where}: unknown keys {unknown}; known: {sorted(known)}")
+        raise ValueError(f"config {where or 'file'}: unknown keys {unknown}; known: {sorted(known)}")
     kwargs = {}
-    hints = {f.name: f.type for f in fields(cls)}
+    hints = field_hints(cls)
     for name, value in data.items():
-        sub = _SECTIONS.get((cls, name))
-        if sub is not None:
-            kwargs[name] = _build(sub, value, f"{where}.{name}" if where else name)
-        elif isinstance(value, list) and "tuple" in str(hints[name]):
-            kwargs[name] = tuple(value)
+        if isinstance(hints[name], type) and dataclasses.is_dataclass(hints[name]):
+            kwargs[name] = _build(hints[name], value, f"{where}.{name}" if where else name)
         else:
             kwargs[name] = value
-    try:
-        return cls(**kwargs)
-    except TypeError as e:
-        raise ValueError(f"config {where}: {e}") from None
-
-
-_SECTIONS = {(JobConfig, n): t for n, t in [("target", TargetConfig), ("prepare", PrepareConfig),
-                                            ("extract", ExtractConfig), ("train", TrainConfig),
-                                            ("eval", EvalConfig), ("ray", RayConfig)]}
+    return cls(**kwargs)
 
 
 def job_config_from_dict(data: dict) -> JobConfig:
@@ -266,7 +381,13 @@ def load_job_config(path: str | Path | None, overrides: dict | None = None) -> J
     for dotted, value in (overrides or {}).items():
         node = data
         *parents, leaf = dotted.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
+        for i, p in enumerate(parents):
+            if node.get(p) is None:  # absent, or `train:` with nothing under it in the file
+                node[p] = {}
+            node = node[p]
+            if not isinstance(node, dict):
+                raise ValueError(f"config override {dotted}={value!r}: {'.'.join(parents[: i + 1])} is {node!r}, "
+                                 "not a section; override a key inside a section, e.g. train.lr=0.001")
         node[leaf] = value
+    # Overrides land in the same mapping as the file's keys, so they pass the same checks.
     return job_config_from_dict(data)

@@ -10,12 +10,16 @@ wrote) or the ZeRO/bf16 translation into DeepSpeed (eagle3.deepspeed_backend).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
+
+from eagle3.typed_config import check_types
 
 # speculators.losses.utils._EAGER_LOSS_FN_MAP keys (speculators 0.9); tests/test_train.py
 # fails if speculators renames or drops one.
-LOSS_NAMES = ("kl_div", "rkl", "jsd", "ce", "tv", "nla", "lk_hybrid")
-DRAFT_ATTN_IMPLS = ("sdpa", "eager", "simple_flex_attention")
+LossName = Literal["kl_div", "rkl", "jsd", "ce", "tv", "nla", "lk_hybrid"]
+LOSS_NAMES = get_args(LossName)
+DraftAttnImpl = Literal["sdpa", "eager", "simple_flex_attention"]
+ZeroStage = Literal[0, 1, 2, 3]
 
 
 def _fail(name: str, value: Any, fix: str) -> None:
@@ -36,7 +40,7 @@ class TrainConfig:
     seed: int = 0
     """Seeds the draft's initial weights and the data shuffle (order depends on seed and epoch)."""
 
-    zero_stage: int = 2
+    zero_stage: ZeroStage = 2
     """DeepSpeed ZeRO stage 0-3. 0: plain data parallel; 1/2: shard optimizer state / gradients
     (the default: the draft's frozen embeddings and lm_head stay replicated, trainable state
     is sharded); 3: shard parameters too (only worth it for very wide drafts; slower)."""
@@ -68,7 +72,7 @@ class TrainConfig:
     draft_vocab_size: int | None = None
     """Draft LM-head vocabulary: the most frequent loss-masked target tokens (d2t/t2d mapping).
     None: min(32000, target vocab). Equal to the target vocab: no mapping."""
-    loss: str = "kl_div"
+    loss: LossName = "kl_div"
     """Distillation loss against the target's next-token distribution; a speculators loss name."""
     norm_before_fc: bool = False
     """EAGLE 3.1: RMSNorm the concatenated aux hidden states before the fc projection. vLLM reads
@@ -76,7 +80,7 @@ class TrainConfig:
     norm_output: bool = False
     """EAGLE 3.1: feed post-norm hidden states across TTT steps. Needs a vLLM with
     vllm-project/vllm#46488, older ones ignore it silently (lower acceptance)."""
-    draft_attn_impl: str | None = None
+    draft_attn_impl: DraftAttnImpl | None = None
     """Draft attention in training: sdpa, eager, or simple_flex_attention (speculators' default:
     compiled flex attention with block masks). None: flex attention on GPU, sdpa on CPU. sdpa
     builds dense [T, ttt_steps * T] masks, so its cost per token grows with micro_batch_tokens."""
@@ -108,16 +112,13 @@ class TrainConfig:
     """Checkpoints kept in the run's storage (oldest deleted first); None keeps all."""
 
     def __post_init__(self):
+        check_types(self, "train")  # types and Literal choices; the ranges below
         if self.num_workers < 1:
             _fail("num_workers", self.num_workers, "must be >= 1")
         if self.num_steps < 1:
             _fail("num_steps", self.num_steps, "must be >= 1")
         if not self.lr > 0:
             _fail("lr", self.lr, "must be > 0")
-        if self.zero_stage not in (0, 1, 2, 3):
-            _fail("zero_stage", self.zero_stage, "use 0, 1, 2 or 3")
-        if self.bf16 not in (None, True, False):
-            _fail("bf16", self.bf16, "use true, false or null (auto: true on GPU)")
         if self.micro_batch_tokens < 16:
             _fail("micro_batch_tokens", self.micro_batch_tokens, "must be >= 16 tokens")
         if self.gradient_accumulation_steps < 1:
@@ -138,10 +139,6 @@ class TrainConfig:
             _fail("num_draft_layers", self.num_draft_layers, "must be >= 1")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             _fail("draft_vocab_size", self.draft_vocab_size, "must be >= 1 or null (min(32000, target vocab))")
-        if self.loss not in LOSS_NAMES:
-            _fail("loss", self.loss, f"use one of {list(LOSS_NAMES)}")
-        if self.draft_attn_impl is not None and self.draft_attn_impl not in DRAFT_ATTN_IMPLS:
-            _fail("draft_attn_impl", self.draft_attn_impl, f"use one of {list(DRAFT_ATTN_IMPLS)}")
         if self.prefetch_batches is not None and self.prefetch_batches < 0:
             _fail("prefetch_batches", self.prefetch_batches, "must be >= 0 (0 = no prefetch) or null (auto)")
         if self.data_workers is not None and self.data_workers < 0:

@@ -1,0 +1,220 @@
+"""Job config loading: every field's type, every section's limits and the limits across stages
+are checked when the file loads (or an override is applied), with errors that name the field,
+the value and the fix. Plain unit tests: no Ray, no engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import pytest
+import yaml
+
+from eagle3.config import ExtractConfig, JobConfig, load_job_config
+from eagle3.train_config import TrainConfig
+from eagle3.typed_config import choices, field_hints
+
+REPO = Path(__file__).resolve().parents[1]
+# Every section of the job file, read from JobConfig itself: a section added later is covered too.
+SECTIONS = {name: hint for name, hint in field_hints(JobConfig).items()
+            if isinstance(hint, type) and dataclasses.is_dataclass(hint)}
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_yaml_exponent_without_a_dot_is_read_as_the_float_it_spells(tmp_path):
+    path = _write(tmp_path, "train:\n  lr: 3e-4\n  min_lr: 1e-5\n")
+    assert yaml.safe_load(path.read_text())["train"]["lr"] == "3e-4"  # PyYAML (YAML 1.1) gives a string
+    cfg = load_job_config(path)
+    assert cfg.train.lr == 0.0003 and type(cfg.train.lr) is float
+    assert cfg.train.min_lr == 1e-5
+
+
+def test_a_non_number_for_a_float_names_the_field_the_value_and_the_fix(tmp_path):
+    with pytest.raises(ValueError, match=r"^config train\.lr='fast': expected a number, found str; "
+                                         r"write a number, e\.g\. 0\.0003 or 3\.0e-4$"):
+        load_job_config(_write(tmp_path, "train:\n  lr: fast\n"))
+    # float() would take these; a config does not
+    for text in ("nan", "inf", "1_000", "0x10"):
+        with pytest.raises(ValueError, match=rf"config train\.lr='{text}'"):
+            TrainConfig(lr=text)
+
+
+def test_only_float_fields_read_a_string_as_a_number():
+    assert load_job_config(None, {"output_dir": "3e-4"}).output_dir == "3e-4"
+    with pytest.raises(ValueError, match=r"config train\.num_steps='100': expected an integer, found str; "
+                                         r"write a whole number without quotes"):
+        TrainConfig(num_steps="100")
+    with pytest.raises(ValueError, match=r"config train\.num_steps=1\.5: expected an integer, found float"):
+        TrainConfig(num_steps=1.5)
+    assert TrainConfig(grad_clip=1).grad_clip == 1.0 and type(TrainConfig(grad_clip=1).grad_clip) is float
+
+
+def test_sections_are_read_from_the_job_config():
+    assert {"target", "prepare", "extract", "train", "eval", "ray"} <= set(SECTIONS)
+
+
+def _all_fields():
+    for section, cls in SECTIONS.items():
+        for name, hint in field_hints(cls).items():
+            yield pytest.param(section, cls, name, hint, id=f"{section}.{name}")
+    for name, hint in field_hints(JobConfig).items():
+        if not (isinstance(hint, type) and dataclasses.is_dataclass(hint)):
+            yield pytest.param("", JobConfig, name, hint, id=name)
+
+
+@pytest.mark.parametrize(("section", "cls", "name", "hint"), list(_all_fields()))
+def test_every_field_refuses_a_value_of_the_wrong_type_by_name(section, cls, name, hint):
+    """A mapping is the wrong type for every field that is not itself a section; the error names
+    the field whichever section it is in, from a file or from Python."""
+    assert hint is not Any, f"{section}.{name} is typed Any: nothing would be checked"
+    where = f"{section}.{name}" if section else name
+    with pytest.raises(ValueError, match=rf"^config {where}=\{{'x': 1\}}: "):
+        load_job_config(None, {where: {"x": 1}})
+    with pytest.raises(ValueError, match=rf"^config {where}="):
+        cls(**{name: {"x": 1}})
+
+
+def _literal_fields():
+    for section, cls in SECTIONS.items():
+        for name, hint in field_hints(cls).items():
+            if get_origin(hint) is Literal or any(get_origin(a) is Literal for a in get_args(hint)):
+                yield pytest.param(section, name, hint, id=f"{section}.{name}")
+
+
+@pytest.mark.parametrize(("section", "name", "hint"), list(_literal_fields()))
+def test_literal_choices_are_the_check(section, name, hint):
+    allowed = [c for c in choices(hint) if c is not None]
+    # every declared choice loads (compression's Parquet-only codecs with Parquet files)
+    for value in allowed:
+        extra = {"extract.file_format": "parquet"} if name == "compression" else {}
+        assert getattr(getattr(load_job_config(None, {f"{section}.{name}": value, **extra}), section), name) == value
+    with pytest.raises(ValueError, match=rf"^config {section}\.{name}='nope': not one of .*{allowed[0]!r}"):
+        load_job_config(None, {f"{section}.{name}": "nope"})
+
+
+def test_literal_of_ints_refuses_bools_and_strings():
+    assert TrainConfig(zero_stage=3).zero_stage == 3
+    for bad in (True, "2", 2.0, 4):
+        with pytest.raises(ValueError, match=r"config train\.zero_stage=.*: not one of 0, 1, 2, 3; write one of those"):
+            TrainConfig(zero_stage=bad)
+
+
+def test_lists_are_checked_item_by_item_and_stored_as_declared():
+    cfg = load_job_config(None, {"extract.aux_hidden_state_layer_ids": [1, 3], "eval.num_speculative_tokens": [1, 3]})
+    assert cfg.extract.aux_hidden_state_layer_ids == (1, 3) and cfg.eval.num_speculative_tokens == (1, 3)
+    with pytest.raises(ValueError, match=r"config train\.profile_steps=\[1, '2'\]: item 1 \('2'\): expected an integer"):
+        TrainConfig(profile_steps=[1, "2"])
+    with pytest.raises(ValueError, match=r"config stages=\['prepare', 'serve'\]: item 1 \('serve'\): not one of "
+                                         r"'prepare', .*'train'"):
+        load_job_config(None, {"stages": ["prepare", "serve"]})
+    with pytest.raises(ValueError, match=r"config extract\.aux_hidden_state_layer_ids='2,4': .*write a YAML list"):
+        ExtractConfig(aux_hidden_state_layer_ids="2,4")
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("extract.max_inflight_shards", 0, r"must be >= 1"),
+    ("extract.gpu_memory_utilization", 0.0, r"must be in \(0, 1\]"),
+    ("extract.gpu_memory_utilization", 1.5, r"must be in \(0, 1\]"),
+    ("extract.pipeline_parallel_size", 0, r"must be >= 1"),
+    ("extract.tensor_parallel_size", 0, r"must be >= 1"),
+    ("extract.num_replicas", 0, r"must be >= 1, or null"),
+    ("extract.max_num_seqs", 0, r"must be >= 1"),
+    ("extract.cpu_kvcache_space_gib", 0, r"must be >= 1 GiB"),
+    ("extract.placement_timeout_s", 0.0, r"must be > 0 seconds"),
+    ("target.tiny_size", 0, r"must be >= 1"),
+    ("target.tiny_pretrain_steps", -1, r"must be >= 0"),
+    ("eval.num_speculative_tokens", [], r"give at least one value, each >= 1"),
+    ("eval.num_speculative_tokens", [0, 1], r"give at least one value, each >= 1"),
+    ("eval.num_prompts", 0, r"must be >= 1"),
+    ("eval.max_tokens", 0, r"must be >= 1"),
+    ("ray.num_cpus", 0, r"must be >= 1"),
+    ("train.lr", 0.0, r"must be > 0"),
+])
+def test_values_that_would_break_later_are_refused_at_load(key, value, message):
+    with pytest.raises(ValueError, match=rf"^config {re.escape(f'{key}={value!r}')}: {message}"):
+        load_job_config(None, {key: value})
+
+
+def test_bounds_that_are_allowed_load():
+    cfg = load_job_config(None, {"extract.gpu_memory_utilization": 1, "extract.max_inflight_shards": 1,
+                                 "extract.pipeline_parallel_size": 2, "extract.sink": "shm"})
+    assert cfg.extract.gpu_memory_utilization == 1.0 and cfg.extract.pipeline_parallel_size == 2
+
+
+def test_memory_sink_with_several_gpus_per_replica_is_refused_at_load():
+    with pytest.raises(ValueError, match=r"config extract\.sink='memory': .*found 1 \* 2; use 'shm' or 'auto'"):
+        load_job_config(None, {"extract.sink": "memory", "extract.pipeline_parallel_size": 2})
+
+
+def test_batch_budget_below_the_sample_length_is_refused_at_load():
+    """The engine would refuse it only once started (compat.vllm_engine.extraction_engine_kwargs)."""
+    with pytest.raises(ValueError, match=r"^config extract\.max_num_batched_tokens=1024: must be >= "
+                                         r"prepare\.max_length=2048 .*lower prepare\.max_length"):
+        load_job_config(None, {"extract.max_num_batched_tokens": 1024, "prepare.max_length": 2048})
+    cfg = load_job_config(None, {"extract.max_num_batched_tokens": 2048, "prepare.max_length": 2048})
+    assert cfg.extract.max_num_batched_tokens == 2048
+
+
+def test_training_window_shorter_than_a_sample_is_refused_when_training_runs():
+    with pytest.raises(ValueError, match=r"^config train\.micro_batch_tokens=1024: must be >= "
+                                         r"prepare\.max_length=2048, or samples would be truncated"):
+        load_job_config(None, {"train.micro_batch_tokens": 1024, "prepare.max_length": 2048})
+    cfg = load_job_config(None, {"train.micro_batch_tokens": 1024, "prepare.max_length": 2048,
+                                 "stages": ["prepare", "extract"]})
+    assert cfg.train.micro_batch_tokens == 1024
+
+
+def test_more_eval_prompts_than_held_out_is_refused_unless_eval_is_off():
+    with pytest.raises(ValueError, match=r"^config eval\.num_prompts=20: only prepare\.num_eval_prompts=8 prompts"):
+        load_job_config(None, {"eval.num_prompts": 20, "prepare.num_eval_prompts": 8})
+    assert load_job_config(None, {"eval.num_prompts": 20, "prepare.num_eval_prompts": 8,
+                                  "eval.enabled": False}).eval.num_prompts == 20
+
+
+def test_pipeline_parallel_size_is_named_as_itself():
+    with pytest.raises(ValueError, match=r"^config extract\.pipeline_parallel_size=0"):
+        ExtractConfig(pipeline_parallel_size=0)
+
+
+def test_unknown_keys_and_non_sections_say_what_is_known(tmp_path):
+    with pytest.raises(ValueError, match=r"config train: unknown keys \['lrate'\]; known: .*'lr'"):
+        load_job_config(_write(tmp_path, "train:\n  lrate: 0.001\n"))
+    with pytest.raises(ValueError, match=r"config train: expected a mapping, found int"):
+        load_job_config(_write(tmp_path, "train: 3\n"))
+    with pytest.raises(ValueError, match=r"config override train\.lr=0\.1: train is 3, not a section"):
+        load_job_config(_write(tmp_path, "train: 3\n"), {"train.lr": 0.1})
+    # an empty section in the file takes overrides
+    assert load_job_config(_write(tmp_path, "train:\n"), {"train.lr": 0.1}).train.lr == 0.1
+
+
+def test_command_line_overrides_pass_the_same_checks(tmp_path, monkeypatch):
+    """`python -m ray_jobs.run --set KEY=VALUE`: the value is parsed as YAML and checked like the
+    file's; the job body is replaced so that nothing starts."""
+    import ray_jobs.run as run_mod
+
+    seen = []
+    monkeypatch.setattr(run_mod, "run", lambda cfg: seen.append(cfg) or {})
+    monkeypatch.setattr(run_mod, "format_summary", lambda report: "")
+    config = str(REPO / "configs" / "demo.yaml")
+    assert run_mod.main(["--config", config, "--set", "train.lr=3e-4", "--set", "train.num_steps=7"]) == 0
+    assert seen[0].train.lr == 0.0003 and seen[0].train.num_steps == 7
+    with pytest.raises(ValueError, match=r"^config train\.lr='fast': expected a number"):
+        run_mod.main(["--config", config, "--set", "train.lr=fast"])
+    with pytest.raises(ValueError, match=r"^config extract\.max_inflight_shards=0: must be >= 1"):
+        run_mod.main(["--config", config, "--set", "extract.max_inflight_shards=0"])
+    with pytest.raises(ValueError, match=r"^config extract\.max_num_batched_tokens=256: must be >= prepare\.max_length=512"):
+        run_mod.main(["--config", config, "--set", "extract.max_num_batched_tokens=256"])
+    assert len(seen) == 1
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    cfg = load_job_config(path)
+    assert cfg.output_dir == yaml.safe_load(path.read_text())["output_dir"]
