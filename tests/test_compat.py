@@ -56,10 +56,40 @@ def test_connector_api_is_what_our_subclass_uses():
     assert "_submit_async_write" in RayHiddenStatesConnector.__dict__
     stock = inspect.signature(ExampleHiddenStatesConnector._submit_async_write)
     assert list(stock.parameters) == ["self", "pending"]
-    # vLLM 0.32's get_finished drops a request that has no copy event (its blocks are never freed),
-    # so the override must register one for every request, on CPU a `_Done`.
-    ours = inspect.getsource(RayHiddenStatesConnector._submit_async_write)
-    assert "self._req_copy_events[pending.req_id] = done" in ours
+
+
+@pytest.mark.parametrize("hs_dtype", ["bfloat16", "float8_e4m3fn"])
+def test_captured_request_is_handed_over_and_reported_done(hs_dtype):
+    """vLLM 0.26 - 0.32: the stock `get_finished` reports a finished request as sent (so that its
+    blocks are freed) only if `_submit_async_write` registered a copy event for it; without one
+    the request's blocks are never freed. Our override, on a CPU cache, through the stock
+    get_finished: the request is reported done and its hidden states are in the in-process sink,
+    equal to the cache slots of its blocks. Fails when the stock bookkeeping moves."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import PendingSave
+
+    from compat.hidden_states_connector import RayHiddenStatesConnector, take_hidden_states
+
+    conn = object.__new__(RayHiddenStatesConnector)  # no engine: the attributes its __init__ would set
+    block_size, num_layers, hidden = 4, 3, 8
+    conn._kv_cache = torch.randn(5, num_layers, block_size, hidden)  # [blocks, layers, slots, hidden]
+    conn._block_size, conn._is_tp_rank_zero, conn._sink, conn._hs_dtype = block_size, True, "memory", hs_dtype
+    conn.use_lock, conn._lock_fds, conn._req_futures, conn._req_copy_events = False, {}, {}, {}
+    conn._accumulated_finished_req_ids, conn._connector_metadata = set(), None
+    pending = PendingSave(req_id="r1", filename="/eagle3-test/r1.safetensors", token_ids=torch.arange(6),
+                          block_ids=[3, 1])
+    conn._submit_async_write(pending)
+    assert conn.get_finished({"r1"}) == ({"r1"}, None)
+    host, done = take_hidden_states(pending.filename)
+    done.synchronize()
+    want = torch.cat([conn._kv_cache[3].transpose(0, 1), conn._kv_cache[1].transpose(0, 1)])[:6]  # [T, L, H]
+    if hs_dtype == "bfloat16":
+        assert torch.equal(host["hidden_states"], want.to(torch.bfloat16))
+    else:  # e4m3 bytes and one scale per token and layer: within e4m3's 3-bit mantissa of the cache
+        assert host["hidden_states"].dtype == torch.uint8 and host["hs_scale"].shape == (6, num_layers)
+        back = host["hidden_states"].view(torch.float8_e4m3fn).float() * host["hs_scale"][..., None]
+        assert ((back - want).abs() <= 0.0625 * want.abs().amax(dim=-1, keepdim=True)).all()
+    assert torch.equal(host["token_ids"], torch.arange(6))
 
 
 def test_stock_connector_still_pins_host_memory():
@@ -113,9 +143,9 @@ def test_engine_needs_a_drain_step_after_generate():
     assert ok, f"{detail}; {fix}"
     assert "while self.llm_engine.has_unfinished_requests()" in inspect.getsource(LLM._run_engine)
     assert callable(LLMEngine.step)
-    from compat import vllm_engine
-
-    assert "llm.llm_engine.step()" in inspect.getsource(vllm_engine.run_prefill)
+    # That run_prefill drains is checked by what it returns: every request's hidden states
+    # (tests/test_extract.py, a real engine; a missing drain ends in "[vLLM] hidden states of N
+    # requests never arrived").
 
 
 def test_extraction_config_resolves_with_prefix_caching_and_chunked_prefill_off(tiny_target):
@@ -390,10 +420,13 @@ def test_speculators_trainer_is_accelerator_only_and_unused():
     src = inspect.getsource(trainer)
     assert "self.model.to(self.local_rank)" in src
     assert "torch.accelerator.synchronize()" in src
-    ours = [p for d in ("eagle3", "actors", "compat", "ray_jobs") for p in (REPO / d).rglob("*.py")]
-    users = [str(p.relative_to(REPO)) for p in ours
-             if "speculators.train.trainer" in p.read_text() or "from speculators.train import Trainer" in p.read_text()]
-    assert users == []
+    # Importing our training path (trainer, export, DeepSpeed backend, actor) never loads speculators' trainer.
+    code = ("import sys\n"
+            "import actors.trainer, eagle3.trainer, eagle3.export, eagle3.deepspeed_backend, compat.speculators_loss\n"
+            "print(sorted(m for m in sys.modules if m.startswith('speculators.train.trainer')))")
+    out = _run_py(code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]"
 
 
 def test_speculators_fused_loss_kernels_share_their_autotune_configs():

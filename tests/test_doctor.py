@@ -130,6 +130,7 @@ def test_doctor_passes_on_tiny_target(tiny_target, tmp_path):
     assert rows["target architecture"]["detail"] == "LlamaForCausalLM: implements SupportsEagle3"
 
 
+@pytest.mark.slow  # starts Ray
 def test_doctor_fails_fast_on_architecture_without_eagle3(tiny_target, tmp_path):
     """Mixtral is served by vLLM but cannot give aux hidden states (no SupportsEagle3)."""
     target = model_configs.write_mixtral_target(tmp_path / "mixtral", tokenizer_from=tiny_target)
@@ -143,6 +144,7 @@ def test_doctor_fails_fast_on_architecture_without_eagle3(tiny_target, tmp_path)
     assert seconds < FAIL_FAST_S, f"{seconds:.0f}s"
 
 
+@pytest.mark.slow  # starts Ray
 def test_doctor_fails_fast_on_remote_code_without_trust(tiny_target, tmp_path):
     """A target that ships its own code (auto_map) while target.trust_remote_code is off (the default)."""
     target = model_configs.write_remote_code_target(tmp_path / "remote", tiny_target)
