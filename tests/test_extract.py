@@ -145,6 +145,7 @@ def _dataset_ids(files):
     return read_shards(files, ["sample_id"]).column("sample_id").to_pylist()
 
 
+@pytest.mark.slow  # starts Ray
 def test_extract_commits_each_sample_once_and_resumes(tiny_target, tmp_path, ray_local):
     from ray_jobs.extract import run_extract
 
@@ -182,6 +183,7 @@ def test_extract_commits_each_sample_once_and_resumes(tiny_target, tmp_path, ray
     assert sorted(_dataset_ids(second["files"])) == sorted(ids)
 
 
+@pytest.mark.slow  # starts Ray
 def test_placement_timeout_says_what_to_check(tiny_target, tmp_path, ray_local):
     from ray_jobs.extract import run_extract
 

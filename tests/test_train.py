@@ -146,7 +146,7 @@ def _global_index(files) -> dict[tuple[int, int], int]:
 
 
 def test_train_config_validation_names_field_value_and_fix():
-    with pytest.raises(ValueError, match=r"train\.zero_stage=4: use 0, 1, 2 or 3"):
+    with pytest.raises(ValueError, match=r"train\.zero_stage=4: not one of 0, 1, 2, 3"):
         TrainConfig(zero_stage=4)
     with pytest.raises(ValueError, match=r"train\.loss='kl'.*kl_div"):
         TrainConfig(loss="kl")
@@ -343,6 +343,7 @@ def test_worker_batches_stay_valid_until_the_second_next_after_them(tiny):
     ahead.close()
 
 
+@pytest.mark.slow  # starts DeepSpeed
 def test_step_profiler_records_the_asked_steps(tiny, tmp_path):
     """train.profile_steps [2, 3]: a trace and a table of the ops of steps 2 and 3 exactly, with the
     trainer's own ranges (eagle3.forward, ...) in them."""
@@ -634,6 +635,7 @@ def test_deepspeed_training_reduces_loss(trained):
                                                              "zero_to_fp32.py", "zero_to_torch.py"]
 
 
+@pytest.mark.slow  # starts DeepSpeed
 def test_input_wait_is_the_time_a_step_waits_for_its_batches(tiny):
     """input_wait_s counts the time train_step is blocked on its batch source, and nothing else:
     a source 0.3 s late per batch shows as >= 0.3 s a micro-batch (2 here), a ready one as less
