@@ -1,8 +1,8 @@
 """How long the trainer's input pipeline takes to build one packed micro-batch, side by side:
-  collate  speculators' per-sample tensors (shift_batch; fp8 dequantised in numpy by
-           eagle3.schema) + CollateFn, then a copy into pinned memory where there is CUDA (the
+  collate  speculators' per-sample tensors (shift_batch; fp8 dequantised on the host by
+           eagle3.codec) + CollateFn, then a copy into pinned memory where there is CUDA (the
            trainer's path until this benchmark)
-  pack     compat.speculators_batch.pack: one copy per value from the shard into the (pinned)
+  pack     eagle3.data.packing.pack: one copy per value from the shard into the (pinned)
            batch; fp8 dequantised on the way on a CPU-only machine, and left e4m3 with its scales
            where there is CUDA (the trainer dequantises on the device)
 over the same shard files (written by the product's shard writer, direct I/O), each read cold
@@ -34,11 +34,12 @@ import torch
 from speculators.models.eagle3.data import shift_batch  # noqa: F401 - imported here, not inside a timed batch
 from speculators.train.data import CollateFn
 
-from benchmarks.extract_bench import machine, versions
-from eagle3.dataset import HiddenStatesDataset, PackedBatches, _to_sample
-from eagle3.schema import decode_hidden_states, hidden_states_schema, stored_bytes_per_token
-from eagle3.shards import advise_page_cache, write_shard_file
-from eagle3.trainer import batch_source
+from benchmarks.common import direct_read_gb_s, drop_cache, machine, versions
+from eagle3.data.packing import PackedBatches
+from eagle3.data.pipeline import batch_source
+from eagle3.data.rows import HiddenStatesDataset
+from eagle3.schema import hidden_states_schema, stored_bytes_per_token
+from eagle3.shards import write_shard_file
 
 SHAPES = {"tiny": (256, [2, 4, 5, 8], 256), "1b": (2048, [2, 8, 13, 16], 1024), "8b": (4096, [2, 16, 29, 32], 1024)}
 
@@ -65,54 +66,19 @@ def write_data(root: Path, hidden: int, layer_ids: list[int], seq: int, samples:
     return files
 
 
-def drop_cache(files: list[str]) -> None:
-    for f in files:
-        advise_page_cache(f, "dontneed")
-
-
-def direct_read_gb_s(files: list[str], chunk: int = 16 << 20) -> float | None:
-    """The disk's sequential read bandwidth over these files, read with O_DIRECT (no page cache
-    is filled or used): what a cold epoch can read at most. None where O_DIRECT is refused."""
-    import mmap
-
-    buf, total, t = mmap.mmap(-1, chunk), 0, time.perf_counter()
-    for f in files:
-        try:
-            fd = os.open(f, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-        except OSError:
-            return None
-        try:
-            offset = 0
-            while (n := os.preadv(fd, [buf], offset)) > 0:
-                offset += n
-            total += offset
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
-    return total / (time.perf_counter() - t) / 1e9
-
-
 def collate_batches(ds, micro: int, pin: bool):
-    """The former path: per-sample tensors (fp8 dequantised by eagle3.schema in numpy), CollateFn,
-    then pinned."""
-
-    def sample(ids, mask, hs, scale):
-        if scale is not None:
-            T, L, H = hs.shape
-            hs = torch.from_numpy(decode_hidden_states(hs.view(torch.uint8).numpy().reshape(-1), scale.numpy(), T, L, H,
-                                                       "float8_e4m3fn")).to(torch.bfloat16)
-        return _to_sample(ids, mask, hs)
-
+    """The former path: per-sample tensors (HiddenStatesDataset.samples: shift_batch, fp8 dequantised
+    on the host), CollateFn, then pinned."""
     collate = CollateFn(max_len=micro, hidden_size=ds.hidden_size, num_target_layers=len(ds.aux_layer_ids),
                         dtype=torch.bfloat16)
-    rows = ds.rows(0)
+    samples = ds.samples(0)
     while True:
         batch, used = [], 0
-        for row in rows:
-            batch.append(sample(*row))
-            used += len(row[0]) - 1
-            if used + len(row[0]) - 1 > micro:
+        for sample in samples:
+            batch.append(sample)
+            n = len(sample["input_ids"])  # tokens after the shift
+            used += n
+            if used + n > micro:
                 break
         if not batch:
             return
@@ -140,7 +106,7 @@ def measure(make, files, micro: int, batches: int, pin: bool, cold: bool) -> lis
 
 
 def _source(files, micro: int, pin: bool, depth: int, workers: int):
-    """The trainer's batch source over `files` (eagle3.trainer.batch_source): `workers` DataLoader
+    """The trainer's batch source over `files` (eagle3.data.pipeline.batch_source): `workers` DataLoader
     processes, or a thread where 0, `depth` batches ahead; fp8 left for the device where there is CUDA."""
     ds = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=1)  # file order: reading is the cost measured
     return ds, batch_source(ds, micro, torch.bfloat16, depth, workers, on_gpu=pin, dequantize=not pin)

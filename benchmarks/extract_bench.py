@@ -28,19 +28,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-
-def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    return rng.integers(100, min(vocab, 32000), size=(n, length)).tolist()
+from benchmarks.common import machine, random_prompts, tokens_table, versions
 
 
 class PlainPrefill:
@@ -98,14 +92,14 @@ class StoreOnly:
         import pyarrow as pa
         import torch
 
-        from eagle3.extract import _binary_chunk
+        from eagle3.codec import binary_value
 
         pin = torch.cuda.is_available()
         chunks = []
         for _ in range(shard):
             t = torch.empty(prompt_len * num_layers * hidden_size, dtype=torch.uint16, pin_memory=pin)
             t.fill_(1)
-            chunks.append(_binary_chunk(t.numpy()))  # the Arrow buffer keeps the tensor alive
+            chunks.append(binary_value(t.numpy()))  # the Arrow buffer keeps the tensor alive
         self.table = pa.table({"hidden_states": pa.chunked_array(chunks)})
 
     def extract_shard(self, shard, tokens):
@@ -147,15 +141,6 @@ def steady_tok_s(records: list[dict]) -> float | None:
     return sum(r["num_tokens"] for r in recs[1:]) / (recs[-1]["committed_at"] - recs[0]["committed_at"])
 
 
-def _tokens_table(prompts):
-    import pyarrow as pa
-
-    from eagle3.schema import TOKENS_SCHEMA
-
-    return pa.Table.from_pylist([{"sample_id": f"b{i:06d}", "input_ids": p, "loss_mask": [1] * len(p),
-                                  "num_tokens": len(p)} for i, p in enumerate(prompts)], schema=TOKENS_SCHEMA)
-
-
 def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
     import pyarrow.parquet as pq
     import ray
@@ -165,7 +150,7 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
     from ray_jobs.extract import run_extract
 
     model_dir = write_shape(shape, work / f"model-{shape}")
-    prompts = _prompts(args.num_prompts, args.prompt_len, SHAPES[shape][5])
+    prompts = random_prompts(args.num_prompts, args.prompt_len, SHAPES[shape][5])
     tokens = sum(len(p) for p in prompts)
     batched = max(16384, args.prompt_len)
     max_len = args.prompt_len + 8
@@ -190,7 +175,7 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
     from eagle3.manifest import Manifest, ShardPlan
     from eagle3.schema import stored_bytes_per_token
 
-    table = _tokens_table(prompts)
+    table = tokens_table(prompts)
     defaults = ExtractConfig()
     layer_ids = defaults.layer_ids(SHAPES[shape][1])
     bytes_per_token = stored_bytes_per_token(num_layers=len(layer_ids), hidden_size=SHAPES[shape][0],
@@ -292,21 +277,6 @@ def disk_bandwidth(path: str, gib: int) -> float | None:
             secs = float(line.split("copied,")[1].split()[0])
             return nbytes / secs / 1e9
     return None
-
-
-def versions() -> dict:
-    from eagle3.provenance import git_commit, package_versions
-
-    return {"packages": package_versions(), "git_commit": git_commit(), "python": platform.python_version()}
-
-
-def machine() -> str:
-    try:
-        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30).stdout.strip()
-    except OSError:
-        gpu = ""
-    return f"{platform.node()}: {os.cpu_count()} CPUs" + (f", GPUs: {gpu.replace(chr(10), '; ')}" if gpu else ", no GPU")
 
 
 def markdown(results: list[dict], meta: dict) -> str:

@@ -30,7 +30,8 @@ def main(argv=None) -> int:
 
     import pyarrow.parquet as pq
 
-    from benchmarks.extract_bench import _prompts, _tokens_table, machine, steady_tok_s, versions
+    from benchmarks.common import machine, random_prompts, tokens_table, versions
+    from benchmarks.extract_bench import steady_tok_s
     from benchmarks.shapes import SHAPES, write_shape
     from eagle3.config import load_job_config
     from eagle3.manifest import Manifest
@@ -40,9 +41,9 @@ def main(argv=None) -> int:
     init_ray()
     work = Path(tempfile.mkdtemp(prefix="eagle3-replicas-"))
     model_dir = write_shape(args.shape, work / "model")
-    prompts = _prompts(args.num_prompts, args.prompt_len, SHAPES[args.shape][5])
+    prompts = random_prompts(args.num_prompts, args.prompt_len, SHAPES[args.shape][5])
     tokens = sum(map(len, prompts))
-    pq.write_table(_tokens_table(prompts), work / "tokens.parquet")
+    pq.write_table(tokens_table(prompts), work / "tokens.parquet")
     rows = []
     for n in [int(x) for x in args.replicas.split(",")]:
         out = Path(args.disk_dir) / f"replicas-{n}"

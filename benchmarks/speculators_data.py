@@ -13,15 +13,14 @@ Owns:
                                        the target's last layer, as in our shards), "token_ids":
                                        int64 [T]}: what vLLM's ExampleHiddenStatesConnector writes
                                        and `generate-offline-data` moves there; i = dataset row
-2. `vocab_mapping`: the draft vocabulary (d2t / t2d) computed exactly as eagle3.trainer does, for
-   speculators' --d2t-path / --t2d-path, so both trainers train the same draft head.
-3. The launch entry: `torchrun --nproc_per_node 1 -m benchmarks.speculators_data STEP_LOG -- FLAGS`
+2. The launch entry: `torchrun --nproc_per_node 1 -m benchmarks.speculators_data STEP_LOG -- FLAGS`
    runs `speculators.train.cli.main(TrainConfig.resolve(FLAGS))`, which is all that
    `python -m speculators.train FLAGS` does, with one logging handler added in front of its
    console handler: each per-step metric record of the "speculators.metrics" logger is appended
    to STEP_LOG as a JSON line (the record's time stamp, the step, its tokens and speculators' own
    step profile).
-Does not own: the benchmark flow and the flags (benchmarks/train_bench.py), our shard schema and formats.
+Does not own: the benchmark flow and the flags (benchmarks/train_bench.py), our shard schema and formats,
+the draft vocabulary (eagle3.data.vocab.draft_vocab_mapping, which both trainers' runs use).
 One file per sample is speculators' format, not ours; fine for a benchmark's few hundred samples.
 """
 
@@ -44,33 +43,19 @@ optimizer step, packed tokens of that step."""
 
 def _rows(files: Sequence[str]):
     """(sample_id, input_ids int64 [T], loss_mask int64 [T], hidden_states bf16 [T, L, H]) per row
-    of our shard files (either format, eagle3.shards), in file and row order."""
+    of our shard files (either format, eagle3.shards), in file and row order, decoded by
+    eagle3.codec (fp8 shards dequantised: speculators' files hold bf16)."""
     import numpy as np
     import torch
 
-    from eagle3.schema import decode_hidden_states, hs_layout
+    from eagle3.codec import decode_rows
     from eagle3.shards import ShardFile
 
     for path in files:
-        shard = ShardFile(path)
-        layer_ids, hidden_size, hs_dtype = hs_layout(shard.schema)
-        for batch in shard.iter_batches():
-            for j in range(batch.num_rows):
-                T = int(batch.column("num_tokens")[j].as_py())
-                ids = np.asarray(batch.column("input_ids")[j].values.to_numpy(zero_copy_only=False), dtype=np.int64)
-                mask = np.asarray(batch.column("loss_mask")[j].values.to_numpy(zero_copy_only=False), dtype=np.int64)
-                if len(ids) != T or len(mask) != T:
-                    raise ValueError(f"{path}: row with num_tokens={T} has {len(ids)} input_ids and {len(mask)} "
-                                     "loss_mask values; the shard is corrupt")
-                scale = batch.column("hs_scale")[j]
-                scale = scale.values.to_numpy(zero_copy_only=False) if scale.is_valid else None
-                hs = decode_hidden_states(batch.column("hidden_states")[j].as_buffer(), scale, T, len(layer_ids),
-                                          hidden_size, hs_dtype)
-                if hs_dtype == "bfloat16":  # uint16 bit patterns over Arrow's read-only buffer: copy, then view
-                    hs_TLD = torch.from_numpy(hs.copy()).view(torch.bfloat16)
-                else:  # fp8 shards decode to float32; speculators' files hold bf16
-                    hs_TLD = torch.from_numpy(hs).to(torch.bfloat16)
-                yield batch.column("sample_id")[j].as_py(), torch.from_numpy(ids), torch.from_numpy(mask), hs_TLD
+        for batch in ShardFile(path).iter_batches():
+            for sample_id, row in zip(batch.column("sample_id").to_pylist(), decode_rows(batch), strict=True):
+                yield (sample_id, torch.from_numpy(row.input_ids.astype(np.int64)),
+                       torch.from_numpy(row.loss_mask.astype(np.int64)), row.hidden_states_as(torch.bfloat16))
 
 
 def convert_shards(files: str | Path | Sequence[str | Path], data_path: str | Path, *,
@@ -85,7 +70,7 @@ def convert_shards(files: str | Path | Sequence[str | Path], data_path: str | Pa
     from datasets import Dataset
     from safetensors.torch import save_file
 
-    from eagle3.dataset import resolve_files
+    from eagle3.data.rows import resolve_files
     from eagle3.schema import hs_layout
     from eagle3.shards import ShardFile
 
@@ -144,22 +129,6 @@ def convert_shards(files: str | Path | Sequence[str | Path], data_path: str | Pa
     ds.save_to_disk(str(root))
     return {"sample_ids": sample_ids, "num_samples": len(sample_ids), "num_tokens": num_tokens,
             "hidden_states_bytes": num_bytes, "layer_ids": list(layer_ids), "hidden_size": hidden_size}
-
-
-def vocab_mapping(files: Sequence[str], draft_vocab_size: int, target_vocab_size: int):
-    """(d2t, t2d) tensors for a draft vocabulary of `draft_vocab_size` < target vocab, from the
-    loss-masked token frequencies of our shards: the computation eagle3.trainer.Eagle3Trainer does."""
-    import numpy as np
-    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
-
-    from eagle3.dataset import token_frequencies
-
-    if not 0 < draft_vocab_size < target_vocab_size:
-        raise ValueError(f"draft_vocab_size={draft_vocab_size}: a mapping needs 0 < draft vocab < target vocab "
-                         f"({target_vocab_size}); with equal sizes both trainers use the full vocabulary")
-    counts = token_frequencies(files, target_vocab_size)
-    freq = {int(i): int(counts[i]) for i in np.flatnonzero(counts)}
-    return build_vocab_mappings_from_distribution(freq, draft_vocab_size, target_vocab_size)
 
 
 class StepClock(logging.Handler):

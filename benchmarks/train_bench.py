@@ -430,7 +430,7 @@ def set_page_cache(files: list[str], mode: str) -> None:
     """Put both trainers' data on the same footing: 'cold' drops the files' pages from the page
     cache (POSIX_FADV_DONTNEED), 'warm' reads them once. Our shards are written with O_DIRECT and
     start cold; speculators' files are written through the cache and would start warm."""
-    from benchmarks.batch_bench import drop_cache
+    from benchmarks.common import drop_cache
 
     if mode == "cold":
         drop_cache(files)
@@ -496,7 +496,7 @@ def markdown(res: dict) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.train_bench",
                                  description="Training tokens/s: ours against speculators' trainer (see the module docstring)")
     ap.add_argument("--shape", choices=sorted(PRESETS), default="tiny")
@@ -532,20 +532,178 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-kv-gib", type=int, default=2)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def start_ray(step_log: Path) -> bool:
+    """A local Ray cluster whose workers append our trainer's step records to `step_log`; returns
+    whether it has a GPU."""
+    import ray
+
+    ray.init(runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT),
+                                                                                   os.environ.get("PYTHONPATH")])),
+                                       STEP_LOG_ENV: str(step_log)},
+                          "worker_process_setup_hook": "benchmarks.train_bench.install_step_clock"},
+             include_dashboard=True, log_to_driver=True)
+    return ray.cluster_resources().get("GPU", 0) >= 1
+
+
+def extract_hidden_states(s: BenchSettings, args, work: Path, target_dir: str, vocab: int) -> tuple[dict, list, list]:
+    """Step 2: hidden states of the benchmark's random prompts with our extraction; returns
+    (run_extract's summary, the prompts, their sample ids)."""
+    import pyarrow.parquet as pq
+
+    from benchmarks.common import random_prompts, tokens_table
+    from eagle3.config import load_job_config
+    from ray_jobs.extract import run_extract
+
+    prompts = random_prompts(s.num_prompts, s.prompt_len, vocab, seed=s.seed)
+    table = tokens_table(prompts)
+    tokens_path = work / "tokens.parquet"
+    pq.write_table(table, tokens_path)
+    cfg = load_job_config(None, {
+        "output_dir": str(work), "prepare.max_length": s.prompt_len + 8, "extract.backend": args.extract_backend,
+        "extract.samples_per_shard": args.samples_per_shard, "extract.num_replicas": 1,
+        "extract.hs_dtype": args.hs_dtype,
+        "extract.max_num_batched_tokens": max(16384, s.prompt_len + 8), "extract.gpu_memory_utilization": 0.8,
+        "extract.cpu_kvcache_space_gib": args.cpu_kv_gib})
+    ext = run_extract(cfg, str(tokens_path), target_dir, str(work / "hidden_states"), progress=False)
+    if ext["num_rejected"] or ext["num_samples"] != s.num_prompts:
+        raise RuntimeError(f"extraction kept {ext['num_samples']} of {s.num_prompts} prompts "
+                           f"({ext['num_rejected']} rejected: see {work / 'hidden_states' / 'rejects.jsonl'})")
+    return ext, prompts, table.column("sample_id").to_pylist()
+
+
+def prepare_speculators_data(s: BenchSettings, work: Path, target_dir: str, ext: dict, prompts: list,
+                             sample_ids: list, draft_vocab: int, vocab: int) -> tuple[dict, list[str]]:
+    """Step 3: the same samples in speculators' layout, the draft vocabulary mapping both trainers
+    use (eagle3.data.vocab.draft_vocab_mapping, as our trainer computes it), and speculators' flags.
+    Returns (the result's "speculators_data" record, the flags)."""
+    import numpy as np
+
+    from benchmarks.speculators_data import convert_shards
+    from eagle3.data.vocab import draft_vocab_mapping
+
+    spec_data = work / "speculators_data"
+    conv = convert_shards(ext["files"], spec_data, expected_input_ids=dict(zip(sample_ids, prompts, strict=True)))
+    d2t_path = t2d_path = None
+    d2t, t2d = draft_vocab_mapping(ext["files"], draft_vocab, vocab)
+    if d2t is not None:
+        d2t_path, t2d_path = str(work / f"d2t-{draft_vocab}.npy"), str(work / f"t2d-{draft_vocab}.npy")
+        np.save(d2t_path, d2t.cpu().numpy())
+        np.save(t2d_path, t2d.cpu().numpy())
+    record = {"dir": str(spec_data), "num_samples": conv["num_samples"], "num_tokens": conv["num_tokens"],
+              "bytes": conv["hidden_states_bytes"], "token_ids_checked": True, "vocab_mapping": d2t_path is not None}
+    flags = speculators_flags(s, target_dir=target_dir, data_path=str(spec_data), save_path=str(work / "spec_ckpt"),
+                              log_dir=str(work / "spec_logs"), aux_layer_ids=list(ext["layer_ids"])[:-1],
+                              draft_vocab_size=draft_vocab, d2t_path=d2t_path, t2d_path=t2d_path)
+    return record, flags
+
+
+def run_ours(s: BenchSettings, args, work: Path, target_dir: str, files: list[str], draft_vocab: int, gpu: bool,
+             step_log: Path) -> dict:
+    """Step 4a: our trainer through Ray Train (actors.trainer.run_training), its steady state read
+    from `step_log`. A failure is recorded in the returned dict ("failed"), not raised."""
+    from actors.trainer import run_training
+    from eagle3.train_config import TrainConfig
+
+    tcfg = TrainConfig(num_workers=1, num_steps=s.num_steps, lr=s.lr, seed=s.seed, warmup_steps=s.warmup_steps,
+                       micro_batch_tokens=s.micro_batch_tokens, weight_decay=s.weight_decay, grad_clip=1.0,
+                       ttt_steps=s.ttt_steps, ttt_step_loss_decay=1.0, num_draft_layers=s.num_draft_layers,
+                       draft_vocab_size=draft_vocab, loss=s.loss, draft_attn_impl=s.draft_attn_impl,
+                       shuffle_buffer_size=s.samples_per_step, checkpoint_every=s.num_steps,
+                       num_checkpoints_to_keep=1, profile_steps=args.profile_steps,
+                       **({} if args.prefetch_batches is None else {"prefetch_batches": args.prefetch_batches}))
+    ours: dict = {"train_config": asdict(tcfg), "use_gpu": gpu}
+    try:
+        summary = run_training(tcfg, files, target_dir, str(work / "ours"), use_gpu=gpu)
+    except Exception as e:  # noqa: BLE001 - recorded and reported; speculators' run still gives its figure
+        ours["error"] = f"[ours] run_training failed: {type(e).__name__}: {e}"[:4000]
+        ours["failed"] = True
+        logger.exception("our trainer failed; going on with speculators' so that this run still measures it")
+        return ours
+    ours.update({"whole_run_tokens_per_s": summary["tokens_per_s"], "train_seconds": summary["train_seconds"],
+                 "steps": summary["steps"]})
+    try:
+        records = read_step_log(step_log)
+        ours["steady"] = steady_state(records, s.skip_steps, s.num_steps)
+        ours["input_wait_ms_steady"] = _median_over_window(records, "input_wait_ms", s)
+        ours["note"] = (f"steps 2..{s.skip_steps} took {ours['steady']['seconds_skipped_steps']} s; waited for "
+                        f"its batches a median {_ms(ours['input_wait_ms_steady'])} a measured step")
+    except ValueError as e:
+        ours["error"] = (f"no steady-state figure from {step_log}: {e}. The clock reads actors.trainer's "
+                         f"'{OUR_STEP_FORMAT}' records through a Ray worker_process_setup_hook; only the "
+                         "whole-run figure (first steps included) is reported")
+        logger.warning(ours["error"])
+    return ours
+
+
+def run_theirs(s: BenchSettings, args, work: Path, flags: list[str], gpu: bool, phases: dict) -> dict:
+    """Step 4b: speculators' trainer under torchrun (or only its command line, with
+    --skip-speculators); its steady state and its own step profile over the same steps."""
+    theirs: dict = {"command": None}
+    if args.skip_speculators:
+        theirs["skipped"] = ("--skip-speculators: command line validated only" +
+                             ("" if gpu else f"; {SPECULATORS_NEEDS_ACCELERATOR}"))
+        theirs["command"] = speculators_command(work / "speculators_steps.jsonl", flags)
+        return theirs
+    if gpu:
+        _wait_gpu_released("speculators' training")
+    set_page_cache([str(p) for p in (work / "speculators_data").rglob("*") if p.is_file()], args.page_cache)
+    t = time.perf_counter()
+    run = run_speculators(flags, work, args.speculators_timeout)
+    phases["speculators_wall"] = time.perf_counter() - t
+    theirs.update({k: v for k, v in run.items() if k != "records"})
+    records = run["records"]
+    try:
+        theirs["steady"] = steady_state(records, s.skip_steps, s.num_steps)
+        # cross-check: speculators' own step profile over the same steps
+        window = [r for r in records if s.skip_steps < r["step"] <= s.num_steps]
+        theirs["profile_tokens_per_s"] = (sum(r["tokens"] for r in window) /
+                                          (sum(r["step_ms"] for r in window) / 1000.0))
+        theirs["fetch_ms_steady"] = _median_over_window(records, "fetch_ms", s)
+        theirs["note"] = (f"steps 2..{s.skip_steps} took {theirs['steady']['seconds_skipped_steps']} s; its own "
+                          f"profile (tokens / sum of step_ms): {theirs['profile_tokens_per_s']:,.0f} tok/s; "
+                          f"fetch_ms median {_ms(theirs['fetch_ms_steady'])} a measured step")
+    except ValueError as e:
+        theirs.setdefault("error", f"no steady-state figure: {e}")
+    if "error" in theirs:
+        logger.warning("speculators' trainer: %s", theirs["error"])
+    return theirs
+
+
+def write_results(res: dict, args, work: Path, step_log: Path) -> str:
+    """Step 5: <out>/train[-TAG].json and .md, with the step logs, speculators' log and the profile
+    (top ops, gzipped trace and its GPU gaps) beside them; returns the markdown."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"train{('-' + args.tag) if args.tag else ''}"
+    (out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
+    md = markdown(res)
+    (out / f"{name}.md").write_text(md)
+    for src in (step_log, work / "speculators_steps.jsonl", work / "speculators.log",
+                work / "ours" / "profile" / "top_ops.txt"):
+        if src.exists():  # the work dir goes away; these explain a surprising figure or a failure
+            shutil.copy(src, out / f"{name}-{src.name}")
+    trace = work / "ours" / "profile" / "trace.json"
+    if trace.exists():
+        with open(trace, "rb") as f, gzip.open(out / f"{name}-ours_trace.json.gz", "wb") as g:
+            shutil.copyfileobj(f, g)
+        from benchmarks import trace_gaps
+
+        (out / f"{name}-gaps.md").write_text(trace_gaps.markdown(trace_gaps.gaps(trace_gaps.load(trace)), 5.0))
+    return md
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     s = resolve_settings(args)
-    import pyarrow.parquet as pq
     import ray
 
-    from actors.trainer import run_training
-    from benchmarks.extract_bench import _prompts, _tokens_table, machine, versions
+    from benchmarks.common import direct_read_gb_s, machine, versions
     from benchmarks.shapes import SHAPES
-    from benchmarks.speculators_data import convert_shards, vocab_mapping
-    from eagle3.config import load_job_config
-    from eagle3.train_config import TrainConfig
-    from ray_jobs.extract import run_extract
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="eagle3-train-bench-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -562,12 +720,7 @@ def main(argv=None) -> int:
     our_step_log = work / "ours_steps.jsonl"
     our_step_log.unlink(missing_ok=True)
     t = time.perf_counter()
-    ray.init(runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT),
-                                                                                   os.environ.get("PYTHONPATH")])),
-                                       STEP_LOG_ENV: str(our_step_log)},
-                          "worker_process_setup_hook": "benchmarks.train_bench.install_step_clock"},
-             include_dashboard=True, log_to_driver=True)
-    gpu = ray.cluster_resources().get("GPU", 0) >= 1
+    gpu = start_ray(our_step_log)
     phases["ray_init"] = time.perf_counter() - t
     if s.draft_attn_impl == "auto":
         s = replace(s, draft_attn_impl="simple_flex_attention" if gpu else "sdpa")
@@ -582,22 +735,8 @@ def main(argv=None) -> int:
 
     # 2. hidden states with our extraction
     t = time.perf_counter()
-    prompts = _prompts(s.num_prompts, s.prompt_len, vocab, seed=s.seed)
-    table = _tokens_table(prompts)
-    tokens_path = work / "tokens.parquet"
-    pq.write_table(table, tokens_path)
-    cfg = load_job_config(None, {
-        "output_dir": str(work), "prepare.max_length": s.prompt_len + 8, "extract.backend": args.extract_backend,
-        "extract.samples_per_shard": args.samples_per_shard, "extract.num_replicas": 1,
-        "extract.hs_dtype": args.hs_dtype,
-        "extract.max_num_batched_tokens": max(16384, s.prompt_len + 8), "extract.gpu_memory_utilization": 0.8,
-        "extract.cpu_kvcache_space_gib": args.cpu_kv_gib})
-    ext = run_extract(cfg, str(tokens_path), target_dir, str(work / "hidden_states"), progress=False)
-    if ext["num_rejected"] or ext["num_samples"] != s.num_prompts:
-        raise RuntimeError(f"extraction kept {ext['num_samples']} of {s.num_prompts} prompts "
-                           f"({ext['num_rejected']} rejected: see {work / 'hidden_states' / 'rejects.jsonl'})")
-    layer_ids = list(ext["layer_ids"])
-    res["shape"]["layer_ids"] = layer_ids
+    ext, prompts, sample_ids = extract_hidden_states(s, args, work, target_dir, vocab)
+    res["shape"]["layer_ids"] = list(ext["layer_ids"])
     res["extract"] = {"backend": args.extract_backend, "hs_dtype": args.hs_dtype, "num_samples": ext["num_samples"],
                       "num_tokens": ext["num_tokens"], "bytes": ext["bytes"], "num_shards": len(ext["files"]),
                       "seconds": ext["seconds"]}
@@ -605,23 +744,8 @@ def main(argv=None) -> int:
 
     # 3. the same samples in speculators' layout
     t = time.perf_counter()
-    spec_data = work / "speculators_data"
-    conv = convert_shards(ext["files"], spec_data,
-                          expected_input_ids=dict(zip(table.column("sample_id").to_pylist(), prompts, strict=True)))
-    d2t_path = t2d_path = None
-    if draft_vocab < vocab:
-        import numpy as np
-
-        d2t, t2d = vocab_mapping(ext["files"], draft_vocab, vocab)
-        d2t_path, t2d_path = str(work / f"d2t-{draft_vocab}.npy"), str(work / f"t2d-{draft_vocab}.npy")
-        np.save(d2t_path, d2t.cpu().numpy())
-        np.save(t2d_path, t2d.cpu().numpy())
-    res["speculators_data"] = {"dir": str(spec_data), "num_samples": conv["num_samples"],
-                               "num_tokens": conv["num_tokens"], "bytes": conv["hidden_states_bytes"],
-                               "token_ids_checked": True, "vocab_mapping": d2t_path is not None}
-    flags = speculators_flags(s, target_dir=target_dir, data_path=str(spec_data), save_path=str(work / "spec_ckpt"),
-                              log_dir=str(work / "spec_logs"), aux_layer_ids=layer_ids[:-1],
-                              draft_vocab_size=draft_vocab, d2t_path=d2t_path, t2d_path=t2d_path)
+    res["speculators_data"], flags = prepare_speculators_data(s, work, target_dir, ext, prompts, sample_ids,
+                                                              draft_vocab, vocab)
     res["speculators_flags_check"] = check_speculators_flags(flags, s)
     phases["convert"] = time.perf_counter() - t
 
@@ -629,73 +753,16 @@ def main(argv=None) -> int:
     if gpu:
         _wait_gpu_released("our training")
     res["page_cache"] = args.page_cache
-    from benchmarks.batch_bench import direct_read_gb_s
-
     res["disk_read_gb_s"] = direct_read_gb_s(ext["files"])  # O_DIRECT: leaves the page cache as it is
     set_page_cache(ext["files"], args.page_cache)
     t = time.perf_counter()
-    tcfg = TrainConfig(num_workers=1, num_steps=s.num_steps, lr=s.lr, seed=s.seed, warmup_steps=s.warmup_steps,
-                       micro_batch_tokens=s.micro_batch_tokens, weight_decay=s.weight_decay, grad_clip=1.0,
-                       ttt_steps=s.ttt_steps, ttt_step_loss_decay=1.0, num_draft_layers=s.num_draft_layers,
-                       draft_vocab_size=draft_vocab, loss=s.loss, draft_attn_impl=s.draft_attn_impl,
-                       shuffle_buffer_size=s.samples_per_step, checkpoint_every=s.num_steps,
-                       num_checkpoints_to_keep=1, profile_steps=args.profile_steps,
-                       **({} if args.prefetch_batches is None else {"prefetch_batches": args.prefetch_batches}))
-    ours: dict = {"train_config": asdict(tcfg), "use_gpu": gpu}
-    try:
-        summary = run_training(tcfg, ext["files"], target_dir, str(work / "ours"), use_gpu=gpu)
-    except Exception as e:  # noqa: BLE001 - recorded and reported; speculators' run still gives its figure
-        ours["error"] = f"[ours] run_training failed: {type(e).__name__}: {e}"[:4000]
-        ours["failed"] = True
-        logger.exception("our trainer failed; going on with speculators' so that this run still measures it")
-    else:
-        ours.update({"whole_run_tokens_per_s": summary["tokens_per_s"], "train_seconds": summary["train_seconds"],
-                     "steps": summary["steps"]})
-        try:
-            records = read_step_log(our_step_log)
-            ours["steady"] = steady_state(records, s.skip_steps, s.num_steps)
-            ours["input_wait_ms_steady"] = _median_over_window(records, "input_wait_ms", s)
-            ours["note"] = (f"steps 2..{s.skip_steps} took {ours['steady']['seconds_skipped_steps']} s; waited for "
-                            f"its batches a median {_ms(ours['input_wait_ms_steady'])} a measured step")
-        except ValueError as e:
-            ours["error"] = (f"no steady-state figure from {our_step_log}: {e}. The clock reads actors.trainer's "
-                             f"'{OUR_STEP_FORMAT}' records through a Ray worker_process_setup_hook; only the "
-                             "whole-run figure (first steps included) is reported")
-            logger.warning(ours["error"])
+    ours = run_ours(s, args, work, target_dir, ext["files"], draft_vocab, gpu, our_step_log)
     phases["ours_wall"] = time.perf_counter() - t
     res["ours"] = ours
     ray.shutdown()
 
     # 4b. theirs
-    theirs: dict = {"command": None}
-    if args.skip_speculators:
-        theirs["skipped"] = ("--skip-speculators: command line validated only" +
-                             ("" if gpu else f"; {SPECULATORS_NEEDS_ACCELERATOR}"))
-        theirs["command"] = speculators_command(work / "speculators_steps.jsonl", flags)
-    else:
-        if gpu:
-            _wait_gpu_released("speculators' training")
-        set_page_cache([str(p) for p in spec_data.rglob("*") if p.is_file()], args.page_cache)
-        t = time.perf_counter()
-        run = run_speculators(flags, work, args.speculators_timeout)
-        phases["speculators_wall"] = time.perf_counter() - t
-        theirs.update({k: v for k, v in run.items() if k != "records"})
-        records = run["records"]
-        try:
-            theirs["steady"] = steady_state(records, s.skip_steps, s.num_steps)
-            # cross-check: speculators' own step profile over the same steps
-            window = [r for r in records if s.skip_steps < r["step"] <= s.num_steps]
-            theirs["profile_tokens_per_s"] = (sum(r["tokens"] for r in window) /
-                                              (sum(r["step_ms"] for r in window) / 1000.0))
-            theirs["fetch_ms_steady"] = _median_over_window(records, "fetch_ms", s)
-            theirs["note"] = (f"steps 2..{s.skip_steps} took {theirs['steady']['seconds_skipped_steps']} s; its own "
-                              f"profile (tokens / sum of step_ms): {theirs['profile_tokens_per_s']:,.0f} tok/s; "
-                              f"fetch_ms median {_ms(theirs['fetch_ms_steady'])} a measured step")
-        except ValueError as e:
-            theirs.setdefault("error", f"no steady-state figure: {e}")
-        if "error" in theirs:
-            logger.warning("speculators' trainer: %s", theirs["error"])
-    res["speculators"] = theirs
+    res["speculators"] = theirs = run_theirs(s, args, work, flags, gpu, phases)
     if "steady" in ours and "steady" in theirs:
         res["ratio_ours_over_theirs"] = ours["steady"]["tokens_per_s"] / theirs["steady"]["tokens_per_s"]
         if ours["steady"]["tokens_per_step"] != theirs["steady"]["tokens_per_step"]:
@@ -703,23 +770,7 @@ def main(argv=None) -> int:
                            theirs["steady"]["tokens_per_step"])
     res["phases_s"] = phases
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"train{('-' + args.tag) if args.tag else ''}"
-    (out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
-    md = markdown(res)
-    (out / f"{name}.md").write_text(md)
-    for src in (our_step_log, work / "speculators_steps.jsonl", work / "speculators.log",
-                work / "ours" / "profile" / "top_ops.txt"):
-        if src.exists():  # the work dir goes away; these explain a surprising figure or a failure
-            shutil.copy(src, out / f"{name}-{src.name}")
-    trace = work / "ours" / "profile" / "trace.json"
-    if trace.exists():
-        with open(trace, "rb") as f, gzip.open(out / f"{name}-ours_trace.json.gz", "wb") as g:
-            shutil.copyfileobj(f, g)
-        from benchmarks import trace_gaps
-
-        (out / f"{name}-gaps.md").write_text(trace_gaps.markdown(trace_gaps.gaps(trace_gaps.load(trace)), 5.0))
+    md = write_results(res, args, work, our_step_log)
     print(md, flush=True)
     if not args.keep_work and not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)

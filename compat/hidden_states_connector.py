@@ -114,7 +114,7 @@ class RayHiddenStatesConnector(ExampleHiddenStatesConnector):
         """[T, L, H] in the engine dtype -> what goes to host: bf16 as is, or e4m3 bytes + scales."""
         if self._hs_dtype == "bfloat16":
             return {"hidden_states": hs.to(torch.bfloat16)}
-        from eagle3.schema import quantize_fp8
+        from eagle3.codec import quantize_fp8
 
         q, scale = quantize_fp8(hs)
         return {"hidden_states": q, "hs_scale": scale}

@@ -1,128 +1,38 @@
-"""Seam: the packed micro-batch speculators' Eagle3DraftModel trains on.
+"""Seam: the sample and micro-batch format speculators' Eagle3DraftModel trains on.
 
 speculators 0.9.x (checked against 0.9.0): samples are shifted by
 `speculators.models.eagle3.data.shift_batch` (position t pairs token x_{t+1}, target y_{t+1}
 and hidden state g_t) and packed by `speculators.train.data.CollateFn` into [1, max_len]
 tensors, with `document_ids` (-1 for padding) and the last sample truncated to fit.
-`pack` builds that same batch straight from the stored rows: CollateFn takes per-sample
-tensors (here a reshape and a clone per sample out of the shard's memory), zero-fills fresh
-buffers and copies into them; the trainer then copied every batch once more into pinned
-memory. `pack` copies each value once, from the (memory-mapped) shard into the (pinned)
-batch, and zero-fills only the padding. On the H200 host, one 8,192-token batch of a 1B target
-(134 MB of hidden states): 92 ms cold / 38.5 ms warm, against 132 / 65 ms for CollateFn + pin
-(`python -m benchmarks.batch_bench`, benchmarks/results/batch-h200-1b.md).
-tests/test_compat.py checks that `pack` returns exactly what shift_batch + CollateFn return
-(keys, shapes, dtypes, values, truncation); it fails when speculators changes the format.
-fp8 shards: `pack(dequantize=False)` keeps the e4m3 bytes and their scales (half the bytes to copy
-and to send) and `dequantize_batch` turns them into the same batch where it lands, on the GPU.
-Dequantising on the host took 112 ms a 1B batch on the H200 host (benchmarks/results/
-batch-h200-1b-fp8.md); tests/test_train.py checks both paths against CollateFn.
-Remove when: speculators' collate writes into caller-provided (pinned) buffers from views.
+Our trainer builds that batch straight from the stored rows (eagle3.data.packing.pack, which
+copies each value once; why: its module docstring). This module holds only what follows
+speculators' version: `speculators_sample`, one stored row as speculators' own sample (through
+shift_batch). tests/test_compat.py checks that `pack` returns exactly what shift_batch +
+CollateFn return (keys, shapes, dtypes, values, truncation); it fails when speculators changes
+the format.
+Remove when: speculators' collate writes into caller-provided (pinned) buffers from views; the
+trainer then calls it and `pack` goes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import torch
 
-from eagle3.schema import dequantize_fp8
 
+def speculators_sample(input_ids: np.ndarray, loss_mask: np.ndarray, hs_TLD: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A stored row (input_ids [T], loss_mask [T], hidden states [T, L, H], fp8 already dequantised)
+    as one speculators sample, shifted by speculators' own shift_batch: input_ids [T-1] long,
+    loss_mask [T-1] bool, hidden_states [T-1, (L-1)*H] (the aux layers, concatenated in layer order),
+    verifier_last_hidden_states [T-1, H] (the last layer), lengths [1], position_ids [T-1] (from 1)."""
+    from speculators.models.eagle3.data import shift_batch
 
-def batch_layout(max_len: int, num_layers: int, hidden: int, dtype: torch.dtype,
-                 deferred: bool = False) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """{name: (shape, dtype)} of the buffers `pack` fills for rows of `num_layers` captured
-    layers of size `hidden`; `deferred`: e4m3 hidden states kept as stored, with their scales."""
-    hs_dtype = torch.float8_e4m3fn if deferred else dtype
-    layout = {"hidden_states": ((max_len, num_layers - 1, hidden), hs_dtype),
-              "verifier_last_hidden_states": ((max_len, hidden), hs_dtype),
-              "input_ids": ((max_len,), torch.long), "position_ids": ((max_len,), torch.long),
-              "document_ids": ((max_len,), torch.long), "loss_mask": ((max_len,), torch.bool)}
-    if deferred:
-        layout.update(hidden_states_scale=((max_len, num_layers - 1), torch.float32),
-                      verifier_last_hidden_states_scale=((max_len,), torch.float32))
-    return layout
-
-
-def pack(rows: Sequence[tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor | None]], max_len: int,
-         dtype: torch.dtype, pin_memory: bool = False, dequantize: bool = True, alloc=None) -> dict:
-    """rows: (input_ids [T], loss_mask [T], hidden states [T, L, H], scale) per sample, unshifted;
-    the last of the L layers is the verifier's last hidden state, the others the aux layers.
-    Hidden states are bf16 with scale None, or e4m3 with float32 scales [T, L], dequantised here
-    to bf16 by `eagle3.schema.dequantize_fp8`, as `eagle3.dataset._to_sample` does. Returns
-    the batch `CollateFn(max_len, H, L - 1, dtype)([shift_batch(sample) ...])` returns: input_ids,
-    loss_mask, hidden_states [1, max_len, (L-1)*H], verifier_last_hidden_states [1, max_len, H],
-    position_ids, document_ids, error_records.
-    `dequantize=False` with e4m3 rows: both hidden-state tensors stay e4m3 (half the bytes to copy
-    and to send to the device) and the batch also holds their float32 scales,
-    hidden_states_scale [1, max_len, L-1] and verifier_last_hidden_states_scale [1, max_len];
-    `dequantize_batch`, on the device, then gives what `dequantize=True` gives.
-    `alloc(shape, dtype)`, if given, makes the buffers (of `batch_layout`) instead of torch.empty."""
-    if not rows:
-        raise ValueError("pack got no rows")
-    num_layers, hidden = rows[0][2].shape[1:]
-    deferred = not dequantize and rows[0][3] is not None
-    if alloc is None:
-        def alloc(shape, dt):
-            return torch.empty(shape, dtype=dt, pin_memory=pin_memory)
-
-    out = {k: alloc(shape, dt) for k, (shape, dt) in batch_layout(max_len, num_layers, hidden, dtype, deferred).items()}
-    hs, last, mask = out["hidden_states"], out["verifier_last_hidden_states"], out["loss_mask"]
-    ids, pos, docs = out["input_ids"], out["position_ids"], out["document_ids"]
-    if deferred:
-        hs_scale, last_scale = out["hidden_states_scale"], out["verifier_last_hidden_states_scale"]
-    offset = 0
-    for doc, (input_ids, loss_mask, hs_TLD, scale) in enumerate(rows):
-        if offset == max_len:
-            break
-        n = min(max(len(input_ids) - 1, 0), max_len - offset)  # shifted length; the last one truncated
-        end = offset + n
-        if deferred:  # the e4m3 bytes and their scales, as stored
-            hs[offset:end].view(torch.uint8).copy_(hs_TLD[:n, :-1, :].view(torch.uint8))
-            last[offset:end].view(torch.uint8).copy_(hs_TLD[1:n + 1, -1, :].view(torch.uint8))
-            hs_scale[offset:end].copy_(scale[:n, :-1])
-            last_scale[offset:end].copy_(scale[1:n + 1, -1])
-        else:
-            _put(hs[offset:end], hs_TLD[:n, :-1, :], None if scale is None else scale[:n, :-1])  # g_0 .. g_{n-1}
-            _put(last[offset:end], hs_TLD[1:n + 1, -1, :], None if scale is None else scale[1:n + 1, -1])  # y_1 .. y_n
-        ids[offset:end].copy_(torch.from_numpy(np.asarray(input_ids[1:n + 1], dtype=np.int64)))
-        mask[offset:end].copy_(torch.from_numpy(np.asarray(loss_mask[1:n + 1]) != 0))
-        pos[offset:end].copy_(torch.arange(1, n + 1))
-        docs[offset:end] = doc
-        offset = end
-    for t in (hs, last, ids, pos, mask) + ((hs_scale, last_scale) if deferred else ()):
-        (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)[offset:].zero_()
-    docs[offset:] = -1
-    batch = {"input_ids": ids[None], "hidden_states": hs.view(1, max_len, -1),
-             "verifier_last_hidden_states": last[None], "loss_mask": mask[None], "position_ids": pos[None],
-             "document_ids": docs[None], "error_records": 0}
-    if deferred:
-        batch.update(hidden_states_scale=hs_scale[None], verifier_last_hidden_states_scale=last_scale[None])
-    return batch
-
-
-SCALE_KEYS = ("hidden_states_scale", "verifier_last_hidden_states_scale")
-
-
-def dequantize_batch(batch: dict, dtype: torch.dtype) -> dict:
-    """A batch packed with dequantize=False, its e4m3 hidden states replaced by their `dtype`
-    values and the scale keys dropped, wherever its tensors are (the trainer calls it on the
-    device): the values pack(..., dequantize=True) gives. Other batches are returned as they are."""
-    if SCALE_KEYS[0] not in batch:
-        return batch
-    out = {k: v for k, v in batch.items() if k not in SCALE_KEYS}
-    hs, scale = batch["hidden_states"], batch["hidden_states_scale"]
-    hs = dequantize_fp8(hs.view(*scale.shape, -1), scale).view(hs.shape)  # [1, T, (L-1)*H]
-    last = dequantize_fp8(batch["verifier_last_hidden_states"], batch["verifier_last_hidden_states_scale"])
-    out["hidden_states"], out["verifier_last_hidden_states"] = hs.to(dtype), last.to(dtype)
-    return out
-
-
-def _put(dst: torch.Tensor, src: torch.Tensor, scale: torch.Tensor | None) -> None:
-    if scale is None:
-        dst.copy_(src)
-    elif dst.dtype == torch.bfloat16:
-        dequantize_fp8(src, scale, out=dst)
-    else:  # the sample's values are bf16 (see _to_sample), whatever the batch dtype
-        dst.copy_(dequantize_fp8(src, scale))
+    T, num_layers, hidden_size = hs_TLD.shape
+    return shift_batch({
+        "input_ids": torch.from_numpy(input_ids.astype(np.int64)),
+        "loss_mask": torch.from_numpy(loss_mask.astype(bool)),
+        "hidden_states": hs_TLD[:, :-1, :].reshape(T, (num_layers - 1) * hidden_size),
+        "verifier_last_hidden_states": hs_TLD[:, -1, :].clone(),
+        "lengths": torch.tensor([T], dtype=torch.long),
+        "position_ids": torch.arange(T, dtype=torch.long),
+    })

@@ -136,8 +136,9 @@ def dry_run(target_dir: str, extract_cfg, *, dtype: str, trust_remote_code: bool
 
     import pyarrow as pa
 
+    from eagle3.codec import decode_rows
     from eagle3.extract import Extractor, target_text_config
-    from eagle3.schema import TOKENS_SCHEMA, decode_hidden_states, hs_layout
+    from eagle3.schema import TOKENS_SCHEMA, hs_layout
 
     t0 = time.perf_counter()
     tmp = tempfile.mkdtemp(prefix="eagle3-dryrun-")
@@ -159,10 +160,8 @@ def dry_run(target_dir: str, extract_cfg, *, dtype: str, trust_remote_code: bool
         tokens = pa.Table.from_pylist([{"sample_id": "dry-run", "input_ids": ids, "loss_mask": [1] * num_tokens,
                                         "num_tokens": num_tokens}], schema=TOKENS_SCHEMA)
         table, stats = extractor.extract(tokens)
-        layer_ids, hidden, hs_dtype = hs_layout(table.schema)
-        hs = decode_hidden_states(table.column("hidden_states")[0], None if hs_dtype == "bfloat16" else
-                                  __import__("numpy").asarray(table.column("hs_scale")[0].as_py(), dtype="float32"),
-                                  num_tokens, len(layer_ids), hidden, hs_dtype)
+        layer_ids, _, _ = hs_layout(table.schema)
+        hs = next(decode_rows(table)).hidden_states
         want = (num_tokens, len(layer_ids), text["hidden_size"])
         ok = tuple(hs.shape) == want and stats.num_samples == 1
         return Check("dry run", ok,

@@ -20,11 +20,11 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 
+from eagle3.codec import encode_hidden_states, hidden_states_columns
 from eagle3.config import ExtractConfig
-from eagle3.schema import encode_hidden_states, hidden_states_schema
+from eagle3.schema import hidden_states_schema
 
 
 def target_text_config(model_dir: str) -> dict:
@@ -169,14 +169,6 @@ class HFBackend:
         pass
 
 
-def _binary_chunk(values: np.ndarray) -> pa.Array:
-    """One sample's bytes as a length-1 large_binary array over the same memory (no copy): the
-    object store put (or the Parquet writer) is the only copy the bytes see on the host."""
-    data = pa.py_buffer(values.view(np.uint8).reshape(-1))
-    offsets = pa.py_buffer(np.array([0, data.size], dtype=np.int64))
-    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), 1, [None, offsets, data])
-
-
 class Extractor:
     """Turns tokens tables into encoded hidden-states tables with one backend."""
 
@@ -228,16 +220,9 @@ class Extractor:
                 raise RuntimeError(
                     f"[extract] sample {i}: engine returned hidden states {tuple(hs.shape)}, expected "
                     f"({len(ids_col[i])}, {len(self.layer_ids)}, {self.hidden_size})")
-            chunks.append(_binary_chunk(v))
+            chunks.append(v)
             scales.append(s)
-        hs_col = pa.chunked_array(chunks, type=pa.large_binary())
-        if self.cfg.hs_dtype == "bfloat16":
-            scale_col = pa.nulls(len(chunks), type=pa.list_(pa.float32()))
-        else:
-            offsets = np.zeros(len(scales) + 1, dtype=np.int32)
-            np.cumsum([len(s) for s in scales], out=offsets[1:])
-            flat = np.concatenate(scales) if scales else np.zeros(0, np.float32)
-            scale_col = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, type=pa.float32()))
+        hs_col, scale_col = hidden_states_columns(chunks, scales, self.cfg.hs_dtype)
         table = pa.Table.from_arrays(
             [kept.column("sample_id"), kept.column("input_ids"), kept.column("loss_mask"), kept.column("num_tokens"),
              hs_col, scale_col], schema=self.schema)

@@ -8,8 +8,8 @@ the step (micro-batches, speculators' TTT loss and per-step accuracies, metrics 
 across ranks), and checkpoint contents (DeepSpeed's save/load_checkpoint plus a client state
 with every rank's data position and RNG states).
 Does not own: DeepSpeed configuration (eagle3.deepspeed_backend hands over a ready engine),
-process launch (actors.trainer), the data order (eagle3.dataset), the export format
-(eagle3.export).
+process launch (actors.trainer), the training input (eagle3.data: rows, packing, prefetching,
+staging on the device), the export format (eagle3.export).
 
 Usage on each rank:
     trainer = Eagle3Trainer(cfg, target_dir, data_files, rank=r, world_size=w)
@@ -22,8 +22,6 @@ Usage on each rank:
 from __future__ import annotations
 
 import logging
-import math
-import os
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -33,148 +31,15 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
-from compat.speculators_batch import SCALE_KEYS, batch_layout, dequantize_batch
-from eagle3.dataset import HiddenStatesDataset, PackedBatches, Prefetcher, WorkerPrefetcher, token_frequencies
+from eagle3.data.pipeline import input_pipeline
+from eagle3.data.rows import HiddenStatesDataset
+from eagle3.data.staging import DeviceBatches
+from eagle3.data.vocab import draft_vocab_mapping
 from eagle3.train_config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_DRAFT_VOCAB = 32000
-_MODEL_INPUTS = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids",
-                 "verifier_last_hidden_states")
-# Host memory (pinned on GPU) for batches built ahead, per worker, when train.prefetch_batches is
-# None: ~15 batches of a 1B target at 8,192 tokens, 4 of a hidden-7168 one. A deep queue fills
-# while the device is busy elsewhere (the first step's compile, a checkpoint) and is drawn on
-# after; speculators' DataLoader holds 12 workers x prefetch_factor 4 = 48 batches.
-PREFETCH_AUTO_BYTES = 2 << 30
-PREFETCH_AUTO_MAX = 16  # and no deeper: small batches need no deep queue
-
-
-def device_inputs(batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
-    """The model's inputs of a packed batch, on `device` (asynchronous copies from pinned memory);
-    e4m3 hidden states packed as stored are dequantised there, to `dtype`."""
-    keys = _MODEL_INPUTS + tuple(k for k in SCALE_KEYS if k in batch)
-    return dequantize_batch({k: batch[k].to(device, non_blocking=True) for k in keys}, dtype)
-
-
-class DeviceBatches:
-    """Packed batches with their model inputs already on the device: `stage()` takes the next batch
-    from `source` and starts its copy (and fp8 dequantisation) on a side CUDA stream, so that it
-    runs under the current step's kernels instead of in front of the next step's. Off CUDA the copy
-    is in line.
-
-    `next()` returns (host batch, device inputs, seconds blocked on `source`). `state_dict()` is the
-    data position after the last batch *returned*, as with Prefetcher, so a staged batch is not
-    counted in a checkpoint; `load_state_dict` drops it. A host batch stays valid until the second
-    `next` after it, as WorkerPrefetcher's do.
-    """
-
-    def __init__(self, source, device: torch.device, dtype: torch.dtype):
-        self.source, self.device, self.dtype = source, device, dtype
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._staged: tuple | None = None
-        self._copied: torch.cuda.Event | None = None
-        self._state = source.state_dict()
-
-    def stage(self) -> float:
-        """Take the next batch and start its copy, unless one is staged; returns the seconds
-        spent waiting for the source."""
-        if self._staged is not None:
-            return 0.0
-        if self._copied is not None:  # the source may reuse the memory of the batch before it from now on
-            self._copied.synchronize()  # (WorkerPrefetcher's ring); that copy ran under the last step
-        t = time.perf_counter()
-        batch = next(self.source)
-        wait = time.perf_counter() - t
-        event = None
-        if self.stream is None:
-            inputs = device_inputs(batch, self.device, self.dtype)
-        else:
-            with torch.cuda.stream(self.stream):
-                inputs = device_inputs(batch, self.device, self.dtype)
-                event = torch.cuda.Event()
-                event.record(self.stream)
-        self._copied = event
-        self._staged = (batch, inputs, event, self.source.state_dict())
-        return wait
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> tuple[dict, dict, float]:
-        wait = self.stage()
-        batch, inputs, event, self._state = self._staged
-        self._staged = None
-        if event is not None:  # the step's kernels wait for the copy; its memory is theirs from now
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(event)
-            for t in inputs.values():
-                t.record_stream(current)
-        return batch, inputs, wait
-
-    def state_dict(self) -> dict:
-        return dict(self._state)
-
-    def load_state_dict(self, state: dict) -> None:
-        self._staged = None
-        self.source.load_state_dict(state)
-        self._state = self.source.state_dict()
-
-
-def batch_bytes(cfg: TrainConfig, num_layers: int, hidden_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one packed micro-batch of `num_layers` captured layers (the aux ones and the
-    verifier's last) in `dtype`: the buffers of compat.speculators_batch.batch_layout."""
-    layout = batch_layout(cfg.micro_batch_tokens, num_layers, hidden_size, dtype)
-    return sum(math.prod(shape) * dt.itemsize for shape, dt in layout.values())
-
-
-def prefetch_depth(cfg: TrainConfig, num_layers: int, hidden_size: int, dtype: torch.dtype) -> int:
-    """cfg.prefetch_batches, or where it is None, as many packed micro-batches as fit in
-    PREFETCH_AUTO_BYTES, from 2 to PREFETCH_AUTO_MAX."""
-    if cfg.prefetch_batches is not None:
-        return cfg.prefetch_batches
-    return min(PREFETCH_AUTO_MAX, max(2, PREFETCH_AUTO_BYTES // batch_bytes(cfg, num_layers, hidden_size, dtype)))
-
-
-def data_workers(cfg: TrainConfig, cpus: int | None = None, local_ranks: int | None = None) -> int:
-    """cfg.data_workers, or where it is None: min(4, a rank's share of the CPUs // 4), at least 1
-    (ranks on this node: LOCAL_WORLD_SIZE, which Ray Train and torchrun set)."""
-    if cfg.data_workers is not None:
-        return cfg.data_workers
-    cpus = cpus or len(os.sched_getaffinity(0))
-    local_ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, min(4, cpus // max(1, local_ranks) // 4))
-
-
-def shm_free_bytes(path: str = "/dev/shm") -> int:
-    """Free bytes of the shared memory that DataLoader workers hand their batches through (0 if none)."""
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return 0
-    return st.f_bavail * st.f_frsize
-
-
-def batch_source(dataset: HiddenStatesDataset, micro: int, dtype: torch.dtype, depth: int, workers: int,
-                 *, on_gpu: bool, dequantize: bool):
-    """Where a rank's batches come from: built `depth` ahead by `workers` DataLoader worker
-    processes (WorkerPrefetcher, into a ring page-locked on GPU), or in a thread (Prefetcher) where
-    workers is 0 or /dev/shm cannot hold that ring, or in line when depth is 0."""
-    need_bytes = 0
-    if depth and workers:
-        batches = PackedBatches(dataset, micro, dtype, dequantize=dequantize)
-        need_bytes = WorkerPrefetcher.ring_bytes(batches, depth, workers)
-        if shm_free_bytes() >= need_bytes:
-            return WorkerPrefetcher(batches, depth, page_lock=on_gpu, num_workers=workers)
-    packed = PackedBatches(dataset, micro, dtype, pin_memory=on_gpu, dequantize=dequantize)
-    if not depth:
-        return packed
-    if workers:
-        logger.warning("/dev/shm has %.2f GB free, %.2f GB needed to build batches in worker processes: building "
-                       "them in a thread, which slows the step's kernel launches (give the container more shared "
-                       "memory, e.g. docker --shm-size, or set train.prefetch_batches lower)",
-                       shm_free_bytes() / 1e9, need_bytes / 1e9)
-    return Prefetcher(packed, depth)
 
 
 def _dist():
@@ -213,7 +78,6 @@ class Eagle3Trainer:
     def __init__(self, cfg: TrainConfig, target_dir: str | Path, data_files: str | Path | Sequence[str | Path],
                  *, rank: int = 0, world_size: int = 1):
         from speculators.models.eagle3.core import Eagle3DraftModel
-        from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
         from compat.speculators_verifier import draft_layer_config, ensure_text_verifier_weights, verifier_text_config
 
@@ -235,11 +99,7 @@ class Eagle3Trainer:
         if self.draft_vocab_size > self.target_vocab_size:
             raise ValueError(f"config train.draft_vocab_size={cfg.draft_vocab_size}: larger than the target vocab "
                              f"({self.target_vocab_size}); use at most that, or null")
-        d2t = t2d = None
-        if self.draft_vocab_size < self.target_vocab_size:
-            counts = token_frequencies(self.dataset.files, self.target_vocab_size)
-            freq = {int(i): int(counts[i]) for i in np.flatnonzero(counts)}
-            d2t, t2d = build_vocab_mappings_from_distribution(freq, self.draft_vocab_size, self.target_vocab_size)
+        d2t, t2d = draft_vocab_mapping(self.dataset.files, self.draft_vocab_size, self.target_vocab_size)
         torch.manual_seed(cfg.seed)  # same initial draft on every rank
         self.model = Eagle3DraftModel.from_training_args(
             draft_layer_config(self.target_dir, cfg.num_draft_layers),
@@ -275,19 +135,8 @@ class Eagle3Trainer:
         from compat.speculators_loss import loss_implementation
 
         self.loss_config = resolve_loss_config(self.cfg.loss, loss_implementation())
-        # On GPU, batches are page-locked (each copy to the device is asynchronous) and fp8 shards go to
-        # the device as stored, to be dequantised there: the host's dequantisation cost 112 ms a 1B
-        # batch on the H200 host, against 38 ms to pack bf16.
-        on_gpu = self.device.type == "cuda"
-        shape = (self.cfg, len(self.dataset.layer_ids), self.dataset.hidden_size, dtype)
-        depth = prefetch_depth(*shape)
-        workers = data_workers(self.cfg)
-        source = batch_source(self.dataset, self.cfg.micro_batch_tokens, dtype, depth, workers,
-                              on_gpu=on_gpu, dequantize=not on_gpu)
-        self.batches = DeviceBatches(source, self.device, dtype)
-        logger.info("rank %d: batches built %d ahead by %s", self.rank, depth,
-                    f"{workers} worker process(es)" if isinstance(source, WorkerPrefetcher) else
-                    "a thread" if depth else "the training loop")
+        self.batches, how = input_pipeline(self.dataset, self.cfg, dtype, self.device)
+        logger.info("rank %d: batches %s", self.rank, how)
 
     def _need_engine(self):
         if self.engine is None:

@@ -444,7 +444,7 @@ def test_speculators_fused_loss_kernels_share_their_autotune_configs():
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float32"])
 def test_pack_builds_the_batch_speculators_collate_builds(dtype_name):
-    """speculators 0.9.0: compat.speculators_batch.pack must return exactly what shift_batch +
+    """speculators 0.9.0: eagle3.data.packing.pack must return exactly what shift_batch +
     CollateFn return for the same samples: keys, shapes, dtypes, values, padding, the last sample
     truncated, document ids. When this fails, speculators changed its batch format: follow it in
     pack (or go back to CollateFn, at the cost of two more copies per batch)."""
@@ -452,8 +452,8 @@ def test_pack_builds_the_batch_speculators_collate_builds(dtype_name):
     import torch
     from speculators.train.data import CollateFn
 
-    from compat.speculators_batch import pack
-    from eagle3.dataset import _to_sample
+    from compat.speculators_batch import speculators_sample
+    from eagle3.data.packing import pack
 
     dtype = getattr(torch, dtype_name)
     rng = np.random.default_rng(0)
@@ -463,7 +463,7 @@ def test_pack_builds_the_batch_speculators_collate_builds(dtype_name):
         hs = torch.from_numpy(rng.standard_normal((T, L, H), dtype=np.float32)).to(torch.bfloat16)
         rows.append((rng.integers(0, 1000, T).astype(np.int32), rng.integers(0, 2, T).astype(np.uint8), hs, None))
     want = CollateFn(max_len=max_len, hidden_size=H, num_target_layers=L - 1, dtype=dtype)(
-        [_to_sample(*r) for r in rows])
+        [speculators_sample(ids, mask, hs) for ids, mask, hs, _ in rows])
     got = pack(rows, max_len, dtype)
     assert sorted(got) == sorted(want)
     for key, value in want.items():

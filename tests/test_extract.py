@@ -14,8 +14,9 @@ import pyarrow.compute  # noqa: F401 - pa.compute
 import pyarrow.parquet as pq
 import pytest
 
+from eagle3.codec import decode_rows
 from eagle3.config import ExtractConfig, load_job_config
-from eagle3.schema import TOKENS_SCHEMA, decode_hidden_states, hs_layout
+from eagle3.schema import TOKENS_SCHEMA, hs_layout
 
 LENGTHS = (7, 41, 73)
 
@@ -55,16 +56,9 @@ def reference_hidden_states(model_dir: str, ids: list[int], layer_ids: list[int]
 
 
 def decoded_rows(table: pa.Table):
-    import torch
-
-    layer_ids, hidden, hs_dtype = hs_layout(table.schema)
-    for i in range(table.num_rows):
-        T = table.column("num_tokens")[i].as_py()
-        scale = table.column("hs_scale")[i]
-        scale = None if not scale.is_valid else np.asarray(scale.as_py(), dtype=np.float32)
-        arr = decode_hidden_states(table.column("hidden_states")[i], scale, T, len(layer_ids), hidden, hs_dtype)
-        t = torch.from_numpy(arr.copy())
-        yield (t.view(torch.bfloat16).float() if hs_dtype == "bfloat16" else t), layer_ids
+    layer_ids, _, _ = hs_layout(table.schema)
+    for row in decode_rows(table):
+        yield row.hidden_states_as(), layer_ids
 
 
 def _in_engine_process(ray, tiny_target, cfg: ExtractConfig, fn_name: str, *args):

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 
 from eagle3 import shards
-from eagle3.extract import _binary_chunk
+from eagle3.codec import binary_value
 from eagle3.shards import DirectFile, ShardFile, write_shard_file
 
 
@@ -28,7 +28,7 @@ def _direct_io_works(directory) -> bool:
 def _table(rows: int = 9, seed: int = 0) -> pa.Table:
     rng = np.random.default_rng(seed)
     # odd byte counts, so buffers end off any alignment
-    chunks = [_binary_chunk(rng.integers(0, 255, size=3001 * (i + 1) + 7, dtype=np.uint8)) for i in range(rows)]
+    chunks = [binary_value(rng.integers(0, 255, size=3001 * (i + 1) + 7, dtype=np.uint8)) for i in range(rows)]
     return pa.table({"sample_id": [f"s{i}" for i in range(rows)], "hidden_states": pa.chunked_array(chunks)})
 
 

@@ -23,7 +23,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eagle3.schema import encode_hidden_states, hidden_states_schema
+from eagle3.codec import encode_hidden_states
+from eagle3.schema import hidden_states_schema
 from eagle3.train_config import LOSS_NAMES, TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -178,7 +179,7 @@ def test_loss_names_are_speculators_eager_losses():
 def test_dataset_yields_shifted_aligned_samples(tiny):
     import torch
 
-    from eagle3.dataset import HiddenStatesDataset
+    from eagle3.data.rows import HiddenStatesDataset
 
     target, files, samples, hidden = tiny
     ds = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=8)
@@ -203,7 +204,7 @@ def test_dataset_yields_shifted_aligned_samples(tiny):
 
 
 def test_dataset_shuffle_is_seeded_epoch_dependent_and_bounded(tiny):
-    from eagle3.dataset import HiddenStatesDataset
+    from eagle3.data.rows import HiddenStatesDataset
 
     _, files, _, _ = tiny
     a = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=8)
@@ -219,7 +220,7 @@ def test_dataset_shuffle_is_seeded_epoch_dependent_and_bounded(tiny):
 
 
 def test_dataset_ranks_are_disjoint_and_cover(tiny, tmp_path):
-    from eagle3.dataset import HiddenStatesDataset
+    from eagle3.data.rows import HiddenStatesDataset
 
     _, _, samples, hidden = tiny
     files = write_shards(tmp_path / "five", samples[:10], hidden[:10], num_shards=5, row_group_size=1)
@@ -236,7 +237,8 @@ def test_dataset_ranks_are_disjoint_and_cover(tiny, tmp_path):
 def test_packed_batches_resume_from_state_across_epochs(tiny):
     import torch
 
-    from eagle3.dataset import HiddenStatesDataset, PackedBatches
+    from eagle3.data.packing import PackedBatches
+    from eagle3.data.rows import HiddenStatesDataset
 
     _, files, _, _ = tiny
     ds = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=8)
@@ -262,7 +264,9 @@ def test_prefetcher_gives_the_same_batches_and_the_consumed_position(tiny, kind)
 
     import torch
 
-    from eagle3.dataset import HiddenStatesDataset, PackedBatches, Prefetcher, WorkerPrefetcher
+    from eagle3.data.packing import PackedBatches
+    from eagle3.data.prefetch import Prefetcher, WorkerPrefetcher
+    from eagle3.data.rows import HiddenStatesDataset
 
     prefetcher = {"thread": Prefetcher, "1 worker": WorkerPrefetcher,  # the same contract
                   "3 workers": functools.partial(WorkerPrefetcher, num_workers=3)}[kind]
@@ -297,9 +301,10 @@ def test_batches_are_built_in_a_worker_process_unless_shared_memory_is_short(tin
     or from a thread with a warning where /dev/shm cannot hold the queue; both give the same batches."""
     import torch
 
-    import eagle3.trainer
-    from eagle3.dataset import HiddenStatesDataset, Prefetcher, WorkerPrefetcher
-    from eagle3.trainer import batch_source
+    import eagle3.data.pipeline
+    from eagle3.data.pipeline import batch_source
+    from eagle3.data.prefetch import Prefetcher, WorkerPrefetcher
+    from eagle3.data.rows import HiddenStatesDataset
 
     _, files, _, _ = tiny
     ds = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=8)
@@ -308,8 +313,8 @@ def test_batches_are_built_in_a_worker_process_unless_shared_memory_is_short(tin
     first = next(worker)
     ring = worker.ring.buffer
     assert ring.data_ptr() <= first["hidden_states"].data_ptr() < ring.data_ptr() + ring.numel()
-    assert worker.ring.nbytes <= eagle3.trainer.shm_free_bytes()  # what it checked
-    monkeypatch.setattr(eagle3.trainer, "shm_free_bytes", lambda: worker.ring.nbytes - 1)  # one byte short
+    assert worker.ring.nbytes <= eagle3.data.pipeline.shm_free_bytes()  # what it checked
+    monkeypatch.setattr(eagle3.data.pipeline, "shm_free_bytes", lambda: worker.ring.nbytes - 1)  # one byte short
     with caplog.at_level("WARNING"):
         thread = batch_source(ds, 256, torch.float32, 3, 2, on_gpu=False, dequantize=True)
     assert isinstance(thread, Prefetcher) and "/dev/shm" in caplog.text
@@ -325,7 +330,9 @@ def test_worker_batches_stay_valid_until_the_second_next_after_them(tiny):
     over several turns of the ring."""
     import torch
 
-    from eagle3.dataset import HiddenStatesDataset, PackedBatches, WorkerPrefetcher
+    from eagle3.data.packing import PackedBatches
+    from eagle3.data.prefetch import WorkerPrefetcher
+    from eagle3.data.rows import HiddenStatesDataset
 
     _, files, _, _ = tiny
     ds = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=8)
@@ -363,8 +370,8 @@ def test_step_profiler_records_the_asked_steps(tiny, tmp_path):
 
 
 def test_data_workers_default_to_a_share_of_the_cpus():
+    from eagle3.data.pipeline import data_workers
     from eagle3.train_config import TrainConfig
-    from eagle3.trainer import data_workers
 
     auto = TrainConfig()
     assert data_workers(auto, cpus=2, local_ranks=1) == 1  # never fewer than one
@@ -377,8 +384,8 @@ def test_data_workers_default_to_a_share_of_the_cpus():
 def test_prefetch_depth_fits_the_memory_budget_unless_set():
     import torch
 
+    from eagle3.data.pipeline import prefetch_depth
     from eagle3.train_config import TrainConfig
-    from eagle3.trainer import prefetch_depth
 
     auto = TrainConfig(micro_batch_tokens=8192)
     # 4 captured layers of a 1B target (hidden 2048): 134 MB a batch, 15 in 2 GiB
@@ -391,7 +398,8 @@ def test_prefetch_depth_fits_the_memory_budget_unless_set():
 
 
 def test_token_frequencies_reads_only_token_columns(tiny, tmp_path):
-    from eagle3.dataset import HiddenStatesDataset, token_frequencies
+    from eagle3.data.rows import HiddenStatesDataset
+    from eagle3.data.vocab import token_frequencies
 
     _, files, samples, _ = tiny
     want = np.zeros(796, dtype=np.int64)
@@ -413,7 +421,7 @@ def test_token_frequencies_reads_only_token_columns(tiny, tmp_path):
 def test_dataset_fp8_is_dequantised(tiny, tmp_path):
     import torch
 
-    from eagle3.dataset import HiddenStatesDataset
+    from eagle3.data.rows import HiddenStatesDataset
 
     _, _, samples, hidden = tiny
     schema = hidden_states_schema(layer_ids=LAYER_IDS, hidden_size=256, hs_dtype="float8_e4m3fn")
@@ -431,15 +439,17 @@ def test_dataset_fp8_is_dequantised(tiny, tmp_path):
 
 
 def test_fp8_batches_equal_the_batches_of_samples_dequantised_on_the_host(tiny, tmp_path):
-    """fp8 shards are dequantised where the batch is packed (compat.speculators_batch.pack); the
-    batches equal speculators' CollateFn over samples dequantised by eagle3.schema (the path the
+    """fp8 shards are dequantised where the batch is packed (eagle3.data.packing.pack); the
+    batches equal speculators' CollateFn over samples dequantised by eagle3.codec (the path the
     trainer used before), in bf16 and in float32."""
     import torch
     from speculators.train.data import CollateFn
 
-    from eagle3.dataset import HiddenStatesDataset, PackedBatches, _to_sample
-    from eagle3.schema import decode_hidden_states
-    from eagle3.trainer import _MODEL_INPUTS, device_inputs
+    from compat.speculators_batch import speculators_sample
+    from eagle3.codec import decode_hidden_states, dequantize_fp8
+    from eagle3.data.packing import PackedBatches
+    from eagle3.data.rows import HiddenStatesDataset
+    from eagle3.data.staging import MODEL_INPUTS, device_inputs
 
     _, _, samples, hidden = tiny
     schema = hidden_states_schema(layer_ids=LAYER_IDS, hidden_size=256, hs_dtype="float8_e4m3fn")
@@ -450,8 +460,9 @@ def test_fp8_batches_equal_the_batches_of_samples_dequantised_on_the_host(tiny, 
         values, scale = encode_hidden_states(hidden[i], "float8_e4m3fn")
         for k, v in zip(cols, (f"s{i}", ids, mask, len(ids), values.tobytes(), scale.tolist()), strict=True):
             cols[k].append(v)
-        hs = decode_hidden_states(values, scale, len(ids), len(LAYER_IDS), 256, "float8_e4m3fn")
-        host.append(_to_sample(np.asarray(ids), np.asarray(mask), torch.from_numpy(hs).to(torch.bfloat16)))
+        q, q_scale = decode_hidden_states(values, scale, len(ids), len(LAYER_IDS), 256, "float8_e4m3fn")
+        hs = dequantize_fp8(q, q_scale, dtype=torch.float32)
+        host.append(speculators_sample(np.asarray(ids), np.asarray(mask), hs.to(torch.bfloat16)))
     path = tmp_path / "fp8.parquet"
     pq.write_table(pa.Table.from_pydict(cols, schema=schema), path)
     ds = HiddenStatesDataset([str(path)], shuffle_buffer_size=1)  # file order
@@ -467,8 +478,8 @@ def test_fp8_batches_equal_the_batches_of_samples_dequantised_on_the_host(tiny, 
         assert stored["hidden_states"].dtype == torch.float8_e4m3fn
         assert stored["hidden_states"].shape == got["hidden_states"].shape
         on_device = device_inputs(stored, torch.device("cpu"), dtype)
-        assert sorted(on_device) == sorted(_MODEL_INPUTS)
-        for key in _MODEL_INPUTS:
+        assert sorted(on_device) == sorted(MODEL_INPUTS)
+        for key in MODEL_INPUTS:
             assert torch.equal(on_device[key], got[key]), (dtype, key)
 
 
@@ -642,7 +653,7 @@ def test_input_wait_is_the_time_a_step_waits_for_its_batches(tiny):
     than one late batch."""
     import time
 
-    from eagle3.trainer import DeviceBatches
+    from eagle3.data.staging import DeviceBatches
 
     target, files, _, _ = tiny
     trainer = _trainer(target, files, small_cfg(num_steps=4, prefetch_batches=0, gradient_accumulation_steps=2))
@@ -673,8 +684,9 @@ def test_device_batches_stage_one_ahead_and_checkpoint_the_returned_position(tin
     after the last batch returned, and loading a position drops the staged batch."""
     import torch
 
-    from eagle3.dataset import HiddenStatesDataset, PackedBatches
-    from eagle3.trainer import DeviceBatches
+    from eagle3.data.packing import PackedBatches
+    from eagle3.data.rows import HiddenStatesDataset
+    from eagle3.data.staging import DeviceBatches
 
     target, files, _, _ = tiny
     ds = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=4)

@@ -16,7 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from eagle3.schema import encode_hidden_states, hidden_states_schema
+from eagle3.codec import encode_hidden_states
+from eagle3.schema import hidden_states_schema
 
 LAYER_IDS = [2, 4, 5, 8]
 HIDDEN = 32
@@ -58,7 +59,7 @@ def test_converted_samples_read_back_by_speculators_equal_ours(tmp_path, hs_dtyp
     from speculators.train.data import ArrowDataset
 
     from benchmarks.speculators_data import convert_shards
-    from eagle3.dataset import HiddenStatesDataset
+    from eagle3.data.rows import HiddenStatesDataset
 
     files, samples = _write_shards(tmp_path, hs_dtype, file_format)
     out = convert_shards(files, tmp_path / "spec",

@@ -14,7 +14,8 @@ HIDDEN = 256
 
 
 def fp8_shard(path, lengths=(37, 120, 90, 64, 200), seed=0) -> str:
-    from eagle3.schema import encode_hidden_states, hidden_states_schema
+    from eagle3.codec import encode_hidden_states
+    from eagle3.schema import hidden_states_schema
     from eagle3.shards import write_shard_file
 
     rng = np.random.default_rng(seed)
@@ -34,8 +35,9 @@ def fp8_shard(path, lengths=(37, 120, 90, 64, 200), seed=0) -> str:
 def test_fp8_batches_dequantised_on_the_gpu_equal_the_host_path(tmp_path):
     import torch
 
-    from eagle3.dataset import HiddenStatesDataset, PackedBatches
-    from eagle3.trainer import _MODEL_INPUTS, device_inputs
+    from eagle3.data.packing import PackedBatches
+    from eagle3.data.rows import HiddenStatesDataset
+    from eagle3.data.staging import MODEL_INPUTS, device_inputs
 
     files = [fp8_shard(tmp_path / "shard-000000.arrow")]
     ds = HiddenStatesDataset(files, shuffle_buffer_size=1)
@@ -48,7 +50,7 @@ def test_fp8_batches_dequantised_on_the_gpu_equal_the_host_path(tmp_path):
             want, got = next(host), next(stored)
             assert got["hidden_states"].dtype == torch.float8_e4m3fn and got["hidden_states"].is_pinned()
             on_gpu = device_inputs(got, cuda, dtype)
-            for key in _MODEL_INPUTS:
+            for key in MODEL_INPUTS:
                 assert on_gpu[key].device.type == "cuda", key
                 assert torch.equal(on_gpu[key].cpu(), want[key]), (dtype, key)
 
@@ -58,8 +60,9 @@ def test_device_batches_copy_on_a_side_stream_and_equal_the_in_line_copy(tmp_pat
     computes) are the same tensors as an in-line copy, once the compute stream has waited."""
     import torch
 
-    from eagle3.dataset import HiddenStatesDataset, PackedBatches
-    from eagle3.trainer import _MODEL_INPUTS, DeviceBatches, device_inputs
+    from eagle3.data.packing import PackedBatches
+    from eagle3.data.rows import HiddenStatesDataset
+    from eagle3.data.staging import MODEL_INPUTS, DeviceBatches, device_inputs
 
     ds = HiddenStatesDataset([fp8_shard(tmp_path / "shard-000000.arrow")], shuffle_buffer_size=1)
     cuda = torch.device("cuda")
@@ -72,7 +75,7 @@ def test_device_batches_copy_on_a_side_stream_and_equal_the_in_line_copy(tmp_pat
         torch.cuda._sleep(10_000_000)  # the compute stream is busy while the copy runs
         _, got, _ = next(staged)
         ref = device_inputs(next(want), cuda, torch.bfloat16)
-        for key in _MODEL_INPUTS:
+        for key in MODEL_INPUTS:
             assert torch.equal(got[key], ref[key]), key
 
 
@@ -82,8 +85,10 @@ def test_worker_ring_is_page_locked_and_device_batches_from_it_equal_the_host_pa
     the ring (depth 2: 4 slots), the device inputs staged from it equal the in-line path's."""
     import torch
 
-    from eagle3.dataset import HiddenStatesDataset, PackedBatches
-    from eagle3.trainer import _MODEL_INPUTS, DeviceBatches, WorkerPrefetcher, device_inputs
+    from eagle3.data.packing import PackedBatches
+    from eagle3.data.prefetch import WorkerPrefetcher
+    from eagle3.data.rows import HiddenStatesDataset
+    from eagle3.data.staging import MODEL_INPUTS, DeviceBatches, device_inputs
 
     ds = HiddenStatesDataset([fp8_shard(tmp_path / "shard-000000.arrow", lengths=(37, 120, 90, 64, 200) * 4)],
                              shuffle_buffer_size=1)
@@ -98,7 +103,7 @@ def test_worker_ring_is_page_locked_and_device_batches_from_it_equal_the_host_pa
         staged.stage()
         torch.cuda._sleep(10_000_000)  # the compute stream is busy while the next copy runs
         ref = device_inputs(next(want), cuda, torch.bfloat16)
-        for key in _MODEL_INPUTS:
+        for key in MODEL_INPUTS:
             assert torch.equal(got[key], ref[key]), (i, key)
     ring.close()
     assert not ring.ring.page_locked

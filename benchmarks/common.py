@@ -1,0 +1,78 @@
+"""What the benchmarks share: the random-token prompts they feed the engines and trainers, those
+prompts as a prepared-tokens table, the machine and version records every result carries, and
+the disk probes (dropping files from the page cache, reading them with O_DIRECT).
+Benchmarks import these from here, not from each other."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import time
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """`n` prompts of `length` token ids drawn uniformly from [100, min(vocab, 32000)), seeded."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return rng.integers(100, min(vocab, 32000), size=(n, length)).tolist()
+
+
+def tokens_table(prompts: list[list[int]]):
+    """Prompts as the prepare stage's tokens table (eagle3.schema.TOKENS_SCHEMA), every token
+    loss-masked, sample ids b000000, b000001, ..."""
+    import pyarrow as pa
+
+    from eagle3.schema import TOKENS_SCHEMA
+
+    return pa.Table.from_pylist([{"sample_id": f"b{i:06d}", "input_ids": p, "loss_mask": [1] * len(p),
+                                  "num_tokens": len(p)} for i, p in enumerate(prompts)], schema=TOKENS_SCHEMA)
+
+
+def versions() -> dict:
+    """Package versions, git commit and Python version, for a result's provenance."""
+    from eagle3.provenance import git_commit, package_versions
+
+    return {"packages": package_versions(), "git_commit": git_commit(), "python": platform.python_version()}
+
+
+def machine() -> str:
+    """Host name, CPU count and GPUs (nvidia-smi's name and memory; "no GPU" without it)."""
+    try:
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+    except OSError:
+        gpu = ""
+    return f"{platform.node()}: {os.cpu_count()} CPUs" + (f", GPUs: {gpu.replace(chr(10), '; ')}" if gpu else ", no GPU")
+
+
+def drop_cache(files: list[str]) -> None:
+    """Drop the files' pages from the page cache (written back first): the next read is cold."""
+    from eagle3.shards import advise_page_cache
+
+    for f in files:
+        advise_page_cache(f, "dontneed")
+
+
+def direct_read_gb_s(files: list[str], chunk: int = 16 << 20) -> float | None:
+    """The disk's sequential read bandwidth over these files, read with O_DIRECT (no page cache
+    is filled or used): what a cold epoch can read at most. None where O_DIRECT is refused."""
+    import mmap
+
+    buf, total, t = mmap.mmap(-1, chunk), 0, time.perf_counter()
+    for f in files:
+        try:
+            fd = os.open(f, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        except OSError:
+            return None
+        try:
+            offset = 0
+            while (n := os.preadv(fd, [buf], offset)) > 0:
+                offset += n
+            total += offset
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+    return total / (time.perf_counter() - t) / 1e9
