@@ -27,6 +27,7 @@ ARROW_CODECS = ("zstd", "lz4")  # Arrow IPC compresses buffers with these two on
 ExtractBackend = Literal["vllm", "hf"]
 Sink = Literal["auto", "memory", "shm"]
 Stage = Literal["prepare", "regenerate", "extract", "train", "export", "eval"]
+OverLength = Literal["truncate", "reject"]
 
 
 def _fail(section: str, name: str, value: Any, fix: str) -> None:
@@ -69,7 +70,15 @@ class PrepareConfig:
     by `datasets.save_to_disk` (one split). ShareGPT's chatgpt/bing/bard turns are assistant
     turns, counted in the summary's mapped_roles. Must be readable where the job's driver runs."""
     max_length: int = 2048
-    """Samples with more tokens go to rejects.jsonl with their reason; nothing is truncated."""
+    """Tokens per sample at most; over_length says what happens to a conversation that has more."""
+    over_length: OverLength = "truncate"
+    """'truncate': keep the conversation's assistant turns whose sample fits, whole (for a
+    prefix-stable template: the conversation cut after the last whole assistant turn that fits),
+    counted in the summary's num_truncated; a conversation whose first turn does not fit is a
+    reject. Default, because every kept turn ends where the target ended it and its tokens and
+    hidden states are exactly those of the full conversation (attention is causal), so cutting
+    teaches nothing false, while rejecting loses every turn that fits (most of ShareGPT at 4K
+    tokens). A turn is never cut inside. 'reject': such a conversation is a reject, whole."""
     max_samples: int | None = None
     """Take at most this many records (in file order); None = all."""
     assistant_only_loss: bool = True
@@ -80,6 +89,10 @@ class PrepareConfig:
     num_workers: int | None = None
     """Ray tasks (1 CPU each, on any node) that tokenize contiguous chunks of records at once;
     None = the cluster's CPUs. The output is the same for any value."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables for the chat template, as the target is served with them (vLLM's
+    chat_template_kwargs), e.g. {enable_thinking: false} for a Qwen3-like target served without
+    reasoning: then reasoning in the records is removed, since the target never writes it."""
 
     def __post_init__(self):
         check_types(self, "prepare")

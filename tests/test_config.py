@@ -71,14 +71,16 @@ def _all_fields():
 
 @pytest.mark.parametrize(("section", "cls", "name", "hint"), list(_all_fields()))
 def test_every_field_refuses_a_value_of_the_wrong_type_by_name(section, cls, name, hint):
-    """A mapping is the wrong type for every field that is not itself a section; the error names
-    the field whichever section it is in, from a file or from Python."""
+    """A mapping is the wrong type for every field that is not itself a section or a mapping (a
+    list is, for those); the error names the field whichever section it is in, from a file or
+    from Python."""
     assert hint is not Any, f"{section}.{name} is typed Any: nothing would be checked"
     where = f"{section}.{name}" if section else name
-    with pytest.raises(ValueError, match=rf"^config {where}=\{{'x': 1\}}: "):
-        load_job_config(None, {where: {"x": 1}})
+    wrong = [1] if get_origin(hint) is dict else {"x": 1}
+    with pytest.raises(ValueError, match=rf"^config {where}={re.escape(repr(wrong))}: "):
+        load_job_config(None, {where: wrong})
     with pytest.raises(ValueError, match=rf"^config {where}="):
-        cls(**{name: {"x": 1}})
+        cls(**{name: wrong})
 
 
 def _literal_fields():
