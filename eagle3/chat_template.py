@@ -322,7 +322,7 @@ def _all_tokens(r: _Renderer, messages: list[dict], max_length: int | None, over
     ends = [k + 1 for k, m in enumerate(messages) if m["role"] == "assistant"]
     cut = 0
     if max_length is not None and len(ids) > max_length:
-        if over_length == "reject":
+        if over_length == "reject" or not ends:
             raise _too_long(len(ids), max_length)
         for kept in range(len(ends), 0, -1):
             ids = r.ids(r.text(messages[: ends[kept - 1]], add_generation_prompt=False))
@@ -330,7 +330,8 @@ def _all_tokens(r: _Renderer, messages: list[dict], max_length: int | None, over
                 cut = len(ends) - kept
                 break
         else:
-            raise RenderReject("too_long", f"no assistant turn ends within prepare.max_length={max_length} tokens")
+            raise RenderReject("too_long", f"the first assistant turn ends at {len(ids)} tokens > "
+                                           f"prepare.max_length={max_length}; no whole turn fits")
     return Rendered([Sample("", ids, [1] * len(ids))], len(ends), cut)
 
 
@@ -365,7 +366,7 @@ def render_conversation(tokenizer, messages: list[dict], *, max_length: int | No
             raise _too_long(longest, max_length)
         kept = [t for t in turns if len(t.ids) <= max_length]
         if not kept:
-            raise RenderReject("too_long", f"the first assistant turn ends at token {len(turns[0].ids)} > "
+            raise RenderReject("too_long", f"the first assistant turn ends at {len(turns[0].ids)} tokens > "
                                            f"prepare.max_length={max_length}; no whole turn fits")
         cut, turns = len(turns) - len(kept), kept
 
@@ -404,8 +405,8 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int | Non
                               assistant_only_loss=assistant_only_loss, chat_template_kwargs=chat_template_kwargs)
     if len(out.samples) != 1:
         raise RenderReject("several_samples",
-                           f"the chat template is not prefix-stable: it renders earlier assistant turns differently once later turns "
-                           f"follow, so this conversation is {len(out.samples)} samples "
+                           "the chat template is not prefix-stable: it renders earlier assistant turns "
+                           f"differently once later turns follow, so this conversation is {len(out.samples)} samples "
                            f"({[s.id_suffix for s in out.samples]}); use render_conversation")
     return out.samples[0].input_ids, out.samples[0].loss_mask
 

@@ -170,7 +170,7 @@ def test_truncate_keeps_the_whole_turns_that_fit_and_reject_rejects(family):
     with pytest.raises(RenderReject, match=rf"^{ends[4]} tokens > prepare.max_length={limit}$") as e:
         render_conversation(tok, conv, max_length=limit, over_length="reject", chat_template_kwargs=fam.kwargs)
     assert e.value.kind == "too_long"
-    with pytest.raises(RenderReject, match=rf"first assistant turn ends at token {ends[0]} > prepare.max_length=8") as e:
+    with pytest.raises(RenderReject, match=rf"first assistant turn ends at {ends[0]} tokens > prepare.max_length=8") as e:
         render_conversation(tok, conv, max_length=8, chat_template_kwargs=fam.kwargs)
     assert e.value.kind == "too_long"
 
@@ -240,3 +240,48 @@ def test_templates_a_target_is_built_with():
     assert tok.decode(prompt_ids(tok, conv[:2], {"enable_thinking": False})).endswith(
         "<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
+
+
+def test_prepare_trains_every_turn_of_a_qwen3_like_target_and_counts_cuts_and_rejects(tmp_path):
+    import json
+
+    from eagle3.config import PrepareConfig
+    from eagle3.prepare import prepare_dataset, read_tokens
+
+    fam = FAMILIES["qwen3-thinking"]
+    tok = make_tokenizer(fam.template)
+    tok.save_pretrained(tmp_path / "tok")
+    five = conversation(5, "field")
+    ends = lengths(tok, fam, five)
+    records = [{"id": "held", "messages": conversation(2, None)},   # the eval prompt
+               {"id": "three", "messages": conversation(3, "content")},
+               {"id": "five", "messages": five},                   # turns 4 and 5 do not fit
+               {"id": "question", "messages": five[:2]},           # no assistant turn
+               {"id": "huge", "messages": [five[1], {"role": "assistant", "content": "rivers " * 300}]}]
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = PrepareConfig(conversations=str(src), max_length=ends[2], num_eval_prompts=1,
+                        chat_template_kwargs=fam.kwargs)
+    summary = prepare_dataset(cfg, str(tmp_path / "tok"), str(tmp_path / "out"))
+
+    rows = read_tokens(tmp_path / "out").to_pylist()
+    assert [r["sample_id"] for r in rows] == ["three#t1", "three#t2", "three#t3", "five#t1", "five#t2", "five#t3"]
+    # Written as render_conversation renders them (whose masks the tests above check).
+    by_id = {r["sample_id"]: r for r in rows}
+    whole = render_conversation(tok, five, chat_template_kwargs=fam.kwargs).samples
+    for k in range(3):
+        assert (by_id[f"five#t{k + 1}"]["input_ids"], by_id[f"five#t{k + 1}"]["loss_mask"]) == \
+            (whole[k].input_ids, whole[k].loss_mask)
+    [held] = [json.loads(x) for x in (tmp_path / "out" / "eval_prompts.jsonl").read_text().splitlines()]
+    assert held == {"sample_id": "held", "prompt_token_ids": prompt_ids(tok, records[0]["messages"][:2])}
+    assert summary["num_records"] == 5 and summary["num_conversations"] == 2 and summary["num_samples"] == 6
+    # Counted over the good records, the held-out one included (its 2 turns are 2 samples too).
+    assert summary["num_truncated"] == 1 and summary["num_turns_cut"] == 2 and summary["num_split"] == 3
+    assert summary["num_rejected_by_reason"] == {"no_assistant_turn": 1, "too_long": 1}
+
+    rejected = prepare_dataset(PrepareConfig(conversations=str(src), max_length=ends[2], num_eval_prompts=1,
+                                             over_length="reject", chat_template_kwargs=fam.kwargs),
+                               str(tmp_path / "tok"), str(tmp_path / "out2"))
+    assert [r["sample_id"] for r in read_tokens(tmp_path / "out2").to_pylist()] == ["three#t1", "three#t2", "three#t3"]
+    assert rejected["num_truncated"] == 0 and rejected["num_rejected_by_reason"] == {"no_assistant_turn": 1,
+                                                                                       "too_long": 2}
