@@ -62,7 +62,8 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 class RenderReject(ValueError):
     """A conversation that cannot become a training sample. `kind` is a short stable key for
     counting (too_long, no_assistant_turn, template_error, template_rewrites_turn,
-    template_hides_content, token_boundary); the message says what was found and what to do."""
+    template_hides_content, token_boundary; several_samples from tokenize_conversation only);
+    the message says what was found and what to do."""
 
     def __init__(self, kind: str, message: str):
         super().__init__(message)
@@ -201,7 +202,8 @@ def _as_generated(m: dict) -> str:
     reasoning, answer = _split_reasoning(m)
     if not reasoning.strip():
         return answer
-    return f"{THINK_OPEN}\n{reasoning.strip(chr(10))}\n{THINK_CLOSE}\n\n{answer.lstrip(chr(10))}"
+    reasoning, answer = reasoning.strip("\n"), answer.lstrip("\n")
+    return f"{THINK_OPEN}\n{reasoning}\n{THINK_CLOSE}\n\n{answer}"
 
 
 class _Renderer:
@@ -376,8 +378,10 @@ def render_conversation(tokenizer, messages: list[dict], *, max_length: int | No
     whole = r.ids(r.text(messages, add_generation_prompt=False))
     groups: list[tuple[list[int], list[_Turn]]] = [(whole, [])]
     for t in reversed(turns):
+        n = len(t.ids)
         for ids, members in groups:
-            if ids[: len(t.ids)] == t.ids:
+            # The last token first: most groups differ there, and the slice copy is avoided.
+            if len(ids) >= n and ids[n - 1] == t.ids[-1] and ids[:n] == t.ids:
                 members.append(t)
                 break
         else:
