@@ -64,21 +64,21 @@ def tokenizer_for(family) -> object:
     return _TOKENIZERS[family.name]
 
 
-# (family, reasoning forms it is tested with, samples a 5-turn conversation becomes)
+# (family, the reasoning forms it is tested with, whether it rewrites earlier turns: one sample per turn)
 CASES = [
-    ("llama3", [None, "content"], lambda n, r: 1),
-    ("qwen3-thinking", [None, "field", "content"], lambda n, r: n),
-    ("qwen3-no-thinking", [None, "field", "content"], lambda n, r: n),
-    ("deepseek-r1", ["field", "content"], lambda n, r: n),
-    ("harmony", [None, "field"], lambda n, r: n),
+    ("llama3", [None, "content"], False),
+    ("qwen3-thinking", [None, "field", "content"], True),
+    ("qwen3-no-thinking", [None, "field", "content"], True),
+    ("deepseek-r1", ["field", "content"], True),
+    ("harmony", [None, "field"], True),
 ]
 
 
 @pytest.mark.parametrize("num_turns", [1, 2, 5])
-@pytest.mark.parametrize("family,reasoning,num_samples",
-                         [(f, r, n) for f, forms, n in CASES for r in forms],
+@pytest.mark.parametrize("family,reasoning,rewrites",
+                         [(f, r, w) for f, forms, w in CASES for r in forms],
                          ids=[f"{f}-{r or 'plain'}" for f, forms, _ in CASES for r in forms])
-def test_mask_is_each_turn_as_the_target_writes_it_after_its_served_prompt(family, reasoning, num_samples, num_turns):
+def test_mask_is_each_turn_as_the_target_writes_it_after_its_served_prompt(family, reasoning, rewrites, num_turns):
     fam = FAMILIES[family]
     tok = tokenizer_for(fam)
     conv = conversation(num_turns, reasoning)
@@ -94,7 +94,7 @@ def test_mask_is_each_turn_as_the_target_writes_it_after_its_served_prompt(famil
         masked = tok.decode([t for t, m in zip(s.input_ids, s.loss_mask) if m])
         assert "rivers, part" not in masked and SYSTEM["content"] not in masked
 
-    want = 1 if num_turns == 1 else num_samples(num_turns, reasoning)
+    want = num_turns if rewrites else 1
     assert len(out.samples) == want and out.num_turns == num_turns and out.num_turns_cut == 0
     suffixes = [s.id_suffix for s in out.samples]
     assert suffixes == ([""] if want == 1 else [f"#t{k}" for k in range(1, num_turns + 1)])
