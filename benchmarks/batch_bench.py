@@ -34,7 +34,7 @@ import torch
 from speculators.models.eagle3.data import shift_batch  # noqa: F401 - imported here, not inside a timed batch
 from speculators.train.data import CollateFn
 
-from benchmarks.common import direct_read_gb_s, drop_cache, machine, versions
+from benchmarks.common import direct_read_gb_s, drop_cache, result_meta, write_result
 from eagle3.data.packing import PackedBatches
 from eagle3.data.pipeline import batch_source
 from eagle3.data.rows import HiddenStatesDataset
@@ -243,10 +243,9 @@ def main(argv=None) -> int:
     for f in files:
         os.remove(f)
     root.rmdir()
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(), "versions": versions(),
-            "args": vars(args), "pinned": pin, "torch_threads": torch.get_num_threads(),
-            "hidden_states_bytes_per_batch": bytes_per_batch, "stream": streams, "disk_read_gb_s": disk_gb_s,
-            "launch_loop": launches, "dataloader_drop": drops}
+    meta = result_meta(args, pinned=pin, torch_threads=torch.get_num_threads(),
+                       hidden_states_bytes_per_batch=bytes_per_batch, stream=streams, disk_read_gb_s=disk_gb_s,
+                       launch_loop=launches, dataloader_drop=drops)
     med = {(r["path"], r["cold"]): r["median_ms"] for r in rows}
     lines = [f"# Building one packed micro-batch ({meta['date']})", "", f"Machine: {meta['machine']}", "",
              f"Shape {args.shape}: hidden {hidden}, layers {layer_ids}, {seq}-token samples, "
@@ -271,11 +270,7 @@ def main(argv=None) -> int:
               "", f"What the workers' ring avoids: a {drops['batch_mb']:.0f} MB batch handed over by DataLoader's own "
               f"shared memory took {drops['drop_ms']:.1f} ms (max {drops['drop_max_ms']:.1f}) to drop, and another "
               f"thread waited up to {drops['other_thread_max_wait_ms']:.1f} ms (median over batches) for the GIL meanwhile."]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"batch{('-' + args.tag) if args.tag else ''}"
-    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
-    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    write_result(args.out, "batch", args.tag, {"meta": meta, "results": rows}, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -1,14 +1,17 @@
 """What the benchmarks share: the random-token prompts they feed the engines and trainers, those
 prompts as a prepared-tokens table, the machine and version records every result carries, and
-the disk probes (dropping files from the page cache, reading them with O_DIRECT).
+the disk probes (dropping files from the page cache, reading them with O_DIRECT), and writing a
+result's JSON and markdown.
 Benchmarks import these from here, not from each other."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
 import time
+from pathlib import Path
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -45,6 +48,23 @@ def machine() -> str:
     except OSError:
         gpu = ""
     return f"{platform.node()}: {os.cpu_count()} CPUs" + (f", GPUs: {gpu.replace(chr(10), '; ')}" if gpu else ", no GPU")
+
+
+def result_meta(args, **extra) -> dict:
+    """The record a result starts with: date (UTC), machine, versions, the command's arguments,
+    then `extra`."""
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(), "versions": versions(),
+            "args": vars(args), **extra}
+
+
+def write_result(out_dir: str | Path, kind: str, tag: str, result: dict, md: str) -> Path:
+    """<out_dir>/<kind>[-<tag>].json (`result`) and .md (`md`); returns the .json's path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"{kind}{('-' + tag) if tag else ''}"
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
+    (out / f"{name}.md").write_text(md)
+    return out / f"{name}.json"
 
 
 def drop_cache(files: list[str]) -> None:

@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import machine, random_prompts, tokens_table, versions
+from benchmarks.common import random_prompts, result_meta, tokens_table, write_result
 
 
 class PlainPrefill:
@@ -355,19 +355,14 @@ def main(argv=None) -> int:
     init_ray(object_store_memory=int(args.object_store_gib * 2**30) if args.object_store_gib else None)
     gpu = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
     work = Path(tempfile.mkdtemp(prefix="eagle3-bench-"))
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(), "versions": versions(),
-            "args": vars(args), "dd_gib": args.dd_gib,
-            "object_store_gib": ray.cluster_resources().get("object_store_memory", 0) / 2**30}
+    meta = result_meta(args, dd_gib=args.dd_gib,
+                       object_store_gib=ray.cluster_resources().get("object_store_memory", 0) / 2**30)
     meta["disk_gb_s"] = disk_bandwidth(args.disk_dir, args.dd_gib) if args.dd_gib else None
     results = []
     for shape in args.shapes.split(","):
         results.append(bench_shape(shape, args, gpu, work))
         print(json.dumps(results[-1]), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"extract{('-' + args.tag) if args.tag else ''}"
-    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    (out / f"{name}.md").write_text(markdown(results, meta))
+    write_result(args.out, "extract", args.tag, {"meta": meta, "results": results}, markdown(results, meta))
     print(markdown(results, meta))
     shutil.rmtree(work, ignore_errors=True)
     return 0

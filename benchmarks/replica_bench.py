@@ -11,7 +11,6 @@ import argparse
 import json
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 
@@ -30,7 +29,7 @@ def main(argv=None) -> int:
 
     import pyarrow.parquet as pq
 
-    from benchmarks.common import machine, random_prompts, tokens_table, versions
+    from benchmarks.common import random_prompts, result_meta, tokens_table, write_result
     from benchmarks.extract_bench import steady_tok_s
     from benchmarks.shapes import SHAPES, write_shape
     from eagle3.config import load_job_config
@@ -65,12 +64,7 @@ def main(argv=None) -> int:
         r["speedup"] = r["tok_s"] / base["tok_s"]
         r["steady_speedup"] = (r["steady_tok_s"] / base["steady_tok_s"]
                                if r["steady_tok_s"] and base["steady_tok_s"] else None)
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(), "versions": versions(),
-            "args": vars(args), "tokens": tokens}
-    outdir = Path(args.out)
-    outdir.mkdir(parents=True, exist_ok=True)
-    name = f"replicas{('-' + args.tag) if args.tag else ''}"
-    (outdir / f"{name}.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
+    meta = result_meta(args, tokens=tokens)
     md = [f"# Extraction replicas ({meta['date']})", "", f"Machine: {meta['machine']}", "",
           f"Shape {args.shape}, {args.num_prompts} prompts x {args.prompt_len} tokens, {args.hs_dtype}, Arrow on {args.disk_dir}", "",
           "| replicas | tokens/s, whole loop | speedup vs 1 | tokens/s, steady | speedup vs 1 | shards per replica |",
@@ -82,7 +76,7 @@ def main(argv=None) -> int:
     md += ["", "Whole loop: all tokens / the loop's time (engine start excluded). Steady: tokens committed after "
            "the first shard / the time from the first shard's commit to the last's (the pipeline's fill and the "
            "last shard's write left out, as in extract_bench)."]
-    (outdir / f"{name}.md").write_text("\n".join(md) + "\n")
+    write_result(args.out, "replicas", args.tag, {"meta": meta, "results": rows}, "\n".join(md) + "\n")
     print("\n".join(md))
     shutil.rmtree(work, ignore_errors=True)
     return 0

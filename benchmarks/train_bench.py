@@ -675,12 +675,11 @@ def run_theirs(s: BenchSettings, args, work: Path, flags: list[str], gpu: bool, 
 def write_results(res: dict, args, work: Path, step_log: Path) -> str:
     """Step 5: <out>/train[-TAG].json and .md, with the step logs, speculators' log and the profile
     (top ops, gzipped trace and its GPU gaps) beside them; returns the markdown."""
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"train{('-' + args.tag) if args.tag else ''}"
-    (out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
+    from benchmarks.common import write_result
+
     md = markdown(res)
-    (out / f"{name}.md").write_text(md)
+    path = write_result(args.out, "train", args.tag, res, md)
+    out, name = path.parent, path.stem
     for src in (step_log, work / "speculators_steps.jsonl", work / "speculators.log",
                 work / "ours" / "profile" / "top_ops.txt"):
         if src.exists():  # the work dir goes away; these explain a surprising figure or a failure
@@ -702,7 +701,7 @@ def main(argv=None) -> int:
     s = resolve_settings(args)
     import ray
 
-    from benchmarks.common import direct_read_gb_s, machine, versions
+    from benchmarks.common import direct_read_gb_s, result_meta
     from benchmarks.shapes import SHAPES
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="eagle3-train-bench-")).resolve()
@@ -710,8 +709,7 @@ def main(argv=None) -> int:
     hidden, num_layers, _, _, _, vocab = SHAPES[s.shape]
     draft_vocab = min(MAX_DRAFT_VOCAB, vocab)
     phases: dict[str, float] = {}
-    res: dict = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
-                          "versions": versions(), "args": vars(args), "work_dir": str(work)},
+    res: dict = {"meta": result_meta(args, work_dir=str(work)),
                  "settings": {**asdict(s), "num_prompts": s.num_prompts, "tokens_per_step": s.tokens_per_step,
                               "train_data_ratio": s.train_data_ratio},
                  "shape": {"name": s.shape, "hidden_size": hidden, "num_layers": num_layers, "vocab_size": vocab,
