@@ -164,3 +164,43 @@ def test_read_ahead_brings_the_whole_shard_into_the_page_cache(tmp_path):
             break
         time.sleep(0.1)
     assert _resident_fraction(path) > 0.99
+
+
+@pytest.mark.parametrize("file_format", ["arrow", "parquet"])
+@pytest.mark.parametrize("hs_dtype", ["bfloat16", "float8_e4m3fn"])
+def test_codec_decodes_what_it_encoded_through_a_shard_file(tmp_path, hs_dtype, file_format):
+    """eagle3.codec's columns, written and read back as a shard, decode to the encoded values:
+    bf16 bit-exact, fp8 within e4m3's 3-bit mantissa of each token-and-layer's amax; a row whose
+    hidden_states hold too few values is refused with the row named."""
+    import torch
+
+    from eagle3.codec import decode_rows, encode_hidden_states, hidden_states_columns
+    from eagle3.schema import hidden_states_schema
+
+    rng = np.random.default_rng(0)
+    layer_ids, hidden = [1, 3, 4], 24
+    hs = [rng.standard_normal((T, len(layer_ids), hidden)).astype(np.float32) * 4 for T in (5, 1, 17)]
+    encoded = [encode_hidden_states(x, hs_dtype) for x in hs]
+    hs_col, scale_col = hidden_states_columns([v for v, _ in encoded], [s for _, s in encoded], hs_dtype)
+    ids = [rng.integers(0, 100, len(x)).tolist() for x in hs]
+    schema = hidden_states_schema(layer_ids=layer_ids, hidden_size=hidden, hs_dtype=hs_dtype)
+    table = pa.Table.from_arrays([pa.array([f"s{i}" for i in range(3)]), pa.array(ids, pa.list_(pa.int32())),
+                                  pa.array([[1] * len(x) for x in ids], pa.list_(pa.int8())),
+                                  pa.array([len(x) for x in ids], pa.int32()), hs_col, scale_col], schema=schema)
+    path = tmp_path / f"shard-000000{shards.SUFFIX[file_format]}"
+    write_shard_file(table, path)
+    rows = list(decode_rows(ShardFile(path).read()))
+    assert [r.input_ids.tolist() for r in rows] == ids
+    for row, x in zip(rows, hs, strict=True):
+        got = row.hidden_states_as(torch.float32)
+        assert got.shape == x.shape
+        if hs_dtype == "bfloat16":
+            assert row.scale is None and row.hidden_states.dtype == torch.bfloat16
+            assert torch.equal(got, torch.from_numpy(x).to(torch.bfloat16).float())
+        else:
+            assert row.hidden_states.dtype == torch.float8_e4m3fn and row.scale.shape == x.shape[:2]
+            amax = np.abs(x).max(axis=-1, keepdims=True)
+            assert (np.abs(got.numpy() - x) <= amax / 16 + 1e-6).all()
+    short = table.set_column(4, "hidden_states", pa.array([b"\0\0"] * 3, pa.large_binary()))
+    with pytest.raises(ValueError, match=r"row 0: hidden_states holds \d+ values.*the shard is corrupt"):
+        next(decode_rows(short))
