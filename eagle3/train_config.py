@@ -91,7 +91,7 @@ class TrainConfig:
     prefetch_batches: int | None = None
     """Micro-batches built ahead (by data_workers, pinned on GPU), so that reading and packing
     overlap the device's step; memory: this many packed batches, in /dev/shm and pinned. None: as
-    many as fit in 2 GiB (eagle3.trainer.PREFETCH_AUTO_BYTES), from 2 to 16. 0: build each batch
+    many as fit in 2 GiB (eagle3.data.pipeline.PREFETCH_AUTO_BYTES), from 2 to 16. 0: build each batch
     when the step needs it."""
     data_workers: int | None = None
     """Processes per rank that read and pack the prefetched batches (torch DataLoader workers,
