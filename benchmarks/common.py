@@ -1,7 +1,7 @@
 """What the benchmarks share: the random-token prompts they feed the engines and trainers, those
 prompts as a prepared-tokens table, the machine and version records every result carries, and
-the disk probes (dropping files from the page cache, reading them with O_DIRECT), and writing a
-result's JSON and markdown.
+the disk probes (dropping files from the page cache, reading them with O_DIRECT), an extraction
+run's steady-state rate, and writing a result's JSON and markdown.
 Benchmarks import these from here, not from each other."""
 
 from __future__ import annotations
@@ -48,6 +48,15 @@ def machine() -> str:
     except OSError:
         gpu = ""
     return f"{platform.node()}: {os.cpu_count()} CPUs" + (f", GPUs: {gpu.replace(chr(10), '; ')}" if gpu else ", no GPU")
+
+
+def steady_tok_s(records: list[dict]) -> float | None:
+    """Tokens/s between the first and the last shard commit: the pipeline's rate once full,
+    without its fill (the first shard's prefill) and with its drain shared by all shards."""
+    recs = sorted((r for r in records if "committed_at" in r), key=lambda r: r["committed_at"])
+    if len(recs) < 3:
+        return None
+    return sum(r["num_tokens"] for r in recs[1:]) / (recs[-1]["committed_at"] - recs[0]["committed_at"])
 
 
 def result_meta(args, **extra) -> dict:

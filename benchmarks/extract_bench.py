@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import random_prompts, result_meta, tokens_table, write_result
+from benchmarks.common import random_prompts, result_meta, steady_tok_s, tokens_table, write_result
 
 
 class PlainPrefill:
@@ -130,15 +130,6 @@ def _object_store_run(actor, table, shard: int, window: int, passes: int = 1) ->
             ray.get(inflight.pop(done[0]))
         secs.append(time.perf_counter() - t0)
     return secs
-
-
-def steady_tok_s(records: list[dict]) -> float | None:
-    """Tokens/s between the first and the last shard commit: the pipeline's rate once full,
-    without its fill (the first shard's prefill) and with its drain shared by all shards."""
-    recs = sorted((r for r in records if "committed_at" in r), key=lambda r: r["committed_at"])
-    if len(recs) < 3:
-        return None
-    return sum(r["num_tokens"] for r in recs[1:]) / (recs[-1]["committed_at"] - recs[0]["committed_at"])
 
 
 def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:

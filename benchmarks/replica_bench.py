@@ -29,8 +29,7 @@ def main(argv=None) -> int:
 
     import pyarrow.parquet as pq
 
-    from benchmarks.common import random_prompts, result_meta, tokens_table, write_result
-    from benchmarks.extract_bench import steady_tok_s
+    from benchmarks.common import random_prompts, result_meta, steady_tok_s, tokens_table, write_result
     from benchmarks.shapes import SHAPES, write_shape
     from eagle3.config import load_job_config
     from eagle3.manifest import Manifest
