@@ -1,5 +1,5 @@
 """What the benchmarks share: the random-token prompts they feed the engines and trainers, those
-prompts as a prepared-tokens table, the machine and version records every result carries, and
+prompts as a prepared-tokens table, the machine and version records every result carries,
 the disk probes (dropping files from the page cache, reading them with O_DIRECT), an extraction
 run's steady-state rate, and writing a result's JSON and markdown.
 Benchmarks import these from here, not from each other."""
