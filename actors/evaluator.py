@@ -1,6 +1,7 @@
-"""Ray actor running one speculative-decoding engine (target + draft) to measure acceptance
-length. One actor per num_speculative_tokens value: a fresh process, a fresh engine and
-fresh Prometheus counters each time."""
+"""Ray actor holding one vLLM engine (target + EAGLE-3 draft, or the target alone) and running
+eagle3.evaluate's measurements on it. One actor per engine setting (num_speculative_tokens, CUDA
+graphs or eager are engine settings): a fresh process gives the engine the whole device and
+frees it when the actor is killed."""
 
 from __future__ import annotations
 
@@ -10,8 +11,33 @@ import os
 class EvaluatorActor:
     def __init__(self, cpu_kvcache_space_gib: int = 1):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_space_gib))
+        self.engine = None
 
     def measure(self, target_dir: str, draft_dir: str, prompts: list[list[int]], **kwargs) -> dict:
+        """The job's eval stage: a fresh engine and one acceptance measurement (eagle3.evaluate)."""
         from eagle3.evaluate import measure_acceptance
 
         return measure_acceptance(target_dir, draft_dir, prompts, **kwargs)
+
+    def start(self, target_dir: str, draft_dir: str | None, **engine_kwargs) -> float:
+        """Start this actor's engine (eagle3.evaluate.SpecDecodeEngine); returns its start seconds."""
+        from eagle3.evaluate import SpecDecodeEngine
+
+        if self.engine is not None:
+            raise RuntimeError("this evaluator already holds an engine: start another actor for another setting")
+        self.engine = SpecDecodeEngine(target_dir, draft_dir, **engine_kwargs)
+        return self.engine.startup_s
+
+    def _need_engine(self):
+        if self.engine is None:
+            raise RuntimeError("no engine: call start(target_dir, draft_dir, ...) first")
+        return self.engine
+
+    def acceptance(self, prompts: list[list[int]], **kwargs) -> dict:
+        return self._need_engine().acceptance(prompts, **kwargs)
+
+    def throughput(self, prompts: list[list[int]], **kwargs) -> dict:
+        return self._need_engine().throughput(prompts, **kwargs)
+
+    def generate(self, prompts: list[list[int]], **kwargs) -> list[list[int]]:
+        return self._need_engine().generate(prompts, **kwargs)

