@@ -4,10 +4,9 @@ Owns: the stage itself: which records become samples, held-out eval prompts, the
 file, writing `tokens.parquet` under `TOKENS_SCHEMA`, and spreading the tokenizing over Ray
 tasks in contiguous chunks (`prepare_dataset_ray`; `prepare_dataset` is the same stage in one
 process, and both assemble chunks through one function, so their output is identical).
-Does not own: reading sources
-(`eagle3.conversations`), rendering and masks (`eagle3.chat_template`), the schema
-(`eagle3.schema`), the tokenizer or its template (they come from the target's directory),
-provenance files (the driver writes them).
+Does not own: reading sources (`eagle3.conversations`), rendering and masks
+(`eagle3.chat_template`), the schema (`eagle3.schema`), the tokenizer or its template (they
+come from the target's directory), provenance files (the driver writes them).
 
 Imports neither torch nor transformers at module level: drivers import this module
 before deciding where the work runs.
@@ -290,7 +289,8 @@ def prepare_dataset_ray(cfg: PrepareConfig, tokenizer_dir: str, out_dir: str, *,
                         chunk_records: int = CHUNK_RECORDS, progress: bool = True) -> dict[str, Any]:
     """`prepare_dataset`, with the tokenizing spread over Ray tasks (1 CPU each) on any node.
 
-    This process reads the source (JSON decoding is ~1% of the work) and ships contiguous
+    This process reads the source (decoding records is a small part of the work: rendering
+    and tokenizing is the rest) and ships contiguous
     chunks of records through the object store, so only it needs the conversations file;
     the tokenizer directory must be readable on every node (it is the target's). Results
     are taken back in submission order and assembled exactly as the serial path does, so

@@ -367,13 +367,15 @@ def sharegpt_file() -> Path:
         return Path(p)
 
 
-def test_sharegpt_slice_every_record_is_a_sample_an_eval_prompt_or_a_reject(tiny_target, sharegpt_file, tmp_path):
+def test_sharegpt_slice_every_record_is_a_sample_an_eval_prompt_or_a_reject(tok_dir, sharegpt_file, tmp_path):
+    # tok_dir is the tiny target's tokenizer (eagle3.tiny.build_tiny_target builds it the same way), without
+    # training the target's weights, which prepare never reads.
     raw = sharegpt_head(SLICE)
     seen: set = set()
     expected = [expected_reader_reject(r, seen) for r in raw]
     out = tmp_path / "out"
     cfg = PrepareConfig(conversations=str(sharegpt_file), max_length=4096, max_samples=SLICE, num_eval_prompts=8)
-    summary = prepare_dataset(cfg, tiny_target, str(out))
+    summary = prepare_dataset(cfg, tok_dir, str(out))
 
     rejects = read_rejects(out)
     evals = [json.loads(x) for x in (out / "eval_prompts.jsonl").read_text().splitlines()]
@@ -401,14 +403,14 @@ def test_sharegpt_slice_every_record_is_a_sample_an_eval_prompt_or_a_reject(tiny
 
 
 @pytest.mark.slow  # starts Ray
-def test_ray_prepare_gives_the_serial_output(tiny_target, sharegpt_file, tmp_path, ray_local):
+def test_ray_prepare_gives_the_serial_output(tok_dir, sharegpt_file, tmp_path, ray_local):
     """Tokens, rejects, eval prompts and summary equal, with chunks small enough that the eval
     prompts span several chunks and two tasks run at once."""
     from eagle3.prepare import prepare_dataset_ray
 
     cfg = PrepareConfig(conversations=str(sharegpt_file), max_length=4096, max_samples=120, num_eval_prompts=12)
-    serial = prepare_dataset(cfg, tiny_target, str(tmp_path / "serial"))
-    parallel = prepare_dataset_ray(cfg, tiny_target, str(tmp_path / "ray"), num_workers=2, chunk_records=7)
+    serial = prepare_dataset(cfg, tok_dir, str(tmp_path / "serial"))
+    parallel = prepare_dataset_ray(cfg, tok_dir, str(tmp_path / "ray"), num_workers=2, chunk_records=7)
     assert parallel == serial and serial["num_records"] == 120 and serial["num_eval_prompts"] == 12
     a, b = read_tokens(tmp_path / "serial"), read_tokens(tmp_path / "ray")
     assert a.equals(b) and a.num_rows == serial["num_samples"] > 0
@@ -418,7 +420,7 @@ def test_ray_prepare_gives_the_serial_output(tiny_target, sharegpt_file, tmp_pat
     # A tokenizer without a chat template fails in the tasks and reaches the caller as the ValueError.
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tiny_target)
+    tok = AutoTokenizer.from_pretrained(tok_dir)
     tok.chat_template = None
     tok.save_pretrained(tmp_path / "no_template")
     with pytest.raises(ValueError, match="has no chat_template"):
