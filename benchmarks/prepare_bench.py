@@ -18,7 +18,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import shutil
 import sys
 import time
@@ -129,7 +128,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="cpu-sharegpt")
     args = ap.parse_args(argv)
 
-    from benchmarks.extract_bench import machine, versions
+    from benchmarks.common import result_meta, write_result
     from eagle3.config import PrepareConfig
 
     src = sharegpt_path()
@@ -137,6 +136,13 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     if args.tokenizer:
         tok_dir, tok_desc = args.tokenizer, args.tokenizer
+        build = Path(tok_dir) / "target_build.json"
+        if build.is_file():
+            from transformers import AutoTokenizer
+
+            b = json.loads(build.read_text())
+            tok_desc = (f"{tok_dir}: a target's tokenizer from benchmarks.make_target (size {b.get('size', '?')}, "
+                        f"vocab {len(AutoTokenizer.from_pretrained(tok_dir))}, trained on ShareGPT text)")
     else:
         tok_dir = str(work / f"tokenizer-{args.tokenizer_records}-{args.vocab_size}")
         if not (Path(tok_dir) / "tokenizer.json").is_file():
@@ -152,17 +158,12 @@ def main(argv=None) -> int:
     for mode, cpus in plan:
         runs.append(run_one(mode, cpus, cfg, tok_dir, work / f"out-{mode}-{cpus}"))
         print(json.dumps({k: v for k, v in runs[-1].items() if k != "summary"}), flush=True)
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
-            "versions": versions(), "args": vars(args), "source": src, "source_bytes": os.path.getsize(src),
-            "tokenizer": tok_desc, "max_length": args.max_length, "num_eval_prompts": args.num_eval_prompts,
-            "over_length": args.over_length,
-            "python": platform.python_version(), "identical": len({r["digest"] for r in runs}) == 1,
-            "command": "python -m benchmarks.prepare_bench " + " ".join(argv if argv is not None else sys.argv[1:])}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"prepare-{args.tag}"
-    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
-    (out / f"{name}.md").write_text(markdown(meta, runs))
+    meta = result_meta(args, source=src, source_bytes=os.path.getsize(src), tokenizer=tok_desc,
+                       max_length=args.max_length, num_eval_prompts=args.num_eval_prompts,
+                       over_length=args.over_length, identical=len({r["digest"] for r in runs}) == 1,
+                       command="python -m benchmarks.prepare_bench " + " ".join(argv if argv is not None
+                                                                                 else sys.argv[1:]))
+    write_result(args.out, "prepare", args.tag, {"meta": meta, "runs": runs}, markdown(meta, runs))
     print(markdown(meta, runs))
     if not meta["identical"]:
         print("ERROR: runs gave different outputs:", [(r["mode"], r["cpus"], r["digest"][:12]) for r in runs])
