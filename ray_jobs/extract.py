@@ -3,10 +3,14 @@ tables written (Arrow IPC or Parquet) by tasks next to their engine, each shard 
 
 What crosses this process is small: shard numbers, tokens slices (kilobytes), stats and
 object refs. Hidden states go engine actor -> object store -> writer task -> shard file.
+Which shard goes where, what is redone after a loss and when to give up are decided by
+eagle3.schedule.ShardScheduler; this module does the Ray side of it: placing and starting
+replicas (ReplicaPool, also used by the regenerate stage), calling them, classifying failures.
 Backpressure: a replica holds at most `max_inflight_shards` shards that are extracted
 but not yet written, so the object store holds a bounded number of tables.
-Failures: a shard whose replica or writer died is handed out again; a dead replica is
-replaced if the cluster still has room, and the job goes on with the others if not.
+Failures: a shard whose replica or writer died is handed out again (the run stops once one
+shard has been lost max_attempts times: eagle3.schedule); a dead replica is replaced if the
+cluster still has room, and the job goes on with the others if not.
 """
 
 from __future__ import annotations
@@ -14,27 +18,123 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-from eagle3.config import JobConfig
+from eagle3.config import ExtractConfig, JobConfig
 from eagle3.manifest import Manifest, ShardPlan, tokens_fingerprint
+from eagle3.schedule import ShardScheduler
 
 log = logging.getLogger("eagle3.extract")
 
 
 @dataclass
-class _Replica:
+class Replica:
+    """The Ray side of one engine replica (its scheduling state is the scheduler's)."""
+
     index: int
     pg: object
     actor: object
     node_id: str
-    alive: bool = True
-    load: int = 0
     num_tokens: int = 0
     busy_s: float = 0.0
-    shards: list = field(default_factory=list)
+
+
+def replica_layout(ecfg: ExtractConfig, num_shards_to_do: int, *, engine: bool = True) -> tuple[dict, int]:
+    """(bundle of one replica, number of replicas): tensor_parallel_size * pipeline_parallel_size GPUs
+    of one node each, as many as the cluster's GPUs allow unless num_replicas is set, never more than
+    there are shards to do; one CPU each on a CPU-only cluster (or for the hf backend: engine=False)."""
+    import ray
+
+    gpus_per_replica = ecfg.tensor_parallel_size * ecfg.pipeline_parallel_size
+    cluster_gpus = int(ray.cluster_resources().get("GPU", 0))
+    use_gpu = cluster_gpus > 0 and engine
+    bundle = {"CPU": 1, "GPU": gpus_per_replica} if use_gpu else {"CPU": 1}
+    num_replicas = ecfg.num_replicas or (max(1, cluster_gpus // gpus_per_replica) if use_gpu else 1)
+    return bundle, min(num_replicas, max(1, num_shards_to_do))
+
+
+class ReplicaPool:
+    """Engine actors, each alone on a STRICT_PACK placement group of one bundle, numbered by the
+    scheduler. `start` raises the ValueError of ray_jobs.cluster.wait_placement_groups when no
+    replica can be placed in time: that is how a run with no replica left gives up."""
+
+    def __init__(self, sched: ShardScheduler, actor_cls: type, actor_args: Callable[[int], tuple[tuple, dict]],
+                 bundle: dict, *, max_concurrency: int, what: str, warm: Callable[[set], list] | None = None):
+        import ray
+
+        self.sched = sched
+        self.actor_cls = ray.remote(actor_cls)
+        self.actor_args = actor_args  # replica index -> (args, kwargs) of the actor's constructor
+        self.bundle = bundle
+        self.max_concurrency = max_concurrency
+        self.what = what
+        self.warm = warm  # new replicas' node ids -> refs of tasks to wait for along with the engines
+        self.replicas: dict[int, Replica] = {}
+
+    def start(self, n: int, timeout_s: float) -> list[Replica]:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from ray_jobs.cluster import node_of, wait_placement_groups
+
+        pgs = [placement_group([self.bundle], strategy="STRICT_PACK") for _ in range(n)]
+        ready = wait_placement_groups(pgs, timeout_s, self.what, self.bundle)
+        for pg in pgs:
+            if pg not in ready:
+                ray.util.remove_placement_group(pg)
+        ready.sort(key=node_of)  # replicas ordered by node
+        new = []
+        for pg in ready:
+            index = self.sched.add_replica()
+            args, kwargs = self.actor_args(index)
+            actor = self.actor_cls.options(
+                num_cpus=1, num_gpus=self.bundle.get("GPU", 0), max_restarts=0, max_concurrency=self.max_concurrency,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+            ).remote(*args, **kwargs)
+            new.append(Replica(index, pg, actor, node_of(pg)))
+            self.replicas[index] = new[-1]
+        warm = self.warm({r.node_id for r in new}) if self.warm else []
+        infos = ray.get([r.actor.info.remote() for r in new])  # engine start errors surface here
+        ray.get(warm)
+        for info in infos:
+            log.info("%s %d on %s (node %s): engine up in %.1fs", self.what, info["replica"], info["host"],
+                     info["node_id"], info["startup_s"])
+        return new
+
+    def replica_lost(self, index: int, timeout_s: float) -> None:
+        """Free a dead replica's placement group and try to place a replacement within timeout_s
+        (keep it short: the run goes on with the others when the cluster has no room)."""
+        import ray
+
+        ray.util.remove_placement_group(self.replicas[index].pg)
+        try:
+            self.start(1, timeout_s)
+        except ValueError as e:
+            log.warning("%s %d not replaced: %s", self.what, index, e)
+
+    def ensure_one(self, timeout_s: float) -> None:
+        """Shards are left and no replica is alive: place one, or give up (ValueError)."""
+        if self.sched.needs_replica():
+            self.start(1, timeout_s)
+
+    def shutdown(self, graceful: bool = True) -> None:
+        import ray
+
+        for r in self.replicas.values():
+            if not self.sched.replicas[r.index].alive:
+                continue
+            if graceful:
+                ray.get(r.actor.shutdown.remote())
+            ray.kill(r.actor)
+            ray.util.remove_placement_group(r.pg)
+
+    def summary(self) -> list[dict]:
+        return [{"replica": r.index, "node_id": r.node_id, "alive": self.sched.replicas[r.index].alive,
+                 "shards": self.sched.replicas[r.index].done, "num_tokens": r.num_tokens,
+                 "tokens_per_s": r.num_tokens / r.busy_s if r.busy_s else None} for r in self.replicas.values()]
 
 
 class _Metrics:
@@ -54,7 +154,9 @@ class _Metrics:
                 counter.inc(value)
 
 
-def _is_system_failure(exc: BaseException) -> bool:
+def is_system_failure(exc: BaseException) -> bool:
+    """A failure of the cluster (an actor, a node, an object lost), after which the work is redone;
+    anything else is an error in the work itself and ends the run."""
     import ray.exceptions as rex
 
     kinds = tuple(getattr(rex, n) for n in ("RayActorError", "ActorDiedError", "ActorUnavailableError",
@@ -63,17 +165,23 @@ def _is_system_failure(exc: BaseException) -> bool:
     return isinstance(exc, kinds)
 
 
-def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str, *, progress: bool = True) -> dict:
+def failure_reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str, *, progress: bool = True,
+                tokens_source: str = "prepared") -> dict:
+    """Extract hidden states of every sample of tokens_path into out_dir's shards; returns the summary.
+    tokens_source names where the tokens came from ('prepared', or 'regenerated' by the regenerate
+    stage); it is part of the output's fingerprint, so a resume never mixes the two."""
     import pyarrow.parquet as pq
     import ray
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from actors.extractor import ExtractorActor, max_concurrency
     from actors.writer import warm_writer, write_shard
     from eagle3.extract import target_text_config
     from eagle3.schema import check_schema, stored_bytes_per_token
-    from ray_jobs.cluster import node_of, wait_placement_groups
 
     ecfg = cfg.extract
     t_start = time.perf_counter()
@@ -85,136 +193,112 @@ def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str,
                            stored_bytes_per_token(num_layers=len(layer_ids), hidden_size=text_cfg["hidden_size"],
                                                   hs_dtype=ecfg.hs_dtype), ecfg.shard_bytes)
     manifest = Manifest(Path(out_dir), ecfg.file_format)
-    manifest.open(tokens_fingerprint(tokens.column("sample_id").to_pylist(), plan.samples_per_shard, layer_ids,
-                                     ecfg.hs_dtype, ecfg.file_format))
+    fingerprint = tokens_fingerprint(tokens.column("sample_id").to_pylist(), plan.samples_per_shard, layer_ids,
+                                     ecfg.hs_dtype, ecfg.file_format)
+    if tokens_source != "prepared":  # absent for prepared tokens: outputs written before this key resume
+        fingerprint["tokens_source"] = tokens_source
+    manifest.open(fingerprint)
     committed = manifest.committed()
-    todo = deque(s for s in range(plan.num_shards) if s not in committed)
-    skipped = len(committed)
-    log.info("extract: %d shards of up to %d samples, %d already committed, %d to do", plan.num_shards,
-             plan.samples_per_shard, skipped, len(todo))
+    sched = ShardScheduler(plan.num_shards, committed, max_inflight_per_replica=ecfg.max_inflight_shards)
+    log.info("%s (shards of up to %d samples)", sched.describe_resume("extract"), plan.samples_per_shard)
 
-    gpus_per_replica = ecfg.tensor_parallel_size * ecfg.pipeline_parallel_size
-    cluster_gpus = int(ray.cluster_resources().get("GPU", 0))
-    use_gpu = cluster_gpus > 0 and ecfg.backend == "vllm"
-    bundle = {"CPU": 1, "GPU": gpus_per_replica} if use_gpu else {"CPU": 1}
-    num_replicas = ecfg.num_replicas or (max(1, cluster_gpus // gpus_per_replica) if use_gpu else 1)
-    num_replicas = min(num_replicas, max(1, len(todo)))
-    actor_cls = ray.remote(ExtractorActor)
-    replicas: list[_Replica] = []
+    summary = {"num_shards": plan.num_shards, "samples_per_shard": plan.samples_per_shard,
+               "shards_skipped": len(sched.skipped), "layer_ids": layer_ids}
+    if not sched.finished:
+        bundle, num_replicas = replica_layout(ecfg, len(sched.todo), engine=ecfg.backend == "vllm")
 
-    def start_replicas(n: int, timeout_s: float) -> list[_Replica]:
-        pgs = [placement_group([bundle], strategy="STRICT_PACK") for _ in range(n)]
-        ready = wait_placement_groups(pgs, timeout_s, "extraction replica", bundle)
-        for pg in pgs:
-            if pg not in ready:
-                ray.util.remove_placement_group(pg)
-        ready.sort(key=node_of)  # replicas ordered by node
-        new = []
-        for pg in ready:
-            index = len(replicas) + len(new)
-            actor = actor_cls.options(
-                num_cpus=1, num_gpus=bundle.get("GPU", 0), max_restarts=0, max_concurrency=max_concurrency(ecfg),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-            ).remote(target_dir, ecfg, max_length=cfg.prepare.max_length, dtype=cfg.target.dtype,
-                     trust_remote_code=cfg.target.trust_remote_code, replica=index)
-            new.append(_Replica(index, pg, actor, node_of(pg)))
-        warm = [ray.remote(warm_writer).options(
-                    num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote()
-                for node in {r.node_id for r in new} for _ in range(ecfg.max_inflight_shards)]
-        infos = ray.get([r.actor.info.remote() for r in new])  # engine start errors surface here
-        ray.get(warm)
-        for info in infos:
-            log.info("replica %(replica)d on %(host)s (node %(node_id)s): engine up in %(startup_s).1fs", info)
-        return new
+        def warm(nodes: set) -> list:
+            return [ray.remote(warm_writer).options(
+                        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote()
+                    for node in nodes for _ in range(ecfg.max_inflight_shards)]
 
-    summary = {"num_shards": plan.num_shards, "samples_per_shard": plan.samples_per_shard, "shards_skipped": skipped,
-               "layer_ids": layer_ids}
-    if todo:
-        replicas.extend(start_replicas(num_replicas, ecfg.placement_timeout_s))
-        metrics = _Metrics(plan.num_samples)
-        bar = _progress(plan, committed, progress)
-        writer = ray.remote(write_shard)
-        extracting: dict = {}  # stats ref -> (replica, shard, table ref)
-        writing: dict = {}  # write ref -> (replica, shard, extract stats)
-        tokens_done = 0
-        num_committed = skipped
-        t_loop = time.perf_counter()
-
-        def feed():
-            for r in replicas:
-                while r.alive and r.load < ecfg.max_inflight_shards and todo:
-                    shard = todo.popleft()
-                    lo, hi = plan.rows(shard)
-                    table_ref, stats_ref = r.actor.extract_shard.options(num_returns=2).remote(shard, tokens.slice(lo, hi - lo))
-                    extracting[stats_ref] = (r, shard, table_ref)
-                    r.load += 1
-
-        def lose(r: _Replica, shard: int, exc: BaseException, *, replica_died: bool):
-            log.warning("shard %d lost (%s: %s); handing it out again", shard, type(exc).__name__, str(exc)[:200])
-            todo.appendleft(shard)
-            r.load -= 1
-            if replica_died and r.alive:
-                r.alive = False
-                ray.util.remove_placement_group(r.pg)
-                try:
-                    replicas.extend(start_replicas(1, min(30.0, ecfg.placement_timeout_s)))
-                except ValueError as e:
-                    log.warning("replica %d not replaced: %s", r.index, e)
-
-        feed()
-        while extracting or writing:
-            ready, _ = ray.wait(list(extracting) + list(writing), num_returns=1)
-            ref = ready[0]
-            if ref in extracting:
-                r, shard, table_ref = extracting.pop(ref)
-                try:
-                    stats = ray.get(ref)
-                except Exception as exc:  # noqa: BLE001 - classified below, user errors re-raised
-                    if not _is_system_failure(exc):
-                        raise
-                    lose(r, shard, exc, replica_died=True)
-                else:
-                    w = writer.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(stats["node_id"], soft=True))
-                    writing[w.remote(table_ref, str(manifest.data_path(shard)), ecfg.compression, ecfg.direct_io)] = (r, shard, stats)
-            else:
-                r, shard, stats = writing.pop(ref)
-                try:
-                    wstats = ray.get(ref)
-                except Exception as exc:  # noqa: BLE001
-                    if not _is_system_failure(exc):
-                        raise RuntimeError(f"writing shard {shard} to {manifest.data_path(shard)} failed: {exc}") from exc
-                    lose(r, shard, exc, replica_died=False)
-                else:
-                    manifest.commit(shard, {**stats, **wstats, "committed_at": time.time()})
-                    num_committed += 1
-                    r.load -= 1
-                    r.num_tokens += stats["num_tokens"]
-                    r.busy_s += stats["seconds"]
-                    r.shards.append(shard)
-                    tokens_done += stats["num_tokens"]
-                    metrics.add(stats["num_samples"] + stats["num_rejected"], stats["num_tokens"], wstats["bytes"])
-                    rate = tokens_done / max(time.perf_counter() - t_loop, 1e-9)
-                    metrics.rate.set(rate)
-                    if bar is not None:
-                        bar.update(stats["num_samples"] + stats["num_rejected"])
-                        bar.set_postfix(tok_s=f"{rate:,.0f}", shards=num_committed)
-            if todo and not any(r.alive for r in replicas):
-                replicas.extend(start_replicas(1, ecfg.placement_timeout_s))
-            feed()
-        summary["loop_s"] = time.perf_counter() - t_loop  # the engines' shutdown is not extraction
-        if bar is not None:
-            bar.close()
-        for r in replicas:
-            if r.alive:
-                ray.get(r.actor.shutdown.remote())
-                ray.kill(r.actor)
-                ray.util.remove_placement_group(r.pg)
-        summary["replicas"] = [{"replica": r.index, "node_id": r.node_id, "alive": r.alive, "shards": r.shards,
-                                "num_tokens": r.num_tokens,
-                                "tokens_per_s": r.num_tokens / r.busy_s if r.busy_s else None} for r in replicas]
+        pool = ReplicaPool(sched, ExtractorActor, lambda index: ((target_dir, ecfg), dict(
+            max_length=cfg.prepare.max_length, dtype=cfg.target.dtype,
+            trust_remote_code=cfg.target.trust_remote_code, replica=index)), bundle,
+            max_concurrency=max_concurrency(ecfg), what="extraction replica", warm=warm)
+        finished = False
+        try:
+            pool.start(num_replicas, ecfg.placement_timeout_s)
+            summary["loop_s"] = _extract_loop(sched, pool, plan, tokens, manifest, committed, ecfg, progress,
+                                              writer=ray.remote(write_shard))
+            finished = True
+        finally:
+            pool.shutdown(graceful=finished)  # after an error, no waiting on engines that may be gone
+        summary["replicas"] = pool.summary()
     summary.update(_totals(manifest, plan))
     summary["seconds"] = time.perf_counter() - t_start
     return summary
+
+
+def _extract_loop(sched: ShardScheduler, pool: ReplicaPool, plan: ShardPlan, tokens, manifest: Manifest,
+                  committed: dict, ecfg: ExtractConfig, progress: bool, writer) -> float:
+    """Dispatch, wait, write, commit, until every shard is committed; returns the loop's seconds
+    (the engines' start and shutdown are not extraction)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    metrics = _Metrics(plan.num_samples)
+    bar = _progress(plan, committed, progress)
+    extracting: dict = {}  # stats ref -> (shard, table ref)
+    writing: dict = {}  # write ref -> (shard, extract stats)
+    tokens_done = 0
+    t_loop = time.perf_counter()
+
+    def dispatch():
+        for index, shard in sched.assign():
+            lo, hi = plan.rows(shard)
+            actor = pool.replicas[index].actor
+            table_ref, stats_ref = actor.extract_shard.options(num_returns=2).remote(shard, tokens.slice(lo, hi - lo))
+            extracting[stats_ref] = (shard, table_ref)
+
+    def lose(shard: int, exc: BaseException, *, replica_died: bool):
+        log.warning("shard %d lost (%s); handing it out again", shard, failure_reason(exc))
+        index = sched.inflight[shard]
+        if sched.lose(shard, failure_reason(exc), replica_died=replica_died):
+            pool.replica_lost(index, min(30.0, ecfg.placement_timeout_s))
+
+    dispatch()
+    while extracting or writing:
+        ready, _ = ray.wait(list(extracting) + list(writing), num_returns=1)
+        ref = ready[0]
+        if ref in extracting:
+            shard, table_ref = extracting.pop(ref)
+            try:
+                stats = ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - classified below, user errors re-raised
+                if not is_system_failure(exc):
+                    raise
+                lose(shard, exc, replica_died=True)
+            else:
+                w = writer.options(num_cpus=0,
+                                   scheduling_strategy=NodeAffinitySchedulingStrategy(stats["node_id"], soft=True))
+                writing[w.remote(table_ref, str(manifest.data_path(shard)), ecfg.compression, ecfg.direct_io)] = \
+                    (shard, stats)
+        else:
+            shard, stats = writing.pop(ref)
+            try:
+                wstats = ray.get(ref)
+            except Exception as exc:  # noqa: BLE001
+                if not is_system_failure(exc):
+                    raise RuntimeError(f"writing shard {shard} to {manifest.data_path(shard)} failed: {exc}") from exc
+                lose(shard, exc, replica_died=False)
+            else:
+                manifest.commit(shard, {**stats, **wstats, "committed_at": time.time()})
+                r = pool.replicas[sched.commit(shard)]
+                r.num_tokens += stats["num_tokens"]
+                r.busy_s += stats["seconds"]
+                tokens_done += stats["num_tokens"]
+                metrics.add(stats["num_samples"] + stats["num_rejected"], stats["num_tokens"], wstats["bytes"])
+                rate = tokens_done / max(time.perf_counter() - t_loop, 1e-9)
+                metrics.rate.set(rate)
+                if bar is not None:
+                    bar.update(stats["num_samples"] + stats["num_rejected"])
+                    bar.set_postfix(tok_s=f"{rate:,.0f}", shards=len(sched.committed))
+        pool.ensure_one(ecfg.placement_timeout_s)
+        dispatch()
+    if bar is not None:
+        bar.close()
+    return time.perf_counter() - t_loop
 
 
 def _totals(manifest: Manifest, plan: ShardPlan) -> dict:

@@ -140,7 +140,7 @@ def _dataset_ids(files):
 
 
 @pytest.mark.slow  # starts Ray
-def test_extract_commits_each_sample_once_and_resumes(tiny_target, tmp_path, ray_local):
+def test_extract_commits_each_sample_once_and_resumes(tiny_target, tmp_path, ray_local, caplog):
     from ray_jobs.extract import run_extract
 
     lengths = [5 + (7 * i) % 90 for i in range(40)] + [300]  # the last one is over the engine's limit
@@ -163,8 +163,10 @@ def test_extract_commits_each_sample_once_and_resumes(tiny_target, tmp_path, ray
     (out / "committed" / "shard-000002.json").unlink()
     (out / "data" / "shard-000004.arrow").write_bytes(b"partial")
     (out / "committed" / "shard-000004.json").unlink()
-    second = run_extract(cfg, str(tmp_path / "tokens.parquet"), tiny_target, str(out), progress=False)
+    with caplog.at_level("INFO", logger="eagle3.extract"):
+        second = run_extract(cfg, str(tmp_path / "tokens.parquet"), tiny_target, str(out), progress=False)
     assert second["shards_skipped"] == 5
+    assert "extract: 5 of 7 shards already committed, 2 to do" in caplog.text  # the job log says what it skips
     assert sorted(r for rep in second["replicas"] for r in rep["shards"]) == [2, 4]
     assert sorted(_dataset_ids(second["files"])) == sorted(ids)
 
