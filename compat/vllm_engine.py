@@ -133,6 +133,33 @@ def _in_process() -> bool:
     return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
 
 
+def generation_engine_kwargs(*, model: str, max_model_len: int, dtype: str = "bfloat16",
+                             tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, max_num_seqs: int = 256,
+                             gpu_memory_utilization: float = 0.85, enforce_eager: bool = False,
+                             trust_remote_code: bool = False) -> dict:
+    """A plain generation engine (the regenerate stage). Prefix caching on: round r of a
+    conversation's prompts extends round r-1's prompt and answer, so most of each prefill is
+    cached. The tokenizer is loaded: outputs come back as text."""
+    return dict(
+        model=model, dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size, max_num_seqs=max_num_seqs,
+        gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, enable_prefix_caching=True,
+        trust_remote_code=trust_remote_code,
+    )
+
+
+def generate_texts(llm, prompts: list[list[int]], params: list[dict]) -> list[dict]:
+    """One completion per token-id prompt, each with its own sampling (temperature, top_p,
+    max_tokens, seed): [{"text", "num_tokens", "finish_reason"}] in prompt order. Special tokens
+    are left out of the text (SamplingParams' default), as a chat client shows it."""
+    from vllm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], [SamplingParams(**kw) for kw in params],
+                        use_tqdm=False)
+    return [{"text": o.outputs[0].text, "num_tokens": len(o.outputs[0].token_ids),
+             "finish_reason": o.outputs[0].finish_reason} for o in outs]
+
+
 def eagle3_engine_kwargs(*, target: str, draft: str | None, num_speculative_tokens: int, max_model_len: int,
                          dtype: str = "bfloat16", enforce_eager: bool = True, gpu_memory_utilization: float = 0.85,
                          trust_remote_code: bool = False, max_num_seqs: int | None = None) -> dict:

@@ -1,4 +1,4 @@
-"""The job: prepare -> extract -> train -> export -> eval, on the Ray cluster it runs in.
+"""The job: prepare -> [regenerate] -> extract -> train -> export -> eval, on the Ray cluster it runs in.
 
     python -m ray_jobs.run --config configs/demo.yaml
     ray job submit --working-dir . -- python -m ray_jobs.run --config configs/gpu_8b.yaml
@@ -9,6 +9,7 @@ imports neither vllm, torch nor deepspeed: heavy work runs in Ray tasks and acto
 Output layout:
     target/          the tiny demo target (only when target.model is null)
     prepared/        tokens.parquet, rejects.jsonl, eval_prompts.jsonl
+    regenerated/     (regenerate.enabled) data/shard-*.parquet conversations, committed/, tokens.parquet
     hidden_states/   data/shard-*.arrow, committed/, MANIFEST.json, rejects.jsonl
     train/           DeepSpeed checkpoints, metrics, loss plot
     draft/           the speculators-format EAGLE-3 draft (config.json, model.safetensors)
@@ -71,9 +72,9 @@ def run(cfg: JobConfig) -> dict:
     report: dict = {"output_dir": str(out), "stages": {}, "seconds": {}}
     t0 = time.perf_counter()
 
-    def timed(name, fn, *args):
+    def timed(name, fn, *args, **kwargs):
         t = time.perf_counter()
-        result = fn(*args)
+        result = fn(*args, **kwargs)
         report["seconds"][name] = round(time.perf_counter() - t, 2)
         return result
 
@@ -89,11 +90,23 @@ def run(cfg: JobConfig) -> dict:
     if "prepare" in cfg.stages or not (out / "prepared" / "tokens.parquet").exists():
         report["stages"]["prepare"] = timed("prepare", _prepare, cfg, target_dir, out / "prepared")
 
+    tokens_path, tokens_source = out / "prepared" / "tokens.parquet", "prepared"
+    if cfg.regenerate.enabled:
+        # Extraction trains on the regenerated responses, so the stage runs (or resumes; a finished one
+        # is a no-op) before every extraction, not only when listed.
+        if "regenerate" in cfg.stages or "extract" in cfg.stages:
+            from ray_jobs.regenerate import run_regenerate
+
+            summary = timed("regenerate", run_regenerate, cfg, str(tokens_path), target_dir, str(out / "regenerated"))
+            write_provenance(out / "regenerated", cfg.to_dict(), "regenerate", {"summary": summary})
+            report["stages"]["regenerate"] = {k: v for k, v in summary.items() if k != "files"}
+        tokens_path, tokens_source = out / "regenerated" / "tokens.parquet", "regenerated"
+
     if "extract" in cfg.stages:
         from ray_jobs.extract import run_extract
 
-        summary = timed("extract", run_extract, cfg, str(out / "prepared" / "tokens.parquet"), target_dir,
-                        str(out / "hidden_states"))
+        summary = timed("extract", run_extract, cfg, str(tokens_path), target_dir,
+                        str(out / "hidden_states"), tokens_source=tokens_source)
         write_provenance(out / "hidden_states", cfg.to_dict(), "extract", {"summary": summary})
         report["stages"]["extract"] = {k: v for k, v in summary.items() if k != "files"}
 
@@ -126,6 +139,12 @@ def run(cfg: JobConfig) -> dict:
     return report
 
 
+def _resumed(stage: dict) -> str:
+    """What a resumed stage took from an earlier run, e.g. '; 6 of 19 shards already committed'."""
+    skipped = stage.get("shards_skipped", 0)
+    return f"; {skipped} of {stage['num_shards']} shards already committed" if skipped else ""
+
+
 def format_summary(report: dict) -> str:
     st = report["stages"]
     lines = [f"eagle3 job finished in {report['seconds']['total']:.0f}s; outputs under {report['output_dir']}"]
@@ -134,10 +153,15 @@ def format_summary(report: dict) -> str:
         p = st["prepare"]
         lines.append(f"  prepared/        {p['num_samples']} samples, {p['num_tokens']} tokens "
                      f"({p['num_loss_tokens']} in the loss), {p['num_rejected']} rejected")
+    if "regenerate" in st:
+        g = st["regenerate"]
+        lines.append(f"  regenerated/     {g['num_samples']} conversations, {g['num_generated_tokens']} tokens generated, "
+                     f"{g['num_rejected']} rejected{_resumed(g)}")
     if "extract" in st:
         e = st["extract"]
         lines.append(f"  hidden_states/   {e['num_samples']} samples, {e['num_tokens']} tokens, {e['bytes'] / 1e6:.1f} MB, "
-                     f"{e['bytes_per_token']:.0f} bytes/token, layers {e['layer_ids']}, {e['num_rejected']} rejected")
+                     f"{e['bytes_per_token']:.0f} bytes/token, layers {e['layer_ids']}, {e['num_rejected']} rejected"
+                     f"{_resumed(e)}")
     if "train" in st:
         t = st["train"]
         def loss(v):  # None: a checkpoint written before loss_last was kept in it

@@ -1,0 +1,144 @@
+"""Regenerate driver: the target rewrites every assistant turn of the prepared conversations
+(eagle3/regenerate.py says how), on engine replicas placed as extraction's are, each shard
+committed exactly once; then regenerated/tokens.parquet for extraction.
+
+What crosses this process: sample ids, each shard's source messages (text, kilobytes per
+conversation) and stats; each replica writes its shard's file itself, and the driver commits
+it (eagle3.manifest's protocol, so a crashed run resumes at the first uncommitted shard).
+Scheduling and failures as in extraction (eagle3.schedule.ShardScheduler, with
+ray_jobs.extract.ReplicaPool): a shard whose replica died is handed out again. Progress and
+generated tokens/s go to the job log, a progress bar and Ray metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from eagle3.config import JobConfig
+from eagle3.manifest import Manifest, ShardPlan
+from eagle3.schedule import ShardScheduler
+
+log = logging.getLogger("eagle3.regenerate")
+
+# Two shards per replica: the one generating and the next, queued in the actor (it runs one
+# call at a time), so a replica never idles while the driver commits and hands out work.
+INFLIGHT_PER_REPLICA = 2
+
+
+class _Metrics:
+    def __init__(self, total: int):
+        from ray.util.metrics import Counter, Gauge
+
+        self.samples = Counter("eagle3_regenerate_samples_done", "Conversations regenerated and committed")
+        self.tokens = Counter("eagle3_regenerate_tokens", "Tokens generated in committed shards")
+        self.total = Gauge("eagle3_regenerate_samples_total", "Conversations this regeneration has to do")
+        self.rate = Gauge("eagle3_regenerate_tokens_per_s_total", "Generated tokens/s over all replicas")
+        self.total.set(total)
+
+    def add(self, samples: int, tokens: int) -> None:
+        for counter, value in ((self.samples, samples), (self.tokens, tokens)):
+            if value > 0:  # Ray counters refuse 0
+                counter.inc(value)
+
+
+def run_regenerate(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str, *, progress: bool = True) -> dict:
+    """Regenerate the samples of tokens_path (prepare's output) into out_dir; returns the summary,
+    whose "tokens" is the regenerated tokens.parquet."""
+    import pyarrow.parquet as pq
+    import ray
+
+    from actors.regenerator import RegeneratorActor
+    from eagle3.regenerate import conversation_ids, finalize, regenerate_fingerprint, resolve_sampling, source_messages
+    from ray_jobs.extract import ReplicaPool, failure_reason, is_system_failure, replica_layout
+
+    rcfg, ecfg = cfg.regenerate, cfg.extract
+    t_start = time.perf_counter()
+    ids = conversation_ids(pq.read_table(tokens_path, columns=["sample_id"]).column("sample_id").to_pylist())
+    sampling = resolve_sampling(rcfg, target_dir)
+    plan = ShardPlan(len(ids), rcfg.samples_per_shard)
+    manifest = Manifest(Path(out_dir), "parquet")
+    manifest.open(regenerate_fingerprint(ids, plan.samples_per_shard, sampling, target=target_dir,
+                                         max_length=cfg.prepare.max_length,
+                                         assistant_only_loss=cfg.prepare.assistant_only_loss))
+    committed = manifest.committed()
+    sched = ShardScheduler(plan.num_shards, committed, max_inflight_per_replica=INFLIGHT_PER_REPLICA)
+    log.info("%s (up to %d conversations each; temperature %g, top_p %g, max_tokens %d, seed %d)",
+             sched.describe_resume("regenerate"), plan.samples_per_shard, sampling.temperature, sampling.top_p,
+             sampling.max_tokens, sampling.seed)
+    summary = {"num_shards": plan.num_shards, "samples_per_shard": plan.samples_per_shard,
+               "shards_skipped": len(sched.skipped), "sampling": vars(sampling)}
+    if not sched.finished:
+        wanted = {ids[j] for s in sched.todo for j in range(*plan.rows(s))}
+        messages = source_messages(cfg.prepare.conversations, cfg.prepare.max_samples, wanted)
+        bundle, num_replicas = replica_layout(ecfg, len(sched.todo))
+        pool = ReplicaPool(sched, RegeneratorActor, lambda index: ((target_dir, rcfg, ecfg, sampling), dict(
+            max_length=cfg.prepare.max_length, dtype=cfg.target.dtype, trust_remote_code=cfg.target.trust_remote_code,
+            assistant_only_loss=cfg.prepare.assistant_only_loss, replica=index)), bundle,
+            max_concurrency=1, what="regeneration replica")
+        metrics = _Metrics(plan.num_samples)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            done = sum(r["num_samples"] + r["num_rejected"] for r in committed.values())
+            bar = tqdm(total=plan.num_samples, initial=done, desc="regenerate", unit="conv", mininterval=2.0)
+        pending: dict = {}  # stats ref -> shard
+        gen_tokens = 0
+        finished = False
+
+        def dispatch():
+            for index, shard in sched.assign():
+                lo, hi = plan.rows(shard)
+                batch = [(ids[j], messages[ids[j]]) for j in range(lo, hi)]
+                ref = pool.replicas[index].actor.regenerate_shard.remote(shard, batch, str(manifest.data_path(shard)))
+                pending[ref] = shard
+
+        try:
+            pool.start(num_replicas, ecfg.placement_timeout_s)
+            t_loop = time.perf_counter()
+            dispatch()
+            while pending:
+                [ref], _ = ray.wait(list(pending), num_returns=1)
+                shard = pending.pop(ref)
+                try:
+                    stats = ray.get(ref)
+                except Exception as exc:  # noqa: BLE001 - classified below, errors in the work re-raised
+                    if not is_system_failure(exc):
+                        raise
+                    log.warning("regenerate: shard %d lost (%s); handing it out again", shard, failure_reason(exc))
+                    index = sched.inflight[shard]
+                    if sched.lose(shard, failure_reason(exc), replica_died=True):
+                        pool.replica_lost(index, min(30.0, ecfg.placement_timeout_s))
+                else:
+                    manifest.commit(shard, {**stats, "committed_at": time.time()})
+                    r = pool.replicas[sched.commit(shard)]
+                    r.num_tokens += stats["num_generated_tokens"]
+                    r.busy_s += stats["generate_s"]
+                    gen_tokens += stats["num_generated_tokens"]
+                    rate = gen_tokens / max(time.perf_counter() - t_loop, 1e-9)
+                    metrics.add(stats["num_samples"] + stats["num_rejected"], stats["num_generated_tokens"])
+                    metrics.rate.set(rate)
+                    log.info("regenerate: shard %d committed (%d of %d): %d conversations kept, %d rejected, "
+                             "%d tokens generated; %.0f generated tokens/s over all replicas", shard,
+                             len(sched.committed), plan.num_shards, stats["num_samples"], stats["num_rejected"],
+                             stats["num_generated_tokens"], rate)
+                    if bar is not None:
+                        bar.update(stats["num_samples"] + stats["num_rejected"])
+                        bar.set_postfix(tok_s=f"{rate:,.0f}", shards=len(sched.committed))
+                pool.ensure_one(ecfg.placement_timeout_s)
+                dispatch()
+            summary["loop_s"] = time.perf_counter() - t_loop
+            finished = True
+        finally:
+            if bar is not None:
+                bar.close()
+            pool.shutdown(graceful=finished)
+        summary["replicas"] = pool.summary()
+    summary.update(finalize(manifest, plan.num_shards))
+    if summary["num_rejected"]:
+        log.warning("regenerate rejected %d of %d conversations; reasons in %s", summary["num_rejected"],
+                    plan.num_samples, Path(out_dir) / "rejects.jsonl")
+    summary["seconds"] = time.perf_counter() - t_start
+    return summary

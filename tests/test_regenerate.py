@@ -1,0 +1,313 @@
+"""Regenerate stage: turn-by-turn rounds, rejects, reasoning blocks and the re-encoded tokens on
+the tiny tokenizer with a scripted generator (no engine); the vLLM seam; and the stage through
+real Ray + real vLLM (CPU) on the tiny target, committed once per shard and resumed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from eagle3 import tiny
+from eagle3.config import RegenerateConfig, load_job_config
+from eagle3.regenerate import (SHARD_SCHEMA, Generation, Sampling, finalize, regenerate_conversations,
+                               resolve_sampling, split_reasoning, turn_seed, write_shard_table)
+
+DEMO = Path(__file__).resolve().parents[1] / "data" / "demo_conversations.jsonl"
+GREEDY = Sampling(temperature=0.0, top_p=1.0, max_tokens=32, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("tiny_tokenizer")
+    tiny.build_tokenizer(tiny.corpus_texts(DEMO), d)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tok_dir)
+
+
+def conv(*turns: str) -> list[dict]:
+    """user, assistant, user, assistant, ... from the given texts."""
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+
+
+class Scripted:
+    """Answers each prompt with the text `script` gives for (the prompt's text, its sampling);
+    records every call so a test can see the rounds. Stands in for the engine only where the
+    stage's own logic is under test; the engine is covered by the vLLM tests below."""
+
+    def __init__(self, tok, script):
+        self.tok, self.script, self.calls = tok, script, []
+
+    def __call__(self, prompts, params):
+        texts = [self.tok.decode(p) for p in prompts]
+        self.calls.append((texts, params))
+        out = []
+        for text, kw in zip(texts, params):
+            answer, reason = self.script(text, kw)
+            out.append(Generation(answer, len(self.tok(answer, add_special_tokens=False)["input_ids"]), reason))
+        return out
+
+
+def masked_texts(tok, ids, mask) -> list[str]:
+    spans, start = [], None
+    for i, m in enumerate(mask + [0]):
+        if m and start is None:
+            start = i
+        if not m and start is not None:
+            spans.append(tok.decode(ids[start:i]))
+            start = None
+    return spans
+
+
+def test_rounds_see_the_regenerated_history_and_masks_cover_the_new_text(tok):
+    samples = [("a", conv("Tell me about rivers.", "old 1", "More.", "old 2")),
+               ("b", conv("Explain space.", "old 3")),
+               ("c", conv("Hi.", "old 4", "Again.", "old 5", "Once more.", "old 6"))]
+    answers = iter(f"new {i}." for i in range(100))
+    gen = Scripted(tok, lambda text, kw: (next(answers), "stop"))
+    table, stats = regenerate_conversations(gen, tok, samples, GREEDY, max_model_len=512, max_length=512)
+    # One batch per round: round 0 has all three conversations, round 1 two, round 2 one.
+    assert [len(texts) for texts, _ in gen.calls] == [3, 2, 1]
+    # Round 1's prompt of 'a' holds round 0's new answer, not the original one.
+    round1_a = gen.calls[1][0][0]
+    assert "new 0." in round1_a and "old 1" not in round1_a and round1_a.endswith("<|assistant|>\n")
+    assert table.schema == SHARD_SCHEMA and table.column("sample_id").to_pylist() == ["a", "b", "c"]
+    assert stats.num_samples == 3 and stats.num_rejected == 0 and stats.num_turns == 6
+    for row in table.to_pylist():
+        new = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        assert all(t.startswith("new ") for t in new)
+        # The loss mask covers exactly the regenerated answers and their end-of-turn token.
+        assert masked_texts(tok, row["input_ids"], row["loss_mask"]) == [t + "<|end|>" for t in new]
+        assert row["num_tokens"] == len(row["input_ids"])
+    # Each turn's seed depends on the sample and the turn, not on the batch it was in.
+    seeds = [kw["seed"] for _, params in gen.calls for kw in params]
+    assert seeds[0] == turn_seed(0, "a", 0) and len(set(seeds)) == len(seeds)
+
+
+def test_rejects_name_the_turn_and_the_reason(tok):
+    samples = [("cut", conv("Tell me about rivers.", "x")),
+               ("empty", conv("Explain space.", "x")),
+               ("long", conv("word " * 60, "x")),  # the prompt alone fills max_model_len
+               ("ok", conv("Hi.", "x", "Again.", "x")),
+               ("late", conv("Hi.", "x", "cut me later.", "x"))]
+
+    def script(text, kw):
+        if "rivers" in text or "cut me later" in text:
+            return "a b c", "length"
+        if "space" in text:
+            return "  \n", "stop"
+        return "fine.", "stop"
+
+    table, stats = regenerate_conversations(Scripted(tok, script), tok, samples, GREEDY, max_model_len=48,
+                                            max_length=48)
+    reasons = {r["sample_id"]: r["reason"] for r in stats.rejects}
+    assert table.column("sample_id").to_pylist() == ["ok"]
+    assert stats.num_samples + stats.num_rejected == len(samples)
+    assert "assistant turn 0" in reasons["cut"] and "finish_reason 'length'" in reasons["cut"]
+    assert "regenerate.max_tokens" in reasons["cut"]
+    assert reasons["empty"].startswith("assistant turn 0: empty generation")
+    assert "no room to generate within max_model_len=48" in reasons["long"]
+    assert reasons["late"].startswith("assistant turn 1:")  # turn 0 went through, turn 1 was cut
+    # A conversation that encodes longer than max_length after regeneration is a reject too.
+    _, stats = regenerate_conversations(Scripted(tok, lambda t, kw: ("many words " * 20, "stop")), tok,
+                                        [("grew", conv("Hi.", "x"))], GREEDY, max_model_len=512, max_length=40)
+    assert stats.rejects[0]["sample_id"] == "grew" and "> prepare.max_length=40" in stats.rejects[0]["reason"]
+
+
+def test_a_think_block_becomes_reasoning_content(tok):
+    assert split_reasoning("<think>\nweigh it\n</think>\n\nThe answer.") == {
+        "role": "assistant", "content": "The answer.", "reasoning_content": "weigh it"}
+    # The template's generation prompt opened the block: only the closing tag is generated.
+    assert split_reasoning("weigh it</think>The answer.")["reasoning_content"] == "weigh it"
+    assert split_reasoning("No block.") == {"role": "assistant", "content": "No block."}
+    table, stats = regenerate_conversations(
+        Scripted(tok, lambda t, kw: ("<think>hmm</think>Done.", "stop")), tok, [("r", conv("Hi.", "x"))], GREEDY,
+        max_model_len=512, max_length=512)
+    msg = table.to_pylist()[0]["messages"][1]
+    assert msg == {"role": "assistant", "content": "Done.", "reasoning_content": "hmm"}
+    # Reasoning with no answer after it is an empty generation.
+    _, stats = regenerate_conversations(Scripted(tok, lambda t, kw: ("<think>hmm</think>", "stop")), tok,
+                                        [("r", conv("Hi.", "x"))], GREEDY, max_model_len=512, max_length=512)
+    assert "empty generation after its reasoning" in stats.rejects[0]["reason"]
+
+
+def test_reasoning_template_turns_become_one_sample_each_with_their_reasoning_in_the_mask():
+    """A Qwen3-like template drops reasoning from earlier turns: each regenerated turn is its own
+    sample (ids '#t<k>', as prepare names them), trained on its reasoning and answer."""
+    from eagle3.chat_template import TEMPLATES
+    from eagle3.regenerate import conversation_ids
+    from tests.templates import FAMILIES, make_tokenizer
+
+    qtok = make_tokenizer(TEMPLATES["qwen3"])
+    answers = iter([("think one", "The Nile."), ("think two", "The Danube.")])
+
+    def script(text, kw):
+        r, a = next(answers)
+        return f"<think>\n{r}\n</think>\n\n{a}", "stop"
+
+    gen = Scripted(qtok, script)
+    table, stats = regenerate_conversations(gen, qtok, [("q", conv("Tell me something about rivers.", "old",
+                                                                   "Another.", "old"))],
+                                            GREEDY, max_model_len=512, max_length=512)
+    # Round 1's prompt holds round 0's answer in the template's history form (no reasoning).
+    assert "The Nile." in gen.calls[1][0][0] and "think one" not in gen.calls[1][0][0]
+    rows = table.to_pylist()
+    assert [r["sample_id"] for r in rows] == ["q#t1", "q#t2"] and stats.num_samples == 1
+    assert rows[0]["messages"][1] == {"role": "assistant", "content": "The Nile.", "reasoning_content": "think one"}
+    want = FAMILIES["qwen3-thinking"].generated
+    assert masked_texts(qtok, rows[0]["input_ids"], rows[0]["loss_mask"]) == [want("think one", "The Nile.")]
+    assert masked_texts(qtok, rows[1]["input_ids"], rows[1]["loss_mask"]) == [want("think two", "The Danube.")]
+    # Such a conversation's prepared samples map back to one conversation to regenerate.
+    assert conversation_ids(["a", "q#t1", "q#t2", "b"]) == ["a", "q", "b"]
+
+
+def test_sampling_defaults_come_from_the_targets_generation_config(tmp_path):
+    assert resolve_sampling(RegenerateConfig(), str(tmp_path)) == Sampling(1.0, 1.0, 1024, 0)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95}))
+    assert resolve_sampling(RegenerateConfig(), str(tmp_path)) == Sampling(0.6, 0.95, 1024, 0)
+    assert resolve_sampling(RegenerateConfig(temperature=0, seed=3), str(tmp_path)) == Sampling(0.0, 0.95, 1024, 3)
+    with pytest.raises(ValueError, match=r"config regenerate.top_p=1.5: must be in \(0, 1\]"):
+        RegenerateConfig(top_p=1.5)
+
+
+def test_regenerate_stage_needs_the_switch():
+    with pytest.raises(ValueError, match="lists regenerate but regenerate.enabled is false"):
+        load_job_config(None, {"stages": ["prepare", "regenerate"]})
+    cfg = load_job_config(None, {"regenerate.enabled": True, "stages": ["prepare", "regenerate"]})
+    assert cfg.regenerate.enabled and cfg.stages == ("prepare", "regenerate")
+
+
+def test_finalize_writes_tokens_in_shard_order_with_the_tokens_schema(tok, tmp_path):
+    from eagle3.manifest import Manifest
+    from eagle3.prepare import read_tokens
+
+    manifest = Manifest(tmp_path, "parquet")
+    manifest.open({"test": 1})
+    gen = Scripted(tok, lambda t, kw: ("fine.", "stop"))
+    for shard, ids in ((1, ["c"]), (0, ["a", "b"])):  # committed out of order
+        table, stats = regenerate_conversations(gen, tok, [(i, conv("Hi.", "x")) for i in ids], GREEDY,
+                                                max_model_len=512, max_length=512)
+        write_shard_table(table, manifest.data_path(shard))
+        manifest.commit(shard, stats.to_dict())
+    with pytest.raises(RuntimeError, match=r"shards \[2\] uncommitted"):
+        finalize(manifest, 3)
+    summary = finalize(manifest, 2)
+    tokens = read_tokens(tmp_path)  # refuses any other schema
+    assert tokens.column("sample_id").to_pylist() == ["a", "b", "c"] and summary["num_samples"] == 3
+    assert (tmp_path / "rejects.jsonl").read_text() == ""
+
+
+@pytest.fixture(scope="module")
+def weightless_target(tok_dir, tmp_path_factory) -> str:
+    """The tiny tokenizer and a Llama config, no weights: enough for vLLM to resolve engine args."""
+    import shutil
+
+    from transformers import LlamaConfig
+
+    d = tmp_path_factory.mktemp("weightless")
+    shutil.copytree(tok_dir, d, dirs_exist_ok=True)
+    LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=4096).save_pretrained(str(d))
+    return str(d)
+
+
+def test_generation_engine_args_and_sampling_resolve_in_vllm(weightless_target):
+    """The seam compat.vllm_engine.generation_engine_kwargs / generate_texts stand on: vLLM
+    takes our engine arguments as given (prefix caching on, our length), and SamplingParams
+    keeps each turn's sampling and seed. Fails if vLLM renames or overrides one of them."""
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
+
+    from compat.vllm_engine import generation_engine_kwargs
+
+    kw = generation_engine_kwargs(model=weightless_target, max_model_len=384, dtype="bfloat16", max_num_seqs=8,
+                                  enforce_eager=True)
+    cfg = EngineArgs(**kw).create_engine_config()
+    assert cfg.cache_config.enable_prefix_caching is True
+    assert cfg.model_config.max_model_len == 384 and cfg.scheduler_config.max_num_seqs == 8
+    assert not cfg.model_config.skip_tokenizer_init  # generate_texts reads outputs as text
+    sp = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=5, seed=turn_seed(0, "s", 1))
+    assert (sp.temperature, sp.top_p, sp.max_tokens, sp.seed) == (0.7, 0.9, 5, turn_seed(0, "s", 1))
+    assert sp.skip_special_tokens  # end-of-turn tokens stay out of the regenerated text
+
+
+# ----------------------------------------------------------------------- real Ray + real vLLM
+
+def _job(tmp_path, conversations, **regen):
+    return load_job_config(None, {
+        "output_dir": str(tmp_path), "stages": ["prepare", "regenerate", "extract"],
+        "prepare.conversations": str(conversations), "prepare.max_length": 512, "prepare.num_eval_prompts": 1,
+        "extract.num_replicas": 1, "extract.placement_timeout_s": 60,
+        **{f"regenerate.{k}": v for k, v in {"enabled": True, **regen}.items()}})
+
+
+@pytest.mark.slow
+def test_vllm_regenerates_each_conversation_once_and_resumes(tiny_target, tmp_path, ray_local):
+    from transformers import AutoTokenizer
+
+    from eagle3.prepare import prepare_dataset, read_tokens
+    from ray_jobs.regenerate import run_regenerate
+
+    lines = DEMO.read_text().splitlines()[:6]  # the first one is held out for eval
+    (tmp_path / "conv.jsonl").write_text("\n".join(lines) + "\n")
+    cfg = _job(tmp_path, tmp_path / "conv.jsonl", temperature=0, max_tokens=48, samples_per_shard=2,
+               enforce_eager=True)
+    prepare_dataset(cfg.prepare, tiny_target, str(tmp_path / "prepared"))
+    prepared = read_tokens(tmp_path / "prepared")
+    assert prepared.num_rows == 5
+    out = tmp_path / "regenerated"
+    first = run_regenerate(cfg, str(tmp_path / "prepared" / "tokens.parquet"), tiny_target, str(out), progress=False)
+    assert first["num_shards"] == 3 and first["shards_skipped"] == 0
+    assert first["num_samples"] + first["num_rejected"] == 5 and first["num_samples"] >= 1
+    assert first["sampling"] == {"temperature": 0.0, "top_p": 1.0, "max_tokens": 48, "seed": 0}
+    assert first["num_generated_tokens"] > 0
+    tokens = read_tokens(out)
+    kept = tokens.column("sample_id").to_pylist()
+    rejected = [json.loads(line)["sample_id"] for line in (out / "rejects.jsonl").read_text().splitlines()]
+    assert sorted(kept + rejected) == sorted(prepared.column("sample_id").to_pylist())  # each exactly once
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    convs = {r["sample_id"]: r["messages"] for f in first["files"] for r in pq.read_table(f).to_pylist()}
+    originals = {r["sample_id"]: r for r in prepared.to_pylist()}
+    changed = 0
+    for row in tokens.to_pylist():
+        new = [m["content"] for m in convs[row["sample_id"]] if m["role"] == "assistant"]
+        assert all(t.strip() for t in new)
+        assert masked_texts(tok, row["input_ids"], row["loss_mask"]) == [t + "<|end|>" for t in new]
+        changed += row["input_ids"] != originals[row["sample_id"]]["input_ids"]
+    assert changed >= 1  # the target's own text, not the source's
+
+    # A crash after shard 1's file was written but before its commit, and a half-written file:
+    # the rerun redoes shard 1 only, and greedy decoding gives the same conversations again.
+    (out / "committed" / "shard-000001.json").unlink()
+    (out / "data" / "shard-000001.parquet").write_bytes(b"partial")
+    second = run_regenerate(cfg, str(tmp_path / "prepared" / "tokens.parquet"), tiny_target, str(out),
+                            progress=False)
+    assert second["shards_skipped"] == 2
+    assert [s for rep in second["replicas"] for s in rep["shards"]] == [1]
+    assert read_tokens(out).equals(tokens)
+
+    # A finished run starts no engine; other sampling settings are refused, nothing lost.
+    third = run_regenerate(cfg, str(tmp_path / "prepared" / "tokens.parquet"), tiny_target, str(out), progress=False)
+    assert third["shards_skipped"] == 3 and "replicas" not in third
+    with pytest.raises(ValueError, match="holds shards of another input"):
+        run_regenerate(_job(tmp_path, tmp_path / "conv.jsonl", temperature=0.5, max_tokens=48, samples_per_shard=2),
+                       str(tmp_path / "prepared" / "tokens.parquet"), tiny_target, str(out), progress=False)
+    assert read_tokens(out).equals(tokens)
+
+    # Extraction reads the regenerated tokens (hf backend: the orchestration, no second engine).
+    from ray_jobs.extract import run_extract
+
+    ecfg = load_job_config(None, {"output_dir": str(tmp_path), "prepare.max_length": 512, "extract.backend": "hf",
+                                  "stages": ["extract"]})
+    ext = run_extract(ecfg, str(out / "tokens.parquet"), tiny_target, str(tmp_path / "hs"), progress=False,
+                      tokens_source="regenerated")
+    assert ext["num_samples"] == len(kept)
+    assert json.loads((tmp_path / "hs" / "MANIFEST.json").read_text())["tokens_source"] == "regenerated"
