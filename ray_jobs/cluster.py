@@ -11,18 +11,28 @@ REPO_ROOT = str(Path(__file__).resolve().parents[1])
 def init_ray(address: str | None = None, num_cpus: int | None = None, object_store_memory: int | None = None) -> None:
     """Join the cluster this job runs in (ray job submit sets RAY_ADDRESS), the given address,
     or start a local one (with `object_store_memory` bytes of object store, else Ray's default).
-    Workers see this repository on their PYTHONPATH either way."""
+    Workers run with job_runtime_env() either way."""
     import ray
 
     if ray.is_initialized():
         return
-    runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))}}
+    runtime_env = job_runtime_env()
     if address or os.environ.get("RAY_ADDRESS"):
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
     else:
         # The dashboard is where users watch the job, and Ray Train queries its controller through it.
         ray.init(num_cpus=num_cpus, runtime_env=runtime_env, include_dashboard=True, log_to_driver=True,
                  object_store_memory=object_store_memory)
+
+
+def job_runtime_env() -> dict:
+    """The job's runtime env: this repository on the workers' PYTHONPATH, and the engines' INFO
+    lines sent to each worker's own log file instead of the job's output (actors.engine_logs),
+    unless EAGLE3_ENGINE_LOGS=1 is set in this process's environment."""
+    env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))}}
+    if os.environ.get("EAGLE3_ENGINE_LOGS") != "1":
+        env["worker_process_setup_hook"] = "actors.engine_logs.setup_worker"
+    return env
 
 
 def wait_placement_groups(pgs: list, timeout_s: float, what: str, bundle: dict) -> list:

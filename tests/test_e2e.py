@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -126,19 +130,46 @@ def test_rerun_resumes_without_redoing_extraction(demo_run, tmp_path):
     assert f"loss {first['loss_first']:.4f} -> {first['loss_last']:.4f}, all done at step 20" in proc.stdout
 
 
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def test_same_driver_runs_under_ray_job_submit(tmp_path):
+    """A head node of its own (its own temp dir and ports, `ray start --block` in a process group
+    of its own), stopped by signalling that command: `ray stop` would stop every Ray cluster on
+    the machine, including ones this test did not start."""
     # Ray 2.60 turns token authentication on; the CLI client must hold the cluster's token.
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=os.urandom(16).hex())
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    subprocess.run([ray_bin, "stop", "--force"], capture_output=True, env=env, timeout=120)
-    start = subprocess.run([ray_bin, "start", "--head", "--num-cpus=2", "--dashboard-port=8265",
-                            "--include-dashboard=true"], capture_output=True, text=True, env=env, timeout=180)
-    assert start.returncode == 0, start.stderr[-2000:]
+    temp_dir = tempfile.mkdtemp(prefix="e3sub-")  # short: Ray's socket paths must stay under 107 characters
+    gcs, dashboard, client, node_manager, object_manager, agent, agent_grpc, metrics, runtime_env = _free_ports(9)
+    log = open(tmp_path / "ray-start.log", "w")
+    head = subprocess.Popen(
+        [ray_bin, "start", "--head", "--block", "--num-cpus=2", f"--temp-dir={temp_dir}", f"--port={gcs}",
+         "--include-dashboard=true", f"--dashboard-port={dashboard}", f"--ray-client-server-port={client}",
+         f"--node-manager-port={node_manager}", f"--object-manager-port={object_manager}",
+         f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
+         f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={runtime_env}"],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
+        address = f"http://127.0.0.1:{dashboard}"
+        for _ in range(180):  # the head is up when its job server answers
+            assert head.poll() is None, (tmp_path / "ray-start.log").read_text()[-3000:]
+            if subprocess.run([ray_bin, "job", "list", "--address", address], capture_output=True, env=env,
+                              timeout=60).returncode == 0:
+                break
+            time.sleep(1)
         out = tmp_path / "submitted"
         sub = subprocess.run(
-            [ray_bin, "job", "submit", "--address", "http://127.0.0.1:8265", "--working-dir", str(REPO),
+            [ray_bin, "job", "submit", "--address", address, "--working-dir", str(REPO),
              "--runtime-env-json", json.dumps({"excludes": [".venv", "runs", ".gpu*", ".git"]}), "--",
              sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml", "--set", f"output_dir={out}",
              "--set", "stages=[prepare]", "--set", "doctor=false"],
@@ -147,4 +178,23 @@ def test_same_driver_runs_under_ray_job_submit(tmp_path):
         assert "succeeded" in sub.stdout
         assert pq.read_table(out / "prepared" / "tokens.parquet").num_rows == 232
     finally:
-        subprocess.run([ray_bin, "stop", "--force"], capture_output=True, env=env, timeout=120)
+        # `ray start --block` stops the processes it started when signalled; its process group
+        # is this test's alone, so whatever is left in it can be killed without touching others.
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait(timeout=30)
+        log.close()
+        left = _processes_of(temp_dir)
+        for proc in left:  # this cluster's own processes (its temp dir is in their command lines)
+            proc.kill()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert not left, f"still running after the head was stopped: {[p.info['cmdline'][:2] for p in left]}"
+
+
+def _processes_of(temp_dir: str) -> list:
+    import psutil
+
+    return [p for p in psutil.process_iter(["cmdline"]) if temp_dir in " ".join(p.info["cmdline"] or [])]
