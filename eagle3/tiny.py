@@ -6,13 +6,15 @@ those conversations (`pretrain_steps`) so that its greedy text looks like them: 
 target's greedy text is degenerate, and a draft trained on conversations would then be
 evaluated on text unlike anything it saw.
 Does not own: anything a real target needs (those come from the user's model directory).
-Nothing is downloaded; the same seed and `size` give the same bytes.
+Nothing is downloaded; the same seed and `size` give the same bytes. `build_tokenizer` and
+`llama_config` are shared with `benchmarks.make_target` (the ShareGPT-trained targets).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterable, Sequence
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -40,30 +42,67 @@ def corpus_texts(conversations_path: str | Path) -> list[str]:
     return texts
 
 
-def build_tokenizer(texts: list[str], out_dir: str | Path, vocab_size: int = 1024):
+def build_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: int = 1024, *,
+                    special_tokens: Sequence[str] = SPECIAL_TOKENS, chat_template: str = CHAT_TEMPLATE,
+                    bos_token: str | None = "<|bos|>", eos_token: str = "<|end|>", pad_token: str = "<|pad|>",
+                    added_tokens: Sequence[str] = ()):
+    """Train a byte-level BPE tokenizer on `texts`, give it `chat_template`, save it to `out_dir`.
+
+    `special_tokens` come first in the vocabulary, in order; those not named as bos, eos or
+    pad are registered as additional special tokens, so the template's role markers are never
+    split. `added_tokens` become single, non-special ids (text such as think tags that a
+    parser reads back). The defaults are the tiny target's (its bytes must not change).
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    named = {bos_token, eos_token, pad_token}
+    missing = sorted(t for t in named if t is not None and t not in special_tokens)
+    if missing:
+        raise ValueError(f"build_tokenizer: bos/eos/pad tokens {missing} are not among special_tokens "
+                         f"{list(special_tokens)}; list them there")
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
+    if added_tokens:
+        tok.add_tokens(list(added_tokens))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token="<|bos|>",
-        eos_token="<|end|>",
-        pad_token="<|pad|>",
-        additional_special_tokens=SPECIAL_TOKENS[3:],
+        bos_token=bos_token,
+        eos_token=eos_token,
+        pad_token=pad_token,
+        additional_special_tokens=[t for t in special_tokens if t not in named],
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     fast.save_pretrained(str(out_dir))
     return fast
+
+
+def llama_config(tok, *, max_position_embeddings: int = 4096, initializer_range: float = 0.05, **shape):
+    """A Llama config for `tok` (vocab size and its bos/eos/pad ids), bf16, untied embeddings;
+    `shape` gives hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+    num_key_value_heads."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=len(tok),
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        torch_dtype="bfloat16",
+        initializer_range=initializer_range,
+        **shape,
+    )
 
 
 def _pretrain(model, tok, conversations_path, steps: int, seed: int) -> None:
@@ -95,7 +134,7 @@ def build_tiny_target(out_dir: str | Path, conversations_path: str | Path, *, si
     Reuses `out_dir` when it already holds a model built with the same settings.
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     if size not in _SHAPES:
         raise ValueError(f"tiny model size={size} is not one of {sorted(_SHAPES)}")
@@ -108,18 +147,7 @@ def build_tiny_target(out_dir: str | Path, conversations_path: str | Path, *, si
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(corpus_texts(conversations_path), out)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        torch_dtype="bfloat16",
-        initializer_range=0.05,
-        **_SHAPES[size],
-    )
+    cfg = llama_config(tok, **_SHAPES[size])
     model = LlamaForCausalLM(cfg)
     if pretrain_steps:
         _pretrain(model, tok, conversations_path, pretrain_steps, seed)
