@@ -298,9 +298,16 @@ class RayConfig:
     """None: join the cluster this job was submitted to, else start a local one."""
     num_cpus: int | None = None
     """Only for a local cluster started by the job."""
+    dashboard_host: str = "127.0.0.1"
+    """Only for a local cluster started by the job: the address its dashboard and job server
+    (ray job submit) listen on. Loopback by default: anyone who reaches them can run code on
+    the cluster. "0.0.0.0" serves every interface (then keep Ray's token authentication on)."""
 
     def __post_init__(self):
         check_types(self, "ray")
+        if not self.dashboard_host.strip():
+            _fail("ray", "dashboard_host", self.dashboard_host,
+                  "must be an address to listen on: 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)")
         if self.num_cpus is not None and self.num_cpus < 1:
             _fail("ray", "num_cpus", self.num_cpus, "must be >= 1, or null (all of this machine's)")
 

@@ -144,6 +144,11 @@ def initialize(model, cfg: TrainConfig, world_size: int, *, use_gpu: bool | None
                                       weight_decay=cfg.weight_decay)
     config = deepspeed_config(cfg, world_size, use_gpu=use_gpu)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer, config=config)
+    # DeepSpeed resumes with a full unpickle of the checkpoint files; a crafted file would run its
+    # code. Ours reads tensors and DeepSpeed's own state only (compat/deepspeed_checkpoint).
+    from compat.deepspeed_checkpoint import install_safe_loader
+
+    install_safe_loader(engine)
     logger.info("DeepSpeed engine: ZeRO stage %d, bf16=%s, world_size=%d, %d trainable tensors (%d params)",
                 cfg.zero_stage, config["bf16"]["enabled"], world_size, len(params), sum(p.numel() for p in params))
     return engine

@@ -8,10 +8,13 @@ from pathlib import Path
 REPO_ROOT = str(Path(__file__).resolve().parents[1])
 
 
-def init_ray(address: str | None = None, num_cpus: int | None = None, object_store_memory: int | None = None) -> None:
+def init_ray(address: str | None = None, num_cpus: int | None = None, object_store_memory: int | None = None,
+             dashboard_host: str = "127.0.0.1") -> None:
     """Join the cluster this job runs in (ray job submit sets RAY_ADDRESS), the given address,
-    or start a local one (with `object_store_memory` bytes of object store, else Ray's default).
-    Workers run with job_runtime_env() either way."""
+    or start a local one (with `object_store_memory` bytes of object store, else Ray's default),
+    its dashboard and job server listening on `dashboard_host` only (loopback unless told
+    otherwise: the job server runs whatever is submitted to it). Workers run with
+    job_runtime_env() either way."""
     import ray
 
     if ray.is_initialized():
@@ -22,7 +25,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, object_sto
     else:
         # The dashboard is where users watch the job, and Ray Train queries its controller through it.
         ray.init(num_cpus=num_cpus, runtime_env=runtime_env, include_dashboard=True, log_to_driver=True,
-                 object_store_memory=object_store_memory)
+                 object_store_memory=object_store_memory, dashboard_host=dashboard_host)
 
 
 def job_runtime_env() -> dict:

@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     from ray_jobs.cluster import init_ray
     from ray_jobs.target import resolve_target
 
-    init_ray(cfg.ray.address, cfg.ray.num_cpus)
+    init_ray(cfg.ray.address, cfg.ray.num_cpus, dashboard_host=cfg.ray.dashboard_host)
     target_dir = resolve_target(cfg, Path(cfg.output_dir).resolve())
     ok, table, reports = run_doctor(cfg, target_dir, dry_run=not args.no_dry_run)
     print(table, flush=True)

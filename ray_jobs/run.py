@@ -68,7 +68,7 @@ def run(cfg: JobConfig) -> dict:
 
     out = Path(cfg.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    init_ray(cfg.ray.address, cfg.ray.num_cpus)
+    init_ray(cfg.ray.address, cfg.ray.num_cpus, dashboard_host=cfg.ray.dashboard_host)
     report: dict = {"output_dir": str(out), "stages": {}, "seconds": {}}
     t0 = time.perf_counter()
 
