@@ -13,7 +13,7 @@ step; `ray.train.report` is called only with checkpoints and once at the end, be
 call is a barrier across workers (~1.9 s per call measured with Ray 2.60 on 2 CPU workers,
 against ~0.1 s for a tiny-draft step).
 
-Checkpoints: when due (cfg.checkpoint_every, and after the last step) every rank writes its
+Checkpoints: when due (cfg.checkpoint.checkpoint_every, and after the last step) every rank writes its
 DeepSpeed checkpoint files (model states on rank 0, its own ZeRO optimizer shard, and the
 client state with every rank's data position and RNG states) to a local temporary directory
 and reports it; Ray Train merges the ranks' files into one checkpoint directory of the run's
@@ -63,8 +63,8 @@ def train_loop_per_worker(config: dict) -> None:
 
     last: dict = {}
     progress = _Progress(cfg, config["metrics_path"]) if rank == 0 else None
-    profiler = StepProfiler(cfg.profile_steps, Path(config["metrics_path"]).parent / "profile",
-                            done=trainer.global_step) if rank == 0 and cfg.profile_steps else None
+    profiler = StepProfiler(cfg.profiling.profile_steps, Path(config["metrics_path"]).parent / "profile",
+                            done=trainer.global_step) if rank == 0 and cfg.profiling.profile_steps else None
 
     def on_step(metrics: dict) -> None:
         last.update(metrics)
@@ -110,7 +110,7 @@ class StepProfiler:
         self.prof = None
         before = self.first - 1 - done  # profiler steps before the first recorded one
         if before < 0:
-            logger.warning("train.profile_steps %s: this run starts at step %d, past them; not profiling",
+            logger.warning("train.profiling.profile_steps %s: this run starts at step %d, past them; not profiling",
                            steps, done + 1)
             return
         cuda = torch.cuda.is_available()
@@ -241,7 +241,7 @@ def run_training(cfg: TrainConfig, data_files: list[str], target_dir: str, out_d
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         run_config=RunConfig(
             name=RUN_NAME, storage_path=str(out / "ray_train"),
-            checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_checkpoints_to_keep),
             worker_runtime_env={"env_vars": env_vars},
         ),
     )

@@ -19,7 +19,7 @@ local_rank)`, `torch.accelerator.synchronize()`, Triton fused losses), only ours
     python -m benchmarks.train_bench --shape tiny --extract-backend hf --skip-speculators --out /tmp/tb
 
 `--profile-steps FIRST LAST` also records those steps of ours with torch.profiler
-(train.profile_steps) and copies its top-ops table and gzipped trace to --out, with the GPU's idle
+(train.profiling.profile_steps) and copies its top-ops table and gzipped trace to --out, with the GPU's idle
 gaps in it (benchmarks.trace_gaps, NAME-gaps.md); the profiler slows
 what it records, so such a run's throughput is not a figure to compare.
 
@@ -515,9 +515,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="how our shards store hidden states; speculators' files hold them in bf16 either way "
                          "(fp8 shards are dequantised into them), so fp8 gives our trainer half the bytes to read")
     ap.add_argument("--prefetch-batches", type=int, default=None,
-                    help="our trainer's train.prefetch_batches (default: TrainConfig's); 0 = no prefetch")
+                    help="our trainer's train.data.prefetch_batches (default: DataConfig's); 0 = no prefetch")
     ap.add_argument("--profile-steps", type=int, nargs=2, default=None, metavar=("FIRST", "LAST"),
-                    help="our trainer's train.profile_steps: torch.profiler over these steps; its top_ops.txt "
+                    help="our trainer's train.profiling.profile_steps: torch.profiler over these steps; its top_ops.txt "
                          "(and trace.json.gz) go to --out. It slows the steps it records: not for a throughput run")
     ap.add_argument("--samples-per-shard", type=int, default=64)
     ap.add_argument("--page-cache", choices=("cold", "warm"), default="cold",
@@ -605,15 +605,18 @@ def run_ours(s: BenchSettings, args, work: Path, target_dir: str, files: list[st
     """Step 4a: our trainer through Ray Train (actors.trainer.run_training), its steady state read
     from `step_log`. A failure is recorded in the returned dict ("failed"), not raised."""
     from actors.trainer import run_training
-    from eagle3.train_config import TrainConfig
+    from eagle3.train_config import (CheckpointConfig, DataConfig, DraftConfig, OptimizerConfig, ProfilingConfig,
+                                     TrainConfig)
 
-    tcfg = TrainConfig(num_workers=1, num_steps=s.num_steps, lr=s.lr, seed=s.seed, warmup_steps=s.warmup_steps,
-                       micro_batch_tokens=s.micro_batch_tokens, weight_decay=s.weight_decay, grad_clip=1.0,
-                       ttt_steps=s.ttt_steps, ttt_step_loss_decay=1.0, num_draft_layers=s.num_draft_layers,
-                       draft_vocab_size=draft_vocab, loss=s.loss, draft_attn_impl=s.draft_attn_impl,
-                       shuffle_buffer_size=s.samples_per_step, checkpoint_every=s.num_steps,
-                       num_checkpoints_to_keep=1, profile_steps=args.profile_steps,
-                       **({} if args.prefetch_batches is None else {"prefetch_batches": args.prefetch_batches}))
+    tcfg = TrainConfig(
+        num_workers=1, num_steps=s.num_steps, seed=s.seed,
+        optimizer=OptimizerConfig(lr=s.lr, warmup_steps=s.warmup_steps, weight_decay=s.weight_decay, grad_clip=1.0),
+        draft=DraftConfig(ttt_steps=s.ttt_steps, ttt_step_loss_decay=1.0, num_draft_layers=s.num_draft_layers,
+                          draft_vocab_size=draft_vocab, loss=s.loss, draft_attn_impl=s.draft_attn_impl),
+        data=DataConfig(micro_batch_tokens=s.micro_batch_tokens, shuffle_buffer_size=s.samples_per_step,
+                        **({} if args.prefetch_batches is None else {"prefetch_batches": args.prefetch_batches})),
+        checkpoint=CheckpointConfig(checkpoint_every=s.num_steps, num_checkpoints_to_keep=1),
+        profiling=ProfilingConfig(profile_steps=args.profile_steps))
     ours: dict = {"train_config": asdict(tcfg), "use_gpu": gpu}
     try:
         summary = run_training(tcfg, files, target_dir, str(work / "ours"), use_gpu=gpu)

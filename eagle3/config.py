@@ -344,8 +344,8 @@ class JobConfig:
                   "sample must fit one step); raise it, lower prepare.max_length, or use null (max(8192, max_length))")
         # Samples of up to prepare.max_length tokens would be cut in training; prepare rejects
         # over-long samples rather than truncate them, so training must not truncate either.
-        if "train" in self.stages and t.micro_batch_tokens < p.max_length:
-            _fail("train", "micro_batch_tokens", t.micro_batch_tokens,
+        if "train" in self.stages and t.data.micro_batch_tokens < p.max_length:
+            _fail("train", "data.micro_batch_tokens", t.data.micro_batch_tokens,
                   f"must be >= prepare.max_length={p.max_length}, or samples would be truncated in training; "
                   "raise it or lower prepare.max_length")
         if "regenerate" in self.stages and not self.regenerate.enabled:
@@ -360,10 +360,18 @@ class JobConfig:
         return dataclasses.asdict(self)
 
 
-def _build(cls, data: Any, where: str):
-    """The dataclass `cls` from a mapping; a field whose hint is a config dataclass is a section,
-    built the same way. Types, ranges and cross-stage limits are checked by the dataclasses'
-    own __post_init__ (eagle3.typed_config.check_types first)."""
+def _sections(cls) -> dict[str, type]:
+    """The fields of `cls` whose hint is a config dataclass (its sections), by name."""
+    return {name: hint for name, hint in field_hints(cls).items()
+            if isinstance(hint, type) and dataclasses.is_dataclass(hint)}
+
+
+def config_from_dict(cls, data: Any, where: str = ""):
+    """The config dataclass `cls` from a mapping, `where` being its dotted name in error messages
+    ("train" for a TrainConfig); a field whose hint is a config dataclass is a section, built the
+    same way. Types, ranges and cross-stage limits are checked by the dataclasses' own
+    __post_init__ (eagle3.typed_config.check_types first). A key of a section's section given one
+    level up (`train.lr`, now `train.optimizer.lr`) is refused with where it belongs."""
     if data is None:
         return cls()
     if not isinstance(data, dict):
@@ -371,19 +379,25 @@ def _build(cls, data: Any, where: str):
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(data) - set(known), key=str)
     if unknown:
+        at = f"{where}." if where else ""
+        moved = [f"{at}{k} is now {at}{s}.{k}" for k in unknown
+                 for s, sub in _sections(cls).items() if k in {f.name for f in fields(sub)}]
+        if moved:
+            raise ValueError(f"config {where or 'file'}: {'; '.join(moved)} (keys grouped by concern); "
+                             "move each under its section")
         raise ValueError(f"config {where or 'file'}: unknown keys {unknown}; known: {sorted(known)}")
+    sections = _sections(cls)
     kwargs = {}
-    hints = field_hints(cls)
     for name, value in data.items():
-        if isinstance(hints[name], type) and dataclasses.is_dataclass(hints[name]):
-            kwargs[name] = _build(hints[name], value, f"{where}.{name}" if where else name)
+        if name in sections:
+            kwargs[name] = config_from_dict(sections[name], value, f"{where}.{name}" if where else name)
         else:
             kwargs[name] = value
     return cls(**kwargs)
 
 
 def job_config_from_dict(data: dict) -> JobConfig:
-    return _build(JobConfig, data, "")
+    return config_from_dict(JobConfig, data, "")
 
 
 def load_job_config(path: str | Path | None, overrides: dict | None = None) -> JobConfig:
@@ -407,7 +421,7 @@ def load_job_config(path: str | Path | None, overrides: dict | None = None) -> J
             node = node[p]
             if not isinstance(node, dict):
                 raise ValueError(f"config override {dotted}={value!r}: {'.'.join(parents[: i + 1])} is {node!r}, "
-                                 "not a section; override a key inside a section, e.g. train.lr=0.001")
+                                 "not a section; override a key inside a section, e.g. train.optimizer.lr=0.001")
         node[leaf] = value
     # Overrides land in the same mapping as the file's keys, so they pass the same checks.
     return job_config_from_dict(data)

@@ -37,8 +37,8 @@ def detect_gpu() -> bool:
 
 
 def resolve_bf16(cfg: TrainConfig, use_gpu: bool) -> bool:
-    """cfg.bf16, or (None) bf16 on GPUs and fp32 on CPU."""
-    return use_gpu if cfg.bf16 is None else cfg.bf16
+    """cfg.optimizer.bf16, or (None) bf16 on GPUs and fp32 on CPU."""
+    return use_gpu if cfg.optimizer.bf16 is None else cfg.optimizer.bf16
 
 
 def deepspeed_config(cfg: TrainConfig, world_size: int, *, use_gpu: bool | None = None) -> dict:
@@ -51,26 +51,26 @@ def deepspeed_config(cfg: TrainConfig, world_size: int, *, use_gpu: bool | None 
         raise ValueError(f"world_size={world_size}: expected >= 1 data-parallel ranks")
     if use_gpu is None:
         use_gpu = detect_gpu()
-    gas = cfg.gradient_accumulation_steps
+    gas = cfg.data.gradient_accumulation_steps
     # DeepSpeed's schedulers leave optimizer step 1 at lr 0 (scheduler iteration -1); step k + 1
     # runs iteration k. Starting the linear ramp at 1/(W + 1) makes the whole warmup linear:
     # lr * (0, 1, 2, ..., W) / (W + 1), then cosine from ~lr to min_lr at num_steps.
     # WarmupCosineLR holds >= 2 warmup iterations; with W = 0 a start ratio of 1 keeps them at lr.
-    W = cfg.warmup_steps
+    W = cfg.optimizer.warmup_steps
     warmup = {"warmup_num_steps": max(W, 1), "warmup_min_ratio": 1.0 / (W + 1)}
     ds = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": gas,
         "train_batch_size": gas * world_size,
-        "gradient_clipping": float(cfg.grad_clip),
-        "zero_optimization": {"stage": cfg.zero_stage},
+        "gradient_clipping": float(cfg.optimizer.grad_clip),
+        "zero_optimization": {"stage": cfg.optimizer.zero_stage},
         "bf16": {"enabled": resolve_bf16(cfg, use_gpu)},
         "fp16": {"enabled": False},
         "scheduler": {
             "type": "WarmupCosineLR",
             "params": {
                 "total_num_steps": cfg.num_steps,
-                "cos_min_ratio": cfg.min_lr / cfg.lr,
+                "cos_min_ratio": cfg.optimizer.min_lr / cfg.optimizer.lr,
                 "warmup_type": "linear",
                 **warmup,
             },
@@ -81,7 +81,8 @@ def deepspeed_config(cfg: TrainConfig, world_size: int, *, use_gpu: bool | None 
     if use_gpu:
         ds["optimizer"] = {
             "type": "AdamW",
-            "params": {"lr": cfg.lr, "betas": list(ADAM_BETAS), "eps": ADAM_EPS, "weight_decay": cfg.weight_decay},
+            "params": {"lr": cfg.optimizer.lr, "betas": list(ADAM_BETAS), "eps": ADAM_EPS,
+                       "weight_decay": cfg.optimizer.weight_decay},
         }
     return ds
 
@@ -140,8 +141,8 @@ def initialize(model, cfg: TrainConfig, world_size: int, *, use_gpu: bool | None
         raise ValueError("the draft has no trainable parameters; check that it was built for training")
     optimizer = None
     if not use_gpu:
-        optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=ADAM_BETAS, eps=ADAM_EPS,
-                                      weight_decay=cfg.weight_decay)
+        optimizer = torch.optim.AdamW(params, lr=cfg.optimizer.lr, betas=ADAM_BETAS, eps=ADAM_EPS,
+                                      weight_decay=cfg.optimizer.weight_decay)
     config = deepspeed_config(cfg, world_size, use_gpu=use_gpu)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer, config=config)
     # DeepSpeed resumes with a full unpickle of the checkpoint files; a crafted file would run its
@@ -150,7 +151,8 @@ def initialize(model, cfg: TrainConfig, world_size: int, *, use_gpu: bool | None
 
     install_safe_loader(engine)
     logger.info("DeepSpeed engine: ZeRO stage %d, bf16=%s, world_size=%d, %d trainable tensors (%d params)",
-                cfg.zero_stage, config["bf16"]["enabled"], world_size, len(params), sum(p.numel() for p in params))
+                cfg.optimizer.zero_stage, config["bf16"]["enabled"], world_size, len(params),
+                sum(p.numel() for p in params))
     return engine
 
 

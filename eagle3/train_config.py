@@ -1,15 +1,21 @@
-"""Training-stage config (consumed by eagle3.trainer, eagle3.deepspeed_backend, actors.trainer).
+"""Training-stage config (consumed by eagle3.trainer, eagle3.deepspeed_backend, eagle3.data,
+actors.trainer).
 
-Owns: every knob of draft training and its validation. Torch-free (drivers load configs
-before any heavy import), so the loss names speculators knows are listed here and a
-test checks them against speculators' own table.
+Owns: every knob of draft training and its validation, grouped by concern: `train.optimizer`
+(learning-rate schedule, ZeRO, precision), `train.draft` (the draft model and its loss),
+`train.data` (batches: size, shuffle, prefetch), `train.checkpoint` and `train.profiling`; what
+is the stage's own (workers, steps, seed) stays at `train`'s top. A section is a frozen
+dataclass built and type-checked like every other (eagle3.config builds it from the hints, so
+errors name `train.optimizer.lr`). Torch-free (drivers load configs before any heavy import),
+so the loss names speculators knows are listed here and a test checks them against
+speculators' own table.
 Does not own: the aux layer ids (read from the hidden-states schema the extract stage
 wrote) or the ZeRO/bf16 translation into DeepSpeed (eagle3.deepspeed_backend).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from eagle3.typed_config import check_types
@@ -27,19 +33,20 @@ def _fail(name: str, value: Any, fix: str) -> None:
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    """DeepSpeed EAGLE-3 draft training."""
+class OptimizerConfig:
+    """AdamW, its learning-rate schedule, and how DeepSpeed holds its state (ZeRO, precision)."""
 
-    num_workers: int = 1
-    """Ray Train workers (one DeepSpeed data-parallel rank each; one GPU each on a GPU cluster)."""
-    num_steps: int = 20
-    """Optimizer steps (each = gradient_accumulation_steps micro-batches per rank). Data is
-    cycled in epochs as needed: training length is set in steps, not epochs."""
     lr: float = 3e-4
     """Peak AdamW learning rate, reached after warmup_steps."""
-    seed: int = 0
-    """Seeds the draft's initial weights and the data shuffle (order depends on seed and epoch)."""
-
+    min_lr: float = 0.0
+    """Cosine decay floor reached at train.num_steps; must be <= lr."""
+    warmup_steps: int = 2
+    """Linear warmup: steps 1..W+1 run at lr * (0, 1, ..., W) / (W + 1), then cosine decay
+    (DeepSpeed WarmupCosineLR; its first step always runs at lr 0). Must be <= train.num_steps."""
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay (speculators' default)."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip; 0 disables clipping."""
     zero_stage: ZeroStage = 2
     """DeepSpeed ZeRO stage 0-3. 0: plain data parallel; 1/2: shard optimizer state / gradients
     (the default: the draft's frozen embeddings and lm_head stay replicated, trainable state
@@ -47,20 +54,24 @@ class TrainConfig:
     bf16: bool | None = None
     """bf16 mixed precision (fp32 master weights in the optimizer). None: on with GPUs, off on
     CPU (CPUs without AMX run bf16 matmuls slower than fp32). True is allowed on CPU."""
-    micro_batch_tokens: int = 8192
-    """Tokens per micro-batch per rank: samples are packed (document-masked) into one
-    [1, micro_batch_tokens] sequence. A sample longer than this is truncated with a warning."""
-    gradient_accumulation_steps: int = 1
-    """Micro-batches per optimizer step. Tokens per step ~= micro_batch_tokens * this * num_workers."""
-    warmup_steps: int = 2
-    """Linear warmup: steps 1..W+1 run at lr * (0, 1, ..., W) / (W + 1), then cosine decay
-    (DeepSpeed WarmupCosineLR; its first step always runs at lr 0). Must be <= num_steps."""
-    min_lr: float = 0.0
-    """Cosine decay floor reached at num_steps; must be <= lr."""
-    weight_decay: float = 0.01
-    """AdamW decoupled weight decay (speculators' default)."""
-    grad_clip: float = 1.0
-    """Global gradient-norm clip; 0 disables clipping."""
+
+    def __post_init__(self):
+        check_types(self, "train.optimizer")
+        if not self.lr > 0:
+            _fail("optimizer.lr", self.lr, "must be > 0")
+        if not 0 <= self.min_lr <= self.lr:
+            _fail("optimizer.min_lr", self.min_lr, f"must be in [0, lr={self.lr}]")
+        if self.warmup_steps < 0:
+            _fail("optimizer.warmup_steps", self.warmup_steps, "must be >= 0")
+        if self.weight_decay < 0:
+            _fail("optimizer.weight_decay", self.weight_decay, "must be >= 0")
+        if self.grad_clip < 0:
+            _fail("optimizer.grad_clip", self.grad_clip, "must be >= 0 (0 disables clipping)")
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """The draft model's shape, its training-time-test unroll and its loss."""
 
     ttt_steps: int = 3
     """Training-time-test unroll depth: the draft is trained on its own predictions this many
@@ -83,8 +94,30 @@ class TrainConfig:
     draft_attn_impl: DraftAttnImpl | None = None
     """Draft attention in training: sdpa, eager, or simple_flex_attention (speculators' default:
     compiled flex attention with block masks). None: flex attention on GPU, sdpa on CPU. sdpa
-    builds dense [T, ttt_steps * T] masks, so its cost per token grows with micro_batch_tokens."""
+    builds dense [T, ttt_steps * T] masks, so its cost per token grows with
+    train.data.micro_batch_tokens."""
 
+    def __post_init__(self):
+        check_types(self, "train.draft")
+        if self.ttt_steps < 1:
+            _fail("draft.ttt_steps", self.ttt_steps, "must be >= 1")
+        if not self.ttt_step_loss_decay > 0:
+            _fail("draft.ttt_step_loss_decay", self.ttt_step_loss_decay, "must be > 0")
+        if self.num_draft_layers < 1:
+            _fail("draft.num_draft_layers", self.num_draft_layers, "must be >= 1")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            _fail("draft.draft_vocab_size", self.draft_vocab_size, "must be >= 1 or null (min(32000, target vocab))")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The batches each rank trains on: their size, the shuffle, and how they are built ahead."""
+
+    micro_batch_tokens: int = 8192
+    """Tokens per micro-batch per rank: samples are packed (document-masked) into one
+    [1, micro_batch_tokens] sequence. A sample longer than this is truncated with a warning."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step. Tokens per step ~= micro_batch_tokens * this * train.num_workers."""
     shuffle_buffer_size: int = 256
     """Samples held per rank for the streaming shuffle (memory: this many samples, as views of the
     memory-mapped shards: page cache, not copies)."""
@@ -101,55 +134,82 @@ class TrainConfig:
     1.59 (benchmarks/results/batch-h200-1b-run5.md), and 4 of them cost the step's kernel launches
     nothing measurable. 0: a thread of the trainer instead, whose GIL slows those launches (the
     fallback, with a warning, where /dev/shm cannot hold the ring)."""
-    profile_steps: list[int] | None = None
-    """[first, last]: rank 0 records optimizer steps first..last with torch.profiler (CPU, and
-    CUDA where there is one) and writes profile/trace.json (Perfetto, chrome://tracing) and
-    profile/top_ops.txt next to metrics.jsonl: what a slow step waits for. Off by default: the
-    profiler slows the steps it records."""
+
+    def __post_init__(self):
+        check_types(self, "train.data")
+        if self.micro_batch_tokens < 16:
+            _fail("data.micro_batch_tokens", self.micro_batch_tokens, "must be >= 16 tokens")
+        if self.gradient_accumulation_steps < 1:
+            _fail("data.gradient_accumulation_steps", self.gradient_accumulation_steps, "must be >= 1")
+        if self.shuffle_buffer_size < 1:
+            _fail("data.shuffle_buffer_size", self.shuffle_buffer_size, "must be >= 1 (1 = no shuffle within shards)")
+        if self.prefetch_batches is not None and self.prefetch_batches < 0:
+            _fail("data.prefetch_batches", self.prefetch_batches, "must be >= 0 (0 = no prefetch) or null (auto)")
+        if self.data_workers is not None and self.data_workers < 0:
+            _fail("data.data_workers", self.data_workers, "must be >= 0 (0 = a thread) or null (auto)")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """DeepSpeed checkpoints in the run's storage (what a resume starts from)."""
+
     checkpoint_every: int = 50
     """Save a DeepSpeed checkpoint every this many steps (and always after the last step)."""
     num_checkpoints_to_keep: int | None = 2
     """Checkpoints kept in the run's storage (oldest deleted first); None keeps all."""
 
     def __post_init__(self):
-        check_types(self, "train")  # types and Literal choices; the ranges below
+        check_types(self, "train.checkpoint")
+        if self.checkpoint_every < 1:
+            _fail("checkpoint.checkpoint_every", self.checkpoint_every, "must be >= 1 step")
+        if self.num_checkpoints_to_keep is not None and self.num_checkpoints_to_keep < 1:
+            _fail("checkpoint.num_checkpoints_to_keep", self.num_checkpoints_to_keep, "must be >= 1 or null (keep all)")
+
+
+@dataclass(frozen=True)
+class ProfilingConfig:
+    """What a slow step waits for, recorded with torch.profiler on rank 0."""
+
+    profile_steps: list[int] | None = None
+    """[first, last]: rank 0 records optimizer steps first..last with torch.profiler (CPU, and
+    CUDA where there is one) and writes profile/trace.json (Perfetto, chrome://tracing) and
+    profile/top_ops.txt next to metrics.jsonl: what a slow step waits for. Off by default: the
+    profiler slows the steps it records. Last <= train.num_steps."""
+
+    def __post_init__(self):
+        check_types(self, "train.profiling")
+        if self.profile_steps is not None and not (
+                len(self.profile_steps) == 2 and 1 <= self.profile_steps[0] <= self.profile_steps[1]):
+            _fail("profiling.profile_steps", self.profile_steps, "use [first, last] with 1 <= first <= last, or null")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """DeepSpeed EAGLE-3 draft training."""
+
+    num_workers: int = 1
+    """Ray Train workers (one DeepSpeed data-parallel rank each; one GPU each on a GPU cluster)."""
+    num_steps: int = 20
+    """Optimizer steps (each = data.gradient_accumulation_steps micro-batches per rank). Data is
+    cycled in epochs as needed: training length is set in steps, not epochs."""
+    seed: int = 0
+    """Seeds the draft's initial weights and the data shuffle (order depends on seed and epoch)."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+
+    def __post_init__(self):
+        check_types(self, "train")  # types and Literal choices (each section checked its own); the ranges below
         if self.num_workers < 1:
             _fail("num_workers", self.num_workers, "must be >= 1")
         if self.num_steps < 1:
             _fail("num_steps", self.num_steps, "must be >= 1")
-        if not self.lr > 0:
-            _fail("lr", self.lr, "must be > 0")
-        if self.micro_batch_tokens < 16:
-            _fail("micro_batch_tokens", self.micro_batch_tokens, "must be >= 16 tokens")
-        if self.gradient_accumulation_steps < 1:
-            _fail("gradient_accumulation_steps", self.gradient_accumulation_steps, "must be >= 1")
-        if not 0 <= self.warmup_steps <= self.num_steps:
-            _fail("warmup_steps", self.warmup_steps, f"must be in [0, num_steps={self.num_steps}]")
-        if not 0 <= self.min_lr <= self.lr:
-            _fail("min_lr", self.min_lr, f"must be in [0, lr={self.lr}]")
-        if self.weight_decay < 0:
-            _fail("weight_decay", self.weight_decay, "must be >= 0")
-        if self.grad_clip < 0:
-            _fail("grad_clip", self.grad_clip, "must be >= 0 (0 disables clipping)")
-        if self.ttt_steps < 1:
-            _fail("ttt_steps", self.ttt_steps, "must be >= 1")
-        if not self.ttt_step_loss_decay > 0:
-            _fail("ttt_step_loss_decay", self.ttt_step_loss_decay, "must be > 0")
-        if self.num_draft_layers < 1:
-            _fail("num_draft_layers", self.num_draft_layers, "must be >= 1")
-        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
-            _fail("draft_vocab_size", self.draft_vocab_size, "must be >= 1 or null (min(32000, target vocab))")
-        if self.prefetch_batches is not None and self.prefetch_batches < 0:
-            _fail("prefetch_batches", self.prefetch_batches, "must be >= 0 (0 = no prefetch) or null (auto)")
-        if self.data_workers is not None and self.data_workers < 0:
-            _fail("data_workers", self.data_workers, "must be >= 0 (0 = a thread) or null (auto)")
-        if self.profile_steps is not None and not (
-                len(self.profile_steps) == 2 and 1 <= self.profile_steps[0] <= self.profile_steps[1] <= self.num_steps):
-            _fail("profile_steps", self.profile_steps, f"use [first, last] with 1 <= first <= last <= num_steps="
+        # Limits between a section and the stage's own length.
+        if self.optimizer.warmup_steps > self.num_steps:
+            _fail("optimizer.warmup_steps", self.optimizer.warmup_steps, f"must be in [0, num_steps={self.num_steps}]")
+        steps = self.profiling.profile_steps
+        if steps is not None and steps[1] > self.num_steps:
+            _fail("profiling.profile_steps", steps, f"use [first, last] with 1 <= first <= last <= num_steps="
                   f"{self.num_steps}, or null")
-        if self.shuffle_buffer_size < 1:
-            _fail("shuffle_buffer_size", self.shuffle_buffer_size, "must be >= 1 (1 = no shuffle within shards)")
-        if self.checkpoint_every < 1:
-            _fail("checkpoint_every", self.checkpoint_every, "must be >= 1 step")
-        if self.num_checkpoints_to_keep is not None and self.num_checkpoints_to_keep < 1:
-            _fail("num_checkpoints_to_keep", self.num_checkpoints_to_keep, "must be >= 1 or null (keep all)")

@@ -84,7 +84,7 @@ class Eagle3Trainer:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.target_dir = str(Path(target_dir).resolve())
         self.dataset = HiddenStatesDataset(data_files, seed=cfg.seed, rank=rank, world_size=world_size,
-                                           shuffle_buffer_size=cfg.shuffle_buffer_size)
+                                           shuffle_buffer_size=cfg.data.shuffle_buffer_size)
         text_cfg = verifier_text_config(self.target_dir)
         if text_cfg.hidden_size != self.dataset.hidden_size:
             raise ValueError(f"hidden states have hidden_size={self.dataset.hidden_size}, the target at "
@@ -95,23 +95,24 @@ class Eagle3Trainer:
                              f"num_hidden_layers={text_cfg.num_hidden_layers}: the last captured layer must be "
                              "the target's final layer; re-extract against this target")
         self.target_vocab_size = int(text_cfg.vocab_size)
-        self.draft_vocab_size = cfg.draft_vocab_size or min(DEFAULT_MAX_DRAFT_VOCAB, self.target_vocab_size)
+        self.draft_vocab_size = cfg.draft.draft_vocab_size or min(DEFAULT_MAX_DRAFT_VOCAB, self.target_vocab_size)
         if self.draft_vocab_size > self.target_vocab_size:
-            raise ValueError(f"config train.draft_vocab_size={cfg.draft_vocab_size}: larger than the target vocab "
-                             f"({self.target_vocab_size}); use at most that, or null")
+            raise ValueError(f"config train.draft.draft_vocab_size={cfg.draft.draft_vocab_size}: larger than the "
+                             f"target vocab ({self.target_vocab_size}); use at most that, or null")
         d2t, t2d = draft_vocab_mapping(self.dataset.files, self.draft_vocab_size, self.target_vocab_size)
         torch.manual_seed(cfg.seed)  # same initial draft on every rank
+        attn = cfg.draft.draft_attn_impl or ("simple_flex_attention" if torch.cuda.is_available() else "sdpa")
         self.model = Eagle3DraftModel.from_training_args(
-            draft_layer_config(self.target_dir, cfg.num_draft_layers),
+            draft_layer_config(self.target_dir, cfg.draft.num_draft_layers),
             t2d=t2d, d2t=d2t,
             verifier_name_or_path=self.target_dir,
             target_layer_ids=self.dataset.aux_layer_ids,
             draft_vocab_size=self.draft_vocab_size,
             norm_before_residual=True,
-            norm_before_fc=cfg.norm_before_fc,
-            norm_output=cfg.norm_output,
-            ttt_steps=cfg.ttt_steps,
-            draft_attn_impl=cfg.draft_attn_impl or ("simple_flex_attention" if torch.cuda.is_available() else "sdpa"),
+            norm_before_fc=cfg.draft.norm_before_fc,
+            norm_output=cfg.draft.norm_output,
+            ttt_steps=cfg.draft.ttt_steps,
+            draft_attn_impl=attn,
         )
         ensure_text_verifier_weights(self.model, self.target_dir)
         self.engine = None
@@ -134,8 +135,8 @@ class Eagle3Trainer:
         dtype = next(p.dtype for p in engine.module.parameters() if p.is_floating_point())
         from compat.speculators_loss import loss_implementation
 
-        self.loss_config = resolve_loss_config(self.cfg.loss, loss_implementation())
-        self.batches, how = input_pipeline(self.dataset, self.cfg, dtype, self.device)
+        self.loss_config = resolve_loss_config(self.cfg.draft.loss, loss_implementation())
+        self.batches, how = input_pipeline(self.dataset, self.cfg.data, dtype, self.device)
         logger.info("rank %d: batches %s", self.rank, how)
 
     def _need_engine(self):
@@ -157,13 +158,13 @@ class Eagle3Trainer:
         sums: dict[str, torch.Tensor] = {}
         tokens = loss_tokens = 0
         input_wait = 0.0
-        gas = self.cfg.gradient_accumulation_steps
+        gas = self.cfg.data.gradient_accumulation_steps
         for _ in range(gas):
             with record_function("eagle3.next_batch"):
                 batch, inputs, wait = next(self.batches)
             with record_function("eagle3.forward"):
-                _, loss, metrics = self.engine(**inputs, ttt_steps=self.cfg.ttt_steps,
-                                               ttt_step_loss_decay=self.cfg.ttt_step_loss_decay,
+                _, loss, metrics = self.engine(**inputs, ttt_steps=self.cfg.draft.ttt_steps,
+                                               ttt_step_loss_decay=self.cfg.draft.ttt_step_loss_decay,
                                                loss_config=self.loss_config)
             # the forward is queued: the next batch's copy runs under it and the backward
             with record_function("eagle3.stage_batch"):
@@ -192,7 +193,7 @@ class Eagle3Trainer:
         out = {"step": self.global_step, "loss": vals["_loss"] / vals["_micro"], "lr": lr,
                "tokens": int(vals["_tokens"]), "loss_tokens": int(vals["_loss_tokens"]),
                "input_wait_s": input_wait}
-        for i in range(self.cfg.ttt_steps):
+        for i in range(self.cfg.draft.ttt_steps):
             out[f"loss_{i}"] = vals[f"loss_{i}_sum"] / max(vals[f"loss_{i}_total"], 1.0)
             for acc in ("full_acc", "cond_acc"):
                 total = vals[f"{acc}_{i}_total"]
@@ -204,7 +205,7 @@ class Eagle3Trainer:
 
     def checkpoint_due(self) -> bool:
         """After the step just taken: every checkpoint_every steps, and after the last one."""
-        return self.global_step % self.cfg.checkpoint_every == 0 or self.global_step >= self.cfg.num_steps
+        return self.global_step % self.cfg.checkpoint.checkpoint_every == 0 or self.global_step >= self.cfg.num_steps
 
     def fit(self, *, checkpoint_dir: str | Path | None = None,
             on_step: Callable[[dict], None] | None = None) -> list[dict]:

@@ -13,13 +13,32 @@ import pytest
 import yaml
 
 from eagle3.config import ExtractConfig, JobConfig, load_job_config
-from eagle3.train_config import TrainConfig
+from eagle3.train_config import OptimizerConfig, ProfilingConfig, TrainConfig
 from eagle3.typed_config import choices, field_hints
 
 REPO = Path(__file__).resolve().parents[1]
-# Every section of the job file, read from JobConfig itself: a section added later is covered too.
-SECTIONS = {name: hint for name, hint in field_hints(JobConfig).items()
-            if isinstance(hint, type) and dataclasses.is_dataclass(hint)}
+
+
+def _is_section(hint) -> bool:
+    return isinstance(hint, type) and dataclasses.is_dataclass(hint)
+
+
+def _sections(cls, prefix: str = ""):
+    for name, hint in field_hints(cls).items():
+        if _is_section(hint):
+            yield f"{prefix}{name}", hint
+            yield from _sections(hint, f"{prefix}{name}.")
+
+
+# Every section of the job file and the sections inside them (train.optimizer, ...), by dotted
+# name, read from JobConfig itself: a section added later is covered too.
+SECTIONS = dict(_sections(JobConfig))
+
+
+def _get(obj, dotted: str):
+    for name in dotted.split("."):
+        obj = getattr(obj, name)
+    return obj
 
 
 def _write(tmp_path: Path, text: str) -> Path:
@@ -29,21 +48,21 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 
 def test_yaml_exponent_without_a_dot_is_read_as_the_float_it_spells(tmp_path):
-    path = _write(tmp_path, "train:\n  lr: 3e-4\n  min_lr: 1e-5\n")
-    assert yaml.safe_load(path.read_text())["train"]["lr"] == "3e-4"  # PyYAML (YAML 1.1) gives a string
+    path = _write(tmp_path, "train:\n  optimizer:\n    lr: 3e-4\n    min_lr: 1e-5\n")
+    assert yaml.safe_load(path.read_text())["train"]["optimizer"]["lr"] == "3e-4"  # PyYAML (YAML 1.1): a string
     cfg = load_job_config(path)
-    assert cfg.train.lr == 0.0003 and type(cfg.train.lr) is float
-    assert cfg.train.min_lr == 1e-5
+    assert cfg.train.optimizer.lr == 0.0003 and type(cfg.train.optimizer.lr) is float
+    assert cfg.train.optimizer.min_lr == 1e-5
 
 
 def test_a_non_number_for_a_float_names_the_field_the_value_and_the_fix(tmp_path):
-    with pytest.raises(ValueError, match=r"^config train\.lr='fast': expected a number, found str; "
+    with pytest.raises(ValueError, match=r"^config train\.optimizer\.lr='fast': expected a number, found str; "
                                          r"write a number, e\.g\. 0\.0003 or 3\.0e-4$"):
-        load_job_config(_write(tmp_path, "train:\n  lr: fast\n"))
+        load_job_config(_write(tmp_path, "train:\n  optimizer:\n    lr: fast\n"))
     # float() would take these; a config does not
     for text in ("nan", "inf", "1_000", "0x10"):
-        with pytest.raises(ValueError, match=rf"config train\.lr='{text}'"):
-            TrainConfig(lr=text)
+        with pytest.raises(ValueError, match=rf"config train\.optimizer\.lr='{text}'"):
+            OptimizerConfig(lr=text)
 
 
 def test_only_float_fields_read_a_string_as_a_number():
@@ -53,20 +72,19 @@ def test_only_float_fields_read_a_string_as_a_number():
         TrainConfig(num_steps="100")
     with pytest.raises(ValueError, match=r"config train\.num_steps=1\.5: expected an integer, found float"):
         TrainConfig(num_steps=1.5)
-    assert TrainConfig(grad_clip=1).grad_clip == 1.0 and type(TrainConfig(grad_clip=1).grad_clip) is float
+    assert OptimizerConfig(grad_clip=1).grad_clip == 1.0 and type(OptimizerConfig(grad_clip=1).grad_clip) is float
 
 
 def test_sections_are_read_from_the_job_config():
     assert {"target", "prepare", "extract", "train", "eval", "ray"} <= set(SECTIONS)
+    assert {"train.optimizer", "train.draft", "train.data", "train.checkpoint", "train.profiling"} <= set(SECTIONS)
 
 
 def _all_fields():
-    for section, cls in SECTIONS.items():
+    for section, cls in [("", JobConfig), *SECTIONS.items()]:
         for name, hint in field_hints(cls).items():
-            yield pytest.param(section, cls, name, hint, id=f"{section}.{name}")
-    for name, hint in field_hints(JobConfig).items():
-        if not (isinstance(hint, type) and dataclasses.is_dataclass(hint)):
-            yield pytest.param("", JobConfig, name, hint, id=name)
+            if not _is_section(hint):  # a section's own fields are its parameters
+                yield pytest.param(section, cls, name, hint, id=f"{section}.{name}" if section else name)
 
 
 @pytest.mark.parametrize(("section", "cls", "name", "hint"), list(_all_fields()))
@@ -96,23 +114,25 @@ def test_literal_choices_are_the_check(section, name, hint):
     # every declared choice loads (compression's Parquet-only codecs with Parquet files)
     for value in allowed:
         extra = {"extract.file_format": "parquet"} if name == "compression" else {}
-        assert getattr(getattr(load_job_config(None, {f"{section}.{name}": value, **extra}), section), name) == value
+        assert _get(load_job_config(None, {f"{section}.{name}": value, **extra}), f"{section}.{name}") == value
     with pytest.raises(ValueError, match=rf"^config {section}\.{name}='nope': not one of .*{allowed[0]!r}"):
         load_job_config(None, {f"{section}.{name}": "nope"})
 
 
 def test_literal_of_ints_refuses_bools_and_strings():
-    assert TrainConfig(zero_stage=3).zero_stage == 3
+    assert OptimizerConfig(zero_stage=3).zero_stage == 3
     for bad in (True, "2", 2.0, 4):
-        with pytest.raises(ValueError, match=r"config train\.zero_stage=.*: not one of 0, 1, 2, 3; write one of those"):
-            TrainConfig(zero_stage=bad)
+        with pytest.raises(ValueError, match=r"config train\.optimizer\.zero_stage=.*: not one of 0, 1, 2, 3; "
+                                             r"write one of those"):
+            OptimizerConfig(zero_stage=bad)
 
 
 def test_lists_are_checked_item_by_item_and_stored_as_declared():
     cfg = load_job_config(None, {"extract.aux_hidden_state_layer_ids": [1, 3], "eval.num_speculative_tokens": [1, 3]})
     assert cfg.extract.aux_hidden_state_layer_ids == (1, 3) and cfg.eval.num_speculative_tokens == (1, 3)
-    with pytest.raises(ValueError, match=r"config train\.profile_steps=\[1, '2'\]: item 1 \('2'\): expected an integer"):
-        TrainConfig(profile_steps=[1, "2"])
+    with pytest.raises(ValueError, match=r"config train\.profiling\.profile_steps=\[1, '2'\]: item 1 \('2'\): "
+                                         r"expected an integer"):
+        ProfilingConfig(profile_steps=[1, "2"])
     with pytest.raises(ValueError, match=r"config stages=\['prepare', 'serve'\]: item 1 \('serve'\): not one of "
                                          r"'prepare', .*'train'"):
         load_job_config(None, {"stages": ["prepare", "serve"]})
@@ -137,7 +157,9 @@ def test_lists_are_checked_item_by_item_and_stored_as_declared():
     ("eval.num_prompts", 0, r"must be >= 1"),
     ("eval.max_tokens", 0, r"must be >= 1"),
     ("ray.num_cpus", 0, r"must be >= 1"),
-    ("train.lr", 0.0, r"must be > 0"),
+    ("train.optimizer.lr", 0.0, r"must be > 0"),
+    ("train.data.micro_batch_tokens", 8, r"must be >= 16 tokens"),
+    ("train.checkpoint.checkpoint_every", 0, r"must be >= 1 step"),
 ])
 def test_values_that_would_break_later_are_refused_at_load(key, value, message):
     with pytest.raises(ValueError, match=rf"^config {re.escape(f'{key}={value!r}')}: {message}"):
@@ -165,12 +187,12 @@ def test_batch_budget_below_the_sample_length_is_refused_at_load():
 
 
 def test_training_window_shorter_than_a_sample_is_refused_when_training_runs():
-    with pytest.raises(ValueError, match=r"^config train\.micro_batch_tokens=1024: must be >= "
+    with pytest.raises(ValueError, match=r"^config train\.data\.micro_batch_tokens=1024: must be >= "
                                          r"prepare\.max_length=2048, or samples would be truncated"):
-        load_job_config(None, {"train.micro_batch_tokens": 1024, "prepare.max_length": 2048})
-    cfg = load_job_config(None, {"train.micro_batch_tokens": 1024, "prepare.max_length": 2048,
+        load_job_config(None, {"train.data.micro_batch_tokens": 1024, "prepare.max_length": 2048})
+    cfg = load_job_config(None, {"train.data.micro_batch_tokens": 1024, "prepare.max_length": 2048,
                                  "stages": ["prepare", "extract"]})
-    assert cfg.train.micro_batch_tokens == 1024
+    assert cfg.train.data.micro_batch_tokens == 1024
 
 
 def test_more_eval_prompts_than_held_out_is_refused_unless_eval_is_off():
@@ -186,14 +208,31 @@ def test_pipeline_parallel_size_is_named_as_itself():
 
 
 def test_unknown_keys_and_non_sections_say_what_is_known(tmp_path):
-    with pytest.raises(ValueError, match=r"config train: unknown keys \['lrate'\]; known: .*'lr'"):
+    with pytest.raises(ValueError, match=r"config train\.optimizer: unknown keys \['lrate'\]; known: .*'lr'"):
+        load_job_config(_write(tmp_path, "train:\n  optimizer:\n    lrate: 0.001\n"))
+    with pytest.raises(ValueError, match=r"config train: unknown keys \['lrate'\]; known: .*'optimizer'"):
         load_job_config(_write(tmp_path, "train:\n  lrate: 0.001\n"))
     with pytest.raises(ValueError, match=r"config train: expected a mapping, found int"):
         load_job_config(_write(tmp_path, "train: 3\n"))
-    with pytest.raises(ValueError, match=r"config override train\.lr=0\.1: train is 3, not a section"):
-        load_job_config(_write(tmp_path, "train: 3\n"), {"train.lr": 0.1})
+    with pytest.raises(ValueError, match=r"config train\.optimizer: expected a mapping, found float"):
+        load_job_config(_write(tmp_path, "train:\n  optimizer: 0.001\n"))
+    with pytest.raises(ValueError, match=r"config override train\.optimizer\.lr=0\.1: train is 3, not a section"):
+        load_job_config(_write(tmp_path, "train: 3\n"), {"train.optimizer.lr": 0.1})
     # an empty section in the file takes overrides
-    assert load_job_config(_write(tmp_path, "train:\n"), {"train.lr": 0.1}).train.lr == 0.1
+    assert load_job_config(_write(tmp_path, "train:\n"), {"train.optimizer.lr": 0.1}).train.optimizer.lr == 0.1
+
+
+def test_a_flat_train_key_says_where_it_moved(tmp_path):
+    """train's keys are grouped by concern (train.optimizer.lr, ...); a config written before that
+    is refused with the new place of each key it sets one level too high."""
+    with pytest.raises(ValueError, match=r"^config train: train\.lr is now train\.optimizer\.lr; "
+                                         r"train\.micro_batch_tokens is now train\.data\.micro_batch_tokens "):
+        load_job_config(_write(tmp_path, "train:\n  lr: 0.001\n  micro_batch_tokens: 2048\n"))
+    with pytest.raises(ValueError, match=r"^config train: train\.checkpoint_every is now "
+                                         r"train\.checkpoint\.checkpoint_every "):
+        load_job_config(None, {"train.checkpoint_every": 10})
+    with pytest.raises(ValueError, match=r"train\.profile_steps is now train\.profiling\.profile_steps"):
+        load_job_config(None, {"train.profile_steps": [1, 2]})
 
 
 def test_command_line_overrides_pass_the_same_checks(tmp_path, monkeypatch):
@@ -205,10 +244,12 @@ def test_command_line_overrides_pass_the_same_checks(tmp_path, monkeypatch):
     monkeypatch.setattr(run_mod, "run", lambda cfg: seen.append(cfg) or {})
     monkeypatch.setattr(run_mod, "format_summary", lambda report: "")
     config = str(REPO / "configs" / "demo.yaml")
-    assert run_mod.main(["--config", config, "--set", "train.lr=3e-4", "--set", "train.num_steps=7"]) == 0
-    assert seen[0].train.lr == 0.0003 and seen[0].train.num_steps == 7
-    with pytest.raises(ValueError, match=r"^config train\.lr='fast': expected a number"):
-        run_mod.main(["--config", config, "--set", "train.lr=fast"])
+    assert run_mod.main(["--config", config, "--set", "train.optimizer.lr=3e-4", "--set", "train.num_steps=7"]) == 0
+    assert seen[0].train.optimizer.lr == 0.0003 and seen[0].train.num_steps == 7
+    with pytest.raises(ValueError, match=r"^config train\.optimizer\.lr='fast': expected a number"):
+        run_mod.main(["--config", config, "--set", "train.optimizer.lr=fast"])
+    with pytest.raises(ValueError, match=r"^config train: train\.lr is now train\.optimizer\.lr"):
+        run_mod.main(["--config", config, "--set", "train.lr=3e-4"])
     with pytest.raises(ValueError, match=r"^config extract\.max_inflight_shards=0: must be >= 1"):
         run_mod.main(["--config", config, "--set", "extract.max_inflight_shards=0"])
     with pytest.raises(ValueError, match=r"^config extract\.max_num_batched_tokens=256: must be >= prepare\.max_length=512"):

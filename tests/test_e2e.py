@@ -107,7 +107,7 @@ def test_training_lowered_loss_and_vllm_served_the_draft(demo_run):
 # The quality floor: a change that trains a useless draft fails here. Measured on the CI machine
 # (2 cores) with exactly this test's settings (demo config, 20 steps, seeded): this draft reached
 # 1.34 at k=1 and 1.48 at k=3; the same data and target with an untrained draft (1 step at lr 0:
-# train.num_steps=1, warmup_steps=1) gave exactly 1.00 at both. The floors sit between, about
+# train.num_steps=1, train.optimizer.warmup_steps=1) gave exactly 1.00 at both. The floors sit between, about
 # halfway, so that other CPUs' numerics (greedy text can fork at a near-tie) do not fail a good draft.
 AL_FLOOR = {1: 1.15, 3: 1.2}
 

@@ -25,7 +25,8 @@ import pytest
 
 from eagle3.codec import encode_hidden_states
 from eagle3.schema import hidden_states_schema
-from eagle3.train_config import LOSS_NAMES, TrainConfig
+from eagle3.config import config_from_dict
+from eagle3.train_config import LOSS_NAMES, DataConfig, DraftConfig, OptimizerConfig, ProfilingConfig, TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CONVERSATIONS = REPO / "data" / "demo_conversations.jsonl"
@@ -120,10 +121,14 @@ def tiny(tiny_target, tmp_path_factory):
 
 
 def small_cfg(**kw) -> TrainConfig:
-    base = dict(num_steps=12, lr=3e-3, warmup_steps=2, micro_batch_tokens=256, draft_vocab_size=512,
-                shuffle_buffer_size=8, checkpoint_every=100, zero_stage=2, bf16=False)
-    base.update(kw)
-    return TrainConfig(**base)
+    """The tests' small config; a section given as a mapping (optimizer={"zero_stage": 3}) is merged
+    into this one's keys of that section, a top-level key replaces."""
+    base = {"num_steps": 12, "optimizer": {"lr": 3e-3, "warmup_steps": 2, "zero_stage": 2, "bf16": False},
+            "draft": {"draft_vocab_size": 512}, "data": {"micro_batch_tokens": 256, "shuffle_buffer_size": 8},
+            "checkpoint": {"checkpoint_every": 100}}
+    for key, value in kw.items():
+        base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
+    return config_from_dict(TrainConfig, base, "train")
 
 
 def _bf16(x):
@@ -147,23 +152,26 @@ def _global_index(files) -> dict[tuple[int, int], int]:
 
 
 def test_train_config_validation_names_field_value_and_fix():
-    with pytest.raises(ValueError, match=r"train\.zero_stage=4: not one of 0, 1, 2, 3"):
-        TrainConfig(zero_stage=4)
-    with pytest.raises(ValueError, match=r"train\.loss='kl'.*kl_div"):
-        TrainConfig(loss="kl")
-    with pytest.raises(ValueError, match=r"train\.min_lr=0\.1: must be in \[0, lr=0\.0003\]"):
-        TrainConfig(min_lr=0.1)
-    with pytest.raises(ValueError, match=r"train\.warmup_steps=30"):
-        TrainConfig(num_steps=20, warmup_steps=30)
-    with pytest.raises(ValueError, match=r"train\.draft_attn_impl='flash'"):
-        TrainConfig(draft_attn_impl="flash")
-    with pytest.raises(ValueError, match=r"train\.data_workers=-1: must be >= 0"):
-        TrainConfig(data_workers=-1)
-    with pytest.raises(ValueError, match=r"train\.profile_steps=\[3, 2\]: use \[first, last\]"):
-        TrainConfig(profile_steps=[3, 2])
-    with pytest.raises(ValueError, match=r"train\.profile_steps=\[5, 30\].*num_steps=20"):
-        TrainConfig(num_steps=20, profile_steps=[5, 30])
-    assert TrainConfig().ttt_steps == 3 and TrainConfig().draft_attn_impl is None  # None: flex on GPU, sdpa on CPU
+    with pytest.raises(ValueError, match=r"train\.optimizer\.zero_stage=4: not one of 0, 1, 2, 3"):
+        OptimizerConfig(zero_stage=4)
+    with pytest.raises(ValueError, match=r"train\.draft\.loss='kl'.*kl_div"):
+        DraftConfig(loss="kl")
+    with pytest.raises(ValueError, match=r"train\.optimizer\.min_lr=0\.1: must be in \[0, lr=0\.0003\]"):
+        OptimizerConfig(min_lr=0.1)
+    with pytest.raises(ValueError, match=r"train\.optimizer\.warmup_steps=30: must be in \[0, num_steps=20\]"):
+        TrainConfig(num_steps=20, optimizer=OptimizerConfig(warmup_steps=30))
+    with pytest.raises(ValueError, match=r"train\.draft\.draft_attn_impl='flash'"):
+        DraftConfig(draft_attn_impl="flash")
+    with pytest.raises(ValueError, match=r"train\.data\.data_workers=-1: must be >= 0"):
+        DataConfig(data_workers=-1)
+    with pytest.raises(ValueError, match=r"train\.profiling\.profile_steps=\[3, 2\]: use \[first, last\]"):
+        ProfilingConfig(profile_steps=[3, 2])
+    with pytest.raises(ValueError, match=r"train\.profiling\.profile_steps=\[5, 30\].*num_steps=20"):
+        TrainConfig(num_steps=20, profiling=ProfilingConfig(profile_steps=[5, 30]))
+    with pytest.raises(ValueError, match=r"train\.optimizer=\{'lr': 0\.1\}: expected OptimizerConfig, found dict"):
+        TrainConfig(optimizer={"lr": 0.1})  # in Python, a section is its dataclass (a file's mapping is built into one)
+    draft = TrainConfig().draft
+    assert draft.ttt_steps == 3 and draft.draft_attn_impl is None  # None: flex on GPU, sdpa on CPU
 
 
 def test_loss_names_are_speculators_eager_losses():
@@ -352,7 +360,7 @@ def test_worker_batches_stay_valid_until_the_second_next_after_them(tiny):
 
 @pytest.mark.slow  # starts DeepSpeed
 def test_step_profiler_records_the_asked_steps(tiny, tmp_path):
-    """train.profile_steps [2, 3]: a trace and a table of the ops of steps 2 and 3 exactly, with the
+    """train.profiling.profile_steps [2, 3]: a trace and a table of the ops of steps 2 and 3 exactly, with the
     trainer's own ranges (eagle3.forward, ...) in them."""
     import json
 
@@ -371,30 +379,28 @@ def test_step_profiler_records_the_asked_steps(tiny, tmp_path):
 
 def test_data_workers_default_to_a_share_of_the_cpus():
     from eagle3.data.pipeline import data_workers
-    from eagle3.train_config import TrainConfig
 
-    auto = TrainConfig()
+    auto = DataConfig()
     assert data_workers(auto, cpus=2, local_ranks=1) == 1  # never fewer than one
     assert data_workers(auto, cpus=16, local_ranks=1) == 4  # the H200 host
     assert data_workers(auto, cpus=16, local_ranks=2) == 2
     assert data_workers(auto, cpus=128, local_ranks=8) == 4  # nor more than four
-    assert data_workers(TrainConfig(data_workers=0), cpus=16, local_ranks=1) == 0
+    assert data_workers(DataConfig(data_workers=0), cpus=16, local_ranks=1) == 0
 
 
 def test_prefetch_depth_fits_the_memory_budget_unless_set():
     import torch
 
     from eagle3.data.pipeline import prefetch_depth
-    from eagle3.train_config import TrainConfig
 
-    auto = TrainConfig(micro_batch_tokens=8192)
+    auto = DataConfig(micro_batch_tokens=8192)
     # 4 captured layers of a 1B target (hidden 2048): 134 MB a batch, 15 in 2 GiB
     assert prefetch_depth(auto, 4, 2048, torch.bfloat16) == 15
     assert prefetch_depth(auto, 4, 7168, torch.bfloat16) == 4  # 470 MB a batch
     assert prefetch_depth(auto, 4, 7168, torch.float32) == 2  # never fewer than 2
     assert prefetch_depth(auto, 4, 256, torch.bfloat16) == 16  # nor more than 16
-    assert prefetch_depth(TrainConfig(micro_batch_tokens=8192, prefetch_batches=0), 4, 2048, torch.bfloat16) == 0
-    assert prefetch_depth(TrainConfig(micro_batch_tokens=8192, prefetch_batches=3), 4, 2048, torch.bfloat16) == 3
+    assert prefetch_depth(DataConfig(micro_batch_tokens=8192, prefetch_batches=0), 4, 2048, torch.bfloat16) == 0
+    assert prefetch_depth(DataConfig(micro_batch_tokens=8192, prefetch_batches=3), 4, 2048, torch.bfloat16) == 3
 
 
 def test_token_frequencies_reads_only_token_columns(tiny, tmp_path):
@@ -494,8 +500,8 @@ def test_deepspeed_config_per_zero_stage(stage, use_gpu):
 
     from eagle3.deepspeed_backend import deepspeed_config
 
-    cfg = TrainConfig(zero_stage=stage, gradient_accumulation_steps=4, num_steps=100, warmup_steps=10,
-                      lr=1e-3, min_lr=1e-4, grad_clip=0.5)
+    cfg = TrainConfig(num_steps=100, data=DataConfig(gradient_accumulation_steps=4),
+                      optimizer=OptimizerConfig(zero_stage=stage, warmup_steps=10, lr=1e-3, min_lr=1e-4, grad_clip=0.5))
     ds = deepspeed_config(cfg, world_size=2, use_gpu=use_gpu)
     assert ds["zero_optimization"]["stage"] == stage
     assert ds["train_batch_size"] == 8 and ds["gradient_accumulation_steps"] == 4
@@ -510,7 +516,8 @@ def test_deepspeed_config_per_zero_stage(stage, use_gpu):
     assert parsed.scheduler_name == "WarmupCosineLR" and parsed.scheduler_params["warmup_num_steps"] == 10
     if use_gpu:
         assert parsed.optimizer_name == "adamw" and parsed.optimizer_params["weight_decay"] == 0.01
-    assert deepspeed_config(replace(cfg, bf16=True), 1, use_gpu=False)["bf16"]["enabled"] is True
+    on = replace(cfg, optimizer=replace(cfg.optimizer, bf16=True))
+    assert deepspeed_config(on, 1, use_gpu=False)["bf16"]["enabled"] is True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -624,7 +631,7 @@ def _trainer(target, files, cfg):
 def trained(tiny, tmp_path_factory):
     """An uninterrupted ZeRO-2 fp32 run of 2K steps, checkpointing every K."""
     target, files, _, _ = tiny
-    cfg = small_cfg(num_steps=2 * K, checkpoint_every=K)
+    cfg = small_cfg(num_steps=2 * K, checkpoint={"checkpoint_every": K})
     trainer = _trainer(target, files, cfg)
     ckpt = tmp_path_factory.mktemp("ckpt")
     history = trainer.fit(checkpoint_dir=ckpt)
@@ -656,7 +663,8 @@ def test_input_wait_is_the_time_a_step_waits_for_its_batches(tiny):
     from eagle3.data.staging import DeviceBatches
 
     target, files, _, _ = tiny
-    trainer = _trainer(target, files, small_cfg(num_steps=4, prefetch_batches=0, gradient_accumulation_steps=2))
+    cfg = small_cfg(num_steps=4, data={"prefetch_batches": 0, "gradient_accumulation_steps": 2})
+    trainer = _trainer(target, files, cfg)
     source = trainer.batches.source
     ready = [next(source) for _ in range(6)]  # each step takes 2 and stages the next step's first
 
@@ -709,11 +717,12 @@ def test_device_batches_stage_one_ahead_and_checkpoint_the_returned_position(tin
 KILL_SCRIPT = textwrap.dedent("""
     import json, os, signal, sys
     from eagle3 import deepspeed_backend
+    from eagle3.config import config_from_dict
     from eagle3.train_config import TrainConfig
     from eagle3.trainer import Eagle3Trainer
 
     args = json.loads(sys.argv[1])
-    cfg = TrainConfig(**args["cfg"])
+    cfg = config_from_dict(TrainConfig, args["cfg"], "train")
     trainer = Eagle3Trainer(cfg, args["target"], args["files"])
     trainer.attach_engine(deepspeed_backend.initialize(trainer.model, cfg, 1))
     losses = []
@@ -735,7 +744,7 @@ def test_resume_after_kill_reproduces_loss_curve(tiny, trained, tmp_path, bf16):
     from dataclasses import asdict
 
     target, files, _, _ = tiny
-    cfg = replace(trained[0].cfg, bf16=bf16)
+    cfg = replace(trained[0].cfg, optimizer=replace(trained[0].cfg.optimizer, bf16=bf16))
     if bf16:
         uninterrupted = [m["loss"] for m in _trainer(target, files, cfg).fit()]
     else:
@@ -795,7 +804,7 @@ def test_zero3_engine_export_gathers_partitioned_weights(tiny, tmp_path):
     from speculators.models.eagle3.core import Eagle3DraftModel
 
     target, files, _, _ = tiny
-    trainer = _trainer(target, files, small_cfg(num_steps=2, zero_stage=3))
+    trainer = _trainer(target, files, small_cfg(num_steps=2, optimizer={"zero_stage": 3}))
     history = trainer.fit()
     assert len(history) == 2
     assert trainer.engine.module.fc.weight.numel() == 0  # partitioned: the module holds a placeholder
@@ -819,7 +828,7 @@ def test_ray_train_two_workers_checkpoint_resume_export(tiny, tmp_path):
 
     target, files, _, _ = tiny
     out = tmp_path / "run"
-    cfg = small_cfg(num_workers=2, num_steps=4, checkpoint_every=2)
+    cfg = small_cfg(num_workers=2, num_steps=4, checkpoint={"checkpoint_every": 2})
     ray.init(num_cpus=2)
     try:
         first = run_training(cfg, files, str(target), str(out))

@@ -199,7 +199,7 @@ class PackedBatches:
                 if n > self.micro_batch_tokens:
                     if self.num_truncated == 0:
                         logger.warning("sample of %d tokens truncated to micro_batch_tokens=%d (counted in "
-                                       "num_truncated; raise train.micro_batch_tokens to keep whole samples)",
+                                       "num_truncated; raise train.data.micro_batch_tokens to keep whole samples)",
                                        n, self.micro_batch_tokens)
                     self.num_truncated += 1
                 batch.append(sample)

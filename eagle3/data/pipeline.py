@@ -1,11 +1,12 @@
-"""The training input pipeline a rank runs, chosen from the train config and the machine.
+"""The training input pipeline a rank runs, chosen from the train config's data section
+(`train.data`) and the machine.
 
 Owns: how deep batches are built ahead (`prefetch_depth`, from a memory budget unless set), by how
 many worker processes (`data_workers`), where (`batch_source`: worker processes into a shared
 ring, a thread where /dev/shm cannot hold that ring, or in line), and assembling it with the
 device staging (`input_pipeline`).
 Does not own: the parts it assembles (eagle3.data.rows, .packing, .prefetch, .staging), the config
-fields (eagle3.train_config).
+fields (eagle3.train_config.DataConfig).
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from eagle3.data.packing import PackedBatches, batch_layout
 from eagle3.data.prefetch import Prefetcher, WorkerPrefetcher
 from eagle3.data.rows import HiddenStatesDataset
 from eagle3.data.staging import DeviceBatches
-from eagle3.train_config import TrainConfig
+from eagle3.train_config import DataConfig
 
 logger = logging.getLogger(__name__)
 
-# Host memory (pinned on GPU) for batches built ahead, per worker, when train.prefetch_batches is
+# Host memory (pinned on GPU) for batches built ahead, per worker, when train.data.prefetch_batches is
 # None: ~15 batches of a 1B target at 8,192 tokens, 4 of a hidden-7168 one. A deep queue fills
 # while the device is busy elsewhere (the first step's compile, a checkpoint) and is drawn on
 # after; speculators' DataLoader holds 12 workers x prefetch_factor 4 = 48 batches.
@@ -32,14 +33,14 @@ PREFETCH_AUTO_BYTES = 2 << 30
 PREFETCH_AUTO_MAX = 16  # and no deeper: small batches need no deep queue
 
 
-def batch_bytes(cfg: TrainConfig, num_layers: int, hidden_size: int, dtype: torch.dtype) -> int:
+def batch_bytes(cfg: DataConfig, num_layers: int, hidden_size: int, dtype: torch.dtype) -> int:
     """Bytes of one packed micro-batch of `num_layers` captured layers (the aux ones and the
     verifier's last) in `dtype`: the buffers of eagle3.data.packing.batch_layout."""
     layout = batch_layout(cfg.micro_batch_tokens, num_layers, hidden_size, dtype)
     return sum(math.prod(shape) * dt.itemsize for shape, dt in layout.values())
 
 
-def prefetch_depth(cfg: TrainConfig, num_layers: int, hidden_size: int, dtype: torch.dtype) -> int:
+def prefetch_depth(cfg: DataConfig, num_layers: int, hidden_size: int, dtype: torch.dtype) -> int:
     """cfg.prefetch_batches, or where it is None, as many packed micro-batches as fit in
     PREFETCH_AUTO_BYTES, from 2 to PREFETCH_AUTO_MAX."""
     if cfg.prefetch_batches is not None:
@@ -47,7 +48,7 @@ def prefetch_depth(cfg: TrainConfig, num_layers: int, hidden_size: int, dtype: t
     return min(PREFETCH_AUTO_MAX, max(2, PREFETCH_AUTO_BYTES // batch_bytes(cfg, num_layers, hidden_size, dtype)))
 
 
-def data_workers(cfg: TrainConfig, cpus: int | None = None, local_ranks: int | None = None) -> int:
+def data_workers(cfg: DataConfig, cpus: int | None = None, local_ranks: int | None = None) -> int:
     """cfg.data_workers, or where it is None: min(4, a rank's share of the CPUs // 4), at least 1
     (ranks on this node: LOCAL_WORLD_SIZE, which Ray Train and torchrun set)."""
     if cfg.data_workers is not None:
@@ -83,12 +84,12 @@ def batch_source(dataset: HiddenStatesDataset, micro: int, dtype: torch.dtype, d
     if workers:
         logger.warning("/dev/shm has %.2f GB free, %.2f GB needed to build batches in worker processes: building "
                        "them in a thread, which slows the step's kernel launches (give the container more shared "
-                       "memory, e.g. docker --shm-size, or set train.prefetch_batches lower)",
+                       "memory, e.g. docker --shm-size, or set train.data.prefetch_batches lower)",
                        shm_free_bytes() / 1e9, need_bytes / 1e9)
     return Prefetcher(packed, depth)
 
 
-def input_pipeline(dataset: HiddenStatesDataset, cfg: TrainConfig, dtype: torch.dtype,
+def input_pipeline(dataset: HiddenStatesDataset, cfg: DataConfig, dtype: torch.dtype,
                    device: torch.device) -> tuple[DeviceBatches, str]:
     """A rank's batches with their model inputs staged on `device` in `dtype`, and a description of
     how they are built (for the log). On GPU, batches are page-locked (each copy to the device is
