@@ -139,12 +139,13 @@ def generation_engine_kwargs(*, model: str, max_model_len: int, dtype: str = "bf
                              trust_remote_code: bool = False) -> dict:
     """A plain generation engine (the regenerate stage). Prefix caching on: round r of a
     conversation's prompts extends round r-1's prompt and answer, so most of each prefill is
-    cached. The tokenizer is loaded: outputs come back as text."""
+    cached. The tokenizer is loaded: outputs come back as text. On CPU, no part-prefilled
+    requests (cpu_seeded_sampling_kwargs): regeneration samples with per-turn seeds."""
     return dict(
         model=model, dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size, max_num_seqs=max_num_seqs,
         gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, enable_prefix_caching=True,
-        trust_remote_code=trust_remote_code,
+        trust_remote_code=trust_remote_code, **cpu_seeded_sampling_kwargs(max_model_len),
     )
 
 
@@ -158,6 +159,20 @@ def generate_texts(llm, prompts: list[list[int]], params: list[dict]) -> list[di
                         use_tqdm=False)
     return [{"text": o.outputs[0].text, "num_tokens": len(o.outputs[0].token_ids),
              "finish_reason": o.outputs[0].finish_reason} for o in outs]
+
+
+def cpu_seeded_sampling_kwargs(max_model_len: int) -> dict:
+    """On a CPU platform: chunked prefill off and a step budget of at least one whole prompt, so that
+    no request is ever part-prefilled. vLLM 0.32 (GPUModelRunner._bookkeeping_sync) rewinds the
+    generator of a part-prefilled request with a seed (`gen.set_offset(gen.get_offset() - 4)`), and
+    torch's CPU generator has no offset: the engine dies ("CPU Generator does not use offset") as
+    soon as a seeded sampled request is prefilled in chunks. Empty on other platforms. Remove when
+    vLLM skips the rewind for CPU generators (upstream: none filed as of 0.32)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 2048)}
 
 
 def eagle3_engine_kwargs(*, target: str, draft: str | None, num_speculative_tokens: int, max_model_len: int,
@@ -177,6 +192,7 @@ def eagle3_engine_kwargs(*, target: str, draft: str | None, num_speculative_toke
         model=target, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
         enable_prefix_caching=False, gpu_memory_utilization=gpu_memory_utilization,
         trust_remote_code=trust_remote_code, skip_tokenizer_init=True, disable_log_stats=False,
+        **cpu_seeded_sampling_kwargs(max_model_len),
     )
     if draft is not None:
         kwargs["speculative_config"] = {"model": draft, "method": "eagle3",

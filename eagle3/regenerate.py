@@ -176,9 +176,11 @@ def regenerate_conversations(generate: GenerateFn, tokenizer, samples: list[tupl
         if not batch:
             continue
         t = time.perf_counter()
+        # A seed only where there is sampling: greedy decoding needs no generator.
         outs = generate([b[2] for b in batch],
                         [{"temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": mt,
-                          "seed": turn_seed(sampling.seed, samples[k][0], r)} for k, _, _, mt in batch])
+                          **({"seed": turn_seed(sampling.seed, samples[k][0], r)} if sampling.temperature > 0 else {})}
+                         for k, _, _, mt in batch])
         stats.generate_s += time.perf_counter() - t
         if len(outs) != len(batch):
             raise RuntimeError(f"[regenerate] engine returned {len(outs)} generations for {len(batch)} prompts")

@@ -73,7 +73,8 @@ def test_rounds_see_the_regenerated_history_and_masks_cover_the_new_text(tok):
                ("c", conv("Hi.", "old 4", "Again.", "old 5", "Once more.", "old 6"))]
     answers = iter(f"new {i}." for i in range(100))
     gen = Scripted(tok, lambda text, kw: (next(answers), "stop"))
-    table, stats = regenerate_conversations(gen, tok, samples, GREEDY, max_model_len=512, max_length=512)
+    sampled = Sampling(temperature=0.7, top_p=0.9, max_tokens=32, seed=0)
+    table, stats = regenerate_conversations(gen, tok, samples, sampled, max_model_len=512, max_length=512)
     # One batch per round: round 0 has all three conversations, round 1 two, round 2 one.
     assert [len(texts) for texts, _ in gen.calls] == [3, 2, 1]
     # Round 1's prompt of 'a' holds round 0's new answer, not the original one.
@@ -90,6 +91,11 @@ def test_rounds_see_the_regenerated_history_and_masks_cover_the_new_text(tok):
     # Each turn's seed depends on the sample and the turn, not on the batch it was in.
     seeds = [kw["seed"] for _, params in gen.calls for kw in params]
     assert seeds[0] == turn_seed(0, "a", 0) and len(set(seeds)) == len(seeds)
+    assert gen.calls[0][1][0]["temperature"] == 0.7 and gen.calls[0][1][0]["top_p"] == 0.9
+    # Greedy decoding is given no seed (no generator: nothing to seed).
+    greedy = Scripted(tok, lambda text, kw: ("new.", "stop"))
+    regenerate_conversations(greedy, tok, samples[:1], GREEDY, max_model_len=512, max_length=512)
+    assert all("seed" not in kw for _, params in greedy.calls for kw in params)
 
 
 def test_rejects_name_the_turn_and_the_reason(tok):
@@ -234,6 +240,10 @@ def test_generation_engine_args_and_sampling_resolve_in_vllm(weightless_target):
     assert cfg.cache_config.enable_prefix_caching is True
     assert cfg.model_config.max_model_len == 384 and cfg.scheduler_config.max_num_seqs == 8
     assert not cfg.model_config.skip_tokenizer_init  # generate_texts reads outputs as text
+    # On CPU no request is part-prefilled: vLLM 0.32 would rewind a seeded request's CPU generator
+    # (compat.vllm_engine.cpu_seeded_sampling_kwargs).
+    assert not cfg.scheduler_config.enable_chunked_prefill
+    assert cfg.scheduler_config.max_num_batched_tokens >= 384
     sp = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=5, seed=turn_seed(0, "s", 1))
     assert (sp.temperature, sp.top_p, sp.max_tokens, sp.seed) == (0.7, 0.9, 5, turn_seed(0, "s", 1))
     assert sp.skip_special_tokens  # end-of-turn tokens stay out of the regenerated text
@@ -301,6 +311,17 @@ def test_vllm_regenerates_each_conversation_once_and_resumes(tiny_target, tmp_pa
         run_regenerate(_job(tmp_path, tmp_path / "conv.jsonl", temperature=0.5, max_tokens=48, samples_per_shard=2),
                        str(tmp_path / "prepared" / "tokens.parquet"), tiny_target, str(out), progress=False)
     assert read_tokens(out).equals(tokens)
+
+    # Sampled with per-turn seeds: the CPU engine takes seeded requests (no part-prefilled ones,
+    # compat.vllm_engine.cpu_seeded_sampling_kwargs), and each conversation is kept or rejected once.
+    sampled = run_regenerate(_job(tmp_path, tmp_path / "conv.jsonl", temperature=0.8, top_p=0.9, seed=1, max_tokens=48,
+                                  samples_per_shard=5, enforce_eager=True),
+                             str(tmp_path / "prepared" / "tokens.parquet"), tiny_target, str(tmp_path / "sampled"),
+                             progress=False)
+    print("greedy:", {k: first[k] for k in ("num_samples", "num_rejected", "num_generated_tokens",
+                                            "tokens_per_s_per_replica")},
+          "sampled:", {k: sampled[k] for k in ("num_samples", "num_rejected", "num_generated_tokens")})
+    assert sampled["num_samples"] + sampled["num_rejected"] == 5 and sampled["num_generated_tokens"] > 0
 
     # Extraction reads the regenerated tokens (hf backend: the orchestration, no second engine).
     from ray_jobs.extract import run_extract
