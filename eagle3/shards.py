@@ -153,10 +153,26 @@ def write_shard_file(table: pa.Table, path: str | Path, compression: str | None 
         finally:
             os.close(fd)
         os.replace(tmp, final)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)  # a full disk keeps no partial file behind
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise disk_full_error(final, table.nbytes, e) from e
         raise
     return final.stat().st_size
+
+
+def disk_full_error(path: Path, needed: int, cause: OSError) -> OSError:
+    """The error for a shard that did not fit: where, how many bytes it needs, how many are free,
+    and what to do. An OSError(ENOSPC), so it pickles through Ray as one."""
+    import shutil
+
+    usage = shutil.disk_usage(path.parent)
+    what = "quota exceeded" if cause.errno == errno.EDQUOT else "no space left"
+    return OSError(cause.errno, f"{what} on the file system of {path.parent} writing {path.name}: the shard needs "
+                   f"about {needed:,} bytes ({needed / 2**20:.1f} MiB), {usage.free:,} bytes are free there "
+                   f"({usage.total:,} in all). Nothing of this shard was kept (its temporary file is removed, it is "
+                   "not committed). Free space there (or set output_dir on a larger disk) and resubmit the same "
+                   "job: the shards already committed are kept and not redone")
 
 
 def _write_ipc(table: pa.Table, path: Path, compression: str | None, rows_per_batch: int, direct_io: bool) -> None:

@@ -280,7 +280,9 @@ def _extract_loop(sched: ShardScheduler, pool: ReplicaPool, plan: ShardPlan, tok
                 wstats = ray.get(ref)
             except Exception as exc:  # noqa: BLE001
                 if not is_system_failure(exc):
-                    raise RuntimeError(f"writing shard {shard} to {manifest.data_path(shard)} failed: {exc}") from exc
+                    # The writer's own exception (e.g. eagle3.shards.disk_full_error), not Ray's wrapper of it.
+                    cause = getattr(exc, "cause", None) or exc
+                    raise RuntimeError(f"writing shard {shard} to {manifest.data_path(shard)} failed: {cause}") from exc
                 lose(shard, exc, replica_died=False)
             else:
                 manifest.commit(shard, {**stats, **wstats, "committed_at": time.time()})
