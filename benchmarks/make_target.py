@@ -340,15 +340,7 @@ def template_settings(name: str) -> dict:
 
     if name not in TEMPLATES:
         raise ValueError(f"--template {name!r}: expected one of {sorted(TEMPLATES)}")
-    t = TEMPLATES[name]
-    # Pad is never trained on (windows are packed); it only has to be a token of its own.
-    pad = next((p for p in ("<|pad|>", "<|endoftext|>") if p in t.special_tokens), None)
-    if pad is None:
-        raise ValueError(f"template {name!r} has no <|pad|> or <|endoftext|> among its special tokens "
-                         f"{list(t.special_tokens)}; add one to name as pad")
-    return {"special_tokens": list(t.special_tokens), "chat_template": t.template, "eos_token": t.eos_token,
-            "pad_token": pad, "bos_token": "<|bos|>" if "<|bos|>" in t.special_tokens else None,
-            "added_tokens": list(t.added_tokens)}
+    return TEMPLATES[name].tokenizer_kwargs()
 
 
 def _template_names() -> list[str]:

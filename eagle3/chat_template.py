@@ -106,6 +106,12 @@ class ChatTemplate:
     added_tokens: tuple[str, ...] = ()
     """Added as single, non-special tokens (think tags: text a reasoning parser reads)."""
 
+    def tokenizer_kwargs(self) -> dict:
+        """`eagle3.tiny.build_tokenizer`'s keyword arguments for a tokenizer with this template."""
+        return {"special_tokens": list(self.special_tokens), "chat_template": self.template,
+                "eos_token": self.eos_token, "pad_token": self.pad_token, "bos_token": self.bos_token,
+                "added_tokens": list(self.added_tokens)}
+
 
 TEMPLATES: dict[str, ChatTemplate] = {
     # The tiny demo target's template (eagle3.tiny.CHAT_TEMPLATE): prefix-stable, one sample

@@ -28,6 +28,8 @@ ExtractBackend = Literal["vllm", "hf"]
 Sink = Literal["auto", "memory", "shm"]
 Stage = Literal["prepare", "regenerate", "extract", "train", "export", "eval"]
 OverLength = Literal["truncate", "reject"]
+TinyChatTemplate = Literal["simple", "qwen3"]
+"""Names in eagle3.chat_template.TEMPLATES (a test keeps them equal)."""
 
 
 def _fail(section: str, name: str, value: Any, fix: str) -> None:
@@ -46,6 +48,9 @@ class TargetConfig:
     tiny_pretrain_steps: int = 100
     """Next-token steps on the conversations for the tiny target (~40 s on 2 cores), so its greedy
     text resembles them and acceptance length means something; 0 = random weights."""
+    tiny_chat_template: TinyChatTemplate = "simple"
+    """Chat template of the tiny target: "simple" (prefix-stable role markers) or "qwen3" (a
+    Qwen3-like template that rewrites earlier turns: each assistant turn becomes its own sample)."""
     trust_remote_code: bool = False
     """Off unless set: a target's own Python code runs in every engine process when on."""
     dtype: ModelDtype = "bfloat16"

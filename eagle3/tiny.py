@@ -128,11 +128,15 @@ def _pretrain(model, tok, conversations_path, steps: int, seed: int) -> None:
 
 
 def build_tiny_target(out_dir: str | Path, conversations_path: str | Path, *, size: int = 1, seed: int = 0,
-                      pretrain_steps: int = 100) -> Path:
+                      pretrain_steps: int = 100, chat_template: str = "simple") -> Path:
     """Write a tokenizer + seeded Llama (bf16 safetensors) to `out_dir`; return it.
 
-    Reuses `out_dir` when it already holds a model built with the same settings.
+    `chat_template` names one of `eagle3.chat_template.TEMPLATES` ("qwen3": a template that
+    rewrites earlier turns, so the whole job runs on one). Reuses `out_dir` when it already
+    holds a model built with the same settings.
     """
+    from eagle3.chat_template import TEMPLATES
+
     import torch
     from transformers import LlamaForCausalLM
 
@@ -142,10 +146,14 @@ def build_tiny_target(out_dir: str | Path, conversations_path: str | Path, *, si
     stamp = out / "tiny_build.json"
     want = {"size": size, "seed": seed, "pretrain_steps": pretrain_steps,
             "conversations": str(Path(conversations_path).resolve())}
+    if chat_template not in TEMPLATES:
+        raise ValueError(f"tiny target chat_template={chat_template!r}: expected one of {sorted(TEMPLATES)}")
+    if chat_template != "simple":  # the simple template's stamp (and bytes) stay as they were
+        want["chat_template"] = chat_template
     if stamp.exists() and json.loads(stamp.read_text()) == want and (out / "model.safetensors").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(corpus_texts(conversations_path), out)
+    tok = build_tokenizer(corpus_texts(conversations_path), out, **TEMPLATES[chat_template].tokenizer_kwargs())
     torch.manual_seed(seed)
     cfg = llama_config(tok, **_SHAPES[size])
     model = LlamaForCausalLM(cfg)

@@ -27,4 +27,5 @@ def resolve_target(cfg: JobConfig, out: Path) -> str:
     task = ray.remote(num_cpus=1, runtime_env={"env_vars": {"OMP_NUM_THREADS": threads}})(build_tiny_target)
     return str(ray.get(task.remote(str(out / "target"), str(Path(cfg.prepare.conversations).resolve()),
                                    size=cfg.target.tiny_size, seed=cfg.target.tiny_seed,
-                                   pretrain_steps=cfg.target.tiny_pretrain_steps)))
+                                   pretrain_steps=cfg.target.tiny_pretrain_steps,
+                                   chat_template=cfg.target.tiny_chat_template)))

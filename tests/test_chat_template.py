@@ -4,11 +4,14 @@ prompt the target is served for that turn."""
 
 from __future__ import annotations
 
+import typing
+
 import pytest
 from templates import FAMILIES, LLAMA3_LIKE, make_tokenizer
 
 from eagle3 import tiny
 from eagle3.chat_template import TEMPLATES, RenderReject, prompt_ids, render_conversation, tokenize_conversation
+from eagle3.config import TinyChatTemplate
 
 SYSTEM = {"role": "system", "content": "You are a concise assistant."}
 
@@ -239,6 +242,23 @@ def test_templates_a_target_is_built_with():
     assert tok.decode(prompt_ids(tok, conv[:2])).endswith("<|im_start|>assistant\n")
     assert tok.decode(prompt_ids(tok, conv[:2], {"enable_thinking": False})).endswith(
         "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    # The job config names these templates for the tiny target (target.tiny_chat_template).
+    assert sorted(typing.get_args(TinyChatTemplate)) == sorted(TEMPLATES)
+    assert q.tokenizer_kwargs()["bos_token"] is None and q.tokenizer_kwargs()["eos_token"] == "<|im_end|>"
+
+
+def test_tiny_target_tokenizer_with_the_qwen3_like_template(tmp_path):
+    """The tiny target's tokenizer built with the Qwen3-like template: turns render as ChatML
+    and end in <|im_end|>, its eos."""
+    from transformers import AutoTokenizer
+
+    out = tiny.build_tokenizer(["hello there", "how are you"] * 20, tmp_path, 300,
+                               **TEMPLATES["qwen3"].tokenizer_kwargs())
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded.eos_token == "<|im_end|>" == out.eos_token
+    conv = conversation(2, None)
+    text = loaded.apply_chat_template(conv, tokenize=False)
+    assert text.count("<|im_start|>assistant") == 2 and text.endswith("<|im_end|>\n")
 
 
 
