@@ -97,6 +97,17 @@ class Manifest:
         record = {**record, "file": self.data_path(shard).name}
         atomic_write_text(self.commit_dir / f"shard-{shard:06d}.json", json.dumps(record, sort_keys=True))
 
+    def remove_temp_files(self) -> list[str]:
+        """Delete the temporary files of writes that never finished (a writer killed mid-write
+        leaves its `.shard-*.tmp-<pid>` behind; no commit ever names one); returns their names.
+        Only when no writer of this output runs: at the end of a run."""
+        removed = []
+        for d in (self.data_dir, self.commit_dir):
+            for p in sorted(d.glob(".shard-*.tmp-*")) if d.exists() else []:
+                p.unlink(missing_ok=True)
+                removed.append(p.name)
+        return removed
+
     def committed_files(self) -> list[str]:
         """Data files of the committed shards, in shard order (each commit names its file)."""
         return [str(self.data_dir / rec["file"]) if "file" in rec else str(self.data_path(s))

@@ -304,6 +304,9 @@ def _extract_loop(sched: ShardScheduler, pool: ReplicaPool, plan: ShardPlan, tok
 
 
 def _totals(manifest: Manifest, plan: ShardPlan) -> dict:
+    stale = manifest.remove_temp_files()  # every writer has returned or died by now
+    if stale:
+        log.info("extract: removed %d unfinished temporary files of lost writes (%s)", len(stale), ", ".join(stale[:3]))
     records = manifest.committed()
     if len(records) != plan.num_shards:
         missing = sorted(set(range(plan.num_shards)) - set(records))
