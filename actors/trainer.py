@@ -20,7 +20,8 @@ and reports it; Ray Train merges the ranks' files into one checkpoint directory 
 storage, `<out_dir>/ray_train/train/checkpoint_*`. Calling `run_training` again with the same
 out_dir restores Ray Train's checkpoint manager from that storage, and every worker resumes
 from `ray.train.get_checkpoint()` (same num_workers required: data positions are per rank).
-Ray Train's own worker-failure retries (FailureConfig) resume the same way.
+Ray Train's own worker-failure retries (FailureConfig(max_failures=cfg.checkpoint.max_failures):
+a dead worker process restarts the whole group) resume the same way, within the same job.
 """
 
 from __future__ import annotations
@@ -214,7 +215,7 @@ def run_training(cfg: TrainConfig, data_files: list[str], target_dir: str, out_d
     <out_dir>/train_summary.json. use_gpu None: when the Ray cluster has GPUs.
     """
     import ray
-    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     if not data_files:
@@ -242,6 +243,7 @@ def run_training(cfg: TrainConfig, data_files: list[str], target_dir: str, out_d
         run_config=RunConfig(
             name=RUN_NAME, storage_path=str(out / "ray_train"),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_checkpoints_to_keep),
+            failure_config=FailureConfig(max_failures=cfg.checkpoint.max_failures),
             worker_runtime_env={"env_vars": env_vars},
         ),
     )

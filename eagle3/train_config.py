@@ -157,9 +157,15 @@ class CheckpointConfig:
     """Save a DeepSpeed checkpoint every this many steps (and always after the last step)."""
     num_checkpoints_to_keep: int | None = 2
     """Checkpoints kept in the run's storage (oldest deleted first); None keeps all."""
+    max_failures: int = 3
+    """Worker-group failures (a worker process or its node died) that Ray Train recovers from by
+    itself within one job: it restarts the workers from the last checkpoint. 0: the first failure
+    ends the job (a resubmit then resumes from the checkpoint); -1: retry without limit."""
 
     def __post_init__(self):
         check_types(self, "train.checkpoint")
+        if self.max_failures < -1:
+            _fail("checkpoint.max_failures", self.max_failures, "must be >= 0, or -1 (no limit)")
         if self.checkpoint_every < 1:
             _fail("checkpoint.checkpoint_every", self.checkpoint_every, "must be >= 1 step")
         if self.num_checkpoints_to_keep is not None and self.num_checkpoints_to_keep < 1:

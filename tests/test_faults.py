@@ -7,11 +7,16 @@ its output checked by sample id and content: 0 lost, 0 duplicated.
   system has room.
 - a writer task's process killed (SIGKILL) in the middle of a shard's write: the job finishes
   by itself, and the dead write's temporary file is removed at the end.
+- a Ray Train worker killed (SIGKILL) after a checkpoint: Ray Train restarts it from that
+  checkpoint in the same job (train.checkpoint.max_failures), and the loss curve goes on;
+- the driver killed (SIGKILL) during training, its cluster gone: the resubmitted job redoes no
+  extraction and resumes training from the checkpoint.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 import json
 import os
 import subprocess
@@ -184,8 +189,7 @@ def test_writer_killed_mid_write_loses_and_duplicates_nothing(tiny_target, tmp_p
             time.sleep(0.0005)
         text, _ = job.communicate(timeout=600)
     finally:
-        if job.poll() is None:
-            job.kill()
+        _stop(job)
     assert killed is not None, "no write was caught in progress: " + text[-2000:]
     assert job.returncode == 0, text[-3000:]
     shard, pid, name = killed
@@ -195,3 +199,139 @@ def test_writer_killed_mid_write_loses_and_duplicates_nothing(tiny_target, tmp_p
     check_every_sample_once(out)
     assert not [p.name for p in data_dir.iterdir() if p.name.startswith(".")]
     print(f"\nwriter pid {pid} killed mid-write of shard {shard}; job finished, 0 lost, 0 duplicated")
+
+
+# ---------------------------------------------------------------------------------------------
+# training: the driver killed, a Ray Train worker killed
+
+def test_max_failures_is_checked():
+    from eagle3.config import config_from_dict
+    from eagle3.train_config import TrainConfig
+
+    assert config_from_dict(TrainConfig, {}, "train").checkpoint.max_failures == 3
+    with pytest.raises(ValueError, match=r"checkpoint.max_failures.*-2.*>= 0, or -1"):
+        config_from_dict(TrainConfig, {"checkpoint": {"max_failures": -2}}, "train")
+
+
+TRAIN_STEPS, CKPT_EVERY = 16, 4
+
+
+def _start_job(out: Path, data: Path, tiny_target: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml", "--set", f"output_dir={out}",
+         "--set", f"target.model={tiny_target}", "--set", f"prepare.conversations={data}",
+         "--set", "prepare.num_eval_prompts=1", "--set", "stages=[prepare, extract, train]", "--set", "doctor=false",
+         "--set", "extract.backend=hf", "--set", "extract.samples_per_shard=16", "--set", "ray.num_cpus=2",
+         "--set", f"train.num_steps={TRAIN_STEPS}", "--set", f"train.checkpoint.checkpoint_every={CKPT_EVERY}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _steps(metrics: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.strip()] \
+        if metrics.exists() else []
+
+
+def _wait_for_step(job: subprocess.Popen, metrics: Path, step: int) -> None:
+    import time
+
+    while job.poll() is None and (not _steps(metrics) or _steps(metrics)[-1] < step):
+        time.sleep(0.02)
+    assert job.poll() is None, f"the job ended before step {step}: " + job.communicate()[0][-3000:]
+
+
+def _stop(job: subprocess.Popen) -> None:
+    """Kill a job that is still running, and the local cluster it started (its descendants only)."""
+    if job.poll() is None:
+        cluster = _descendants(job.pid)
+        job.kill()
+        job.wait(timeout=60)
+        for proc in cluster:
+            if proc.is_running():
+                proc.kill()
+
+
+def _descendants(pid: int) -> list:
+    import psutil
+
+    return psutil.Process(pid).children(recursive=True)
+
+
+def _checkpointed_steps(out: Path) -> list[int]:
+    return sorted(int(p.name.split("_")[1]) for p in (out / "train" / "ray_train").glob("train/checkpoint_*/step_*"))
+
+
+@pytest.mark.slow
+def test_training_worker_killed_restarts_from_its_checkpoint_within_the_job(tiny_target, tmp_path):
+    """SIGKILL of the Ray Train worker process after a checkpoint: Ray Train (FailureConfig,
+    train.checkpoint.max_failures) restarts the worker group from the last checkpoint, no
+    resubmit; metrics.jsonl goes on from the step after that checkpoint to the end."""
+    import signal
+
+    out = tmp_path / "out"
+    job = _start_job(out, _conversations(tmp_path / "conversations.jsonl", 64), tiny_target)
+    metrics = out / "train" / "metrics.jsonl"
+    try:
+        _wait_for_step(job, metrics, CKPT_EVERY + 2)
+        workers = [p for p in _descendants(job.pid) if p.name() == "ray::RayTrainWorker"]  # not its data workers
+        assert len(workers) == 1, [p.name() for p in _descendants(job.pid)]
+        killed_after = _steps(metrics)[-1]
+        workers[0].send_signal(signal.SIGKILL)
+        text, _ = job.communicate(timeout=600)
+    finally:
+        _stop(job)
+    assert job.returncode == 0, text[-3000:]
+    steps = _steps(metrics)
+    restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+    before, after = steps[:restart], steps[restart:]
+    assert before == list(range(1, len(before) + 1)) and before[-1] >= killed_after
+    resumed_at = after[0] - 1
+    assert resumed_at % CKPT_EVERY == 0 and CKPT_EVERY <= resumed_at <= killed_after  # the last checkpoint
+    assert after == list(range(resumed_at + 1, TRAIN_STEPS + 1))  # the curve goes on to the end
+    report = json.loads((out / "report.json").read_text())
+    assert report["stages"]["train"]["steps"] == TRAIN_STEPS
+    print(f"\ntrain worker killed after step {killed_after}; Ray Train resumed at step {resumed_at + 1}, "
+          f"finished {TRAIN_STEPS} steps in the same job")
+
+
+@pytest.mark.slow
+def test_driver_killed_in_training_then_resubmitted_resumes_without_redoing_extraction(tiny_target, tmp_path):
+    """SIGKILL of the driver after a checkpoint (its local cluster's processes are then stopped
+    by the test, as a lost head would take them); the same job resubmitted skips prepare's and
+    extract's committed outputs and resumes training from the checkpoint."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    data = _conversations(tmp_path / "conversations.jsonl", 64)
+    job = _start_job(out, data, tiny_target)
+    metrics = out / "train" / "metrics.jsonl"
+    try:
+        _wait_for_step(job, metrics, CKPT_EVERY + 2)
+        cluster = _descendants(job.pid)
+        job.send_signal(signal.SIGKILL)
+        job.wait(timeout=60)
+        for proc in cluster:  # only what this driver started
+            if proc.is_running():
+                proc.kill()
+        time.sleep(1)
+    finally:
+        _stop(job)
+    ckpts = _checkpointed_steps(out)
+    assert ckpts and ckpts[-1] < TRAIN_STEPS, ckpts
+    shards_before = {p.name: p.stat().st_mtime_ns for p in (out / "hidden_states" / "data").iterdir()}
+    killed_after = _steps(metrics)[-1]
+    job = _start_job(out, data, tiny_target)
+    text, _ = job.communicate(timeout=600)
+    assert job.returncode == 0, text[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    num_shards = report["stages"]["extract"]["num_shards"]
+    assert report["stages"]["extract"]["shards_skipped"] == num_shards
+    assert re.search(r"extract: (\d+) of \1 shards already committed", text), text[-3000:]
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "hidden_states" / "data").iterdir()} == shards_before
+    summary = json.loads((out / "train" / "train_summary.json").read_text())
+    assert summary["resumed_from_step"] == ckpts[-1] and summary["steps"] == TRAIN_STEPS
+    steps = _steps(metrics)
+    assert steps[len(steps) - (TRAIN_STEPS - ckpts[-1]):] == list(range(ckpts[-1] + 1, TRAIN_STEPS + 1))
+    check_every_sample_once(out)
+    print(f"\ndriver killed after step {killed_after} (checkpoint {ckpts[-1]}); resubmit skipped extraction "
+          f"({num_shards} shards) and trained steps {ckpts[-1] + 1}..{TRAIN_STEPS}")
