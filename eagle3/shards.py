@@ -167,7 +167,7 @@ def disk_full_error(path: Path, needed: int, cause: OSError) -> OSError:
     import shutil
 
     usage = shutil.disk_usage(path.parent)
-    what = "quota exceeded" if cause.errno == errno.EDQUOT else "no space left"
+    what = "Disk quota exceeded" if cause.errno == errno.EDQUOT else "No space left"
     return OSError(cause.errno, f"{what} on the file system of {path.parent} writing {path.name}: the shard needs "
                    f"about {needed:,} bytes ({needed / 2**20:.1f} MiB), {usage.free:,} bytes are free there "
                    f"({usage.total:,} in all). Nothing of this shard was kept (its temporary file is removed, it is "

@@ -65,7 +65,7 @@ def test_shard_that_does_not_fit_is_a_clear_error_and_leaves_nothing(tmp_path, n
             write_shard_file(table, fs / name, direct_io=direct_io)
         assert err.value.errno == errno.ENOSPC
         msg = str(err.value)
-        assert f"no space left on the file system of {fs} writing {name}" in msg
+        assert f"No space left on the file system of {fs} writing {name}" in msg
         assert f"needs about {table.nbytes:,} bytes" in msg and "614,400 bytes are free" in msg
         assert os.listdir(fs) == []  # no temporary or partial file left
         _resize(fs, "4m")  # space freed: the same write succeeds
@@ -127,7 +127,7 @@ def test_output_filesystem_full_mid_extraction_then_resubmit_completes(tiny_targ
             first = _job(out, data, tiny_target)
             text = first.stdout + first.stderr
             assert first.returncode != 0, text[-3000:]
-            assert f"no space left on the file system of {fs / 'data'} writing shard-" in text, text[-3000:]
+            assert f"No space left on the file system of {fs / 'data'} writing shard-" in text, text[-3000:]
             assert "bytes are free there" in text and "the shard needs about" in text
             manifest = Manifest(fs)
             committed = manifest.committed()
