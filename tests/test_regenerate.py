@@ -241,9 +241,12 @@ def test_generation_engine_args_and_sampling_resolve_in_vllm(weightless_target):
     assert cfg.model_config.max_model_len == 384 and cfg.scheduler_config.max_num_seqs == 8
     assert not cfg.model_config.skip_tokenizer_init  # generate_texts reads outputs as text
     # On CPU no request is part-prefilled: vLLM 0.32 would rewind a seeded request's CPU generator
-    # (compat.vllm_engine.cpu_seeded_sampling_kwargs).
-    assert not cfg.scheduler_config.enable_chunked_prefill
-    assert cfg.scheduler_config.max_num_batched_tokens >= 384
+    # (compat.vllm_engine.cpu_seeded_sampling_kwargs). A GPU engine keeps vLLM's own scheduling.
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        assert not cfg.scheduler_config.enable_chunked_prefill
+        assert cfg.scheduler_config.max_num_batched_tokens >= 384
     sp = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=5, seed=turn_seed(0, "s", 1))
     assert (sp.temperature, sp.top_p, sp.max_tokens, sp.seed) == (0.7, 0.9, 5, turn_seed(0, "s", 1))
     assert sp.skip_special_tokens  # end-of-turn tokens stay out of the regenerated text
