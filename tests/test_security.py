@@ -91,7 +91,8 @@ def test_dashboard_host_defaults_to_loopback_and_must_be_an_address():
 # real DeepSpeed, real Ray
 
 @pytest.mark.slow
-def test_resume_reads_a_real_checkpoint_and_refuses_one_with_a_payload(tiny_target, tmp_path):
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_resume_reads_a_real_checkpoint_and_refuses_one_with_a_payload(tiny_target, tmp_path, zero_stage):
     """A real DeepSpeed engine (eagle3.deepspeed_backend) resumes from the checkpoint it wrote;
     the same checkpoint with its model-states file swapped for one carrying a payload is refused
     and the payload does not run (fails if DeepSpeed stops reading through checkpoint_engine)."""
@@ -100,14 +101,21 @@ def test_resume_reads_a_real_checkpoint_and_refuses_one_with_a_payload(tiny_targ
 
     samples = _conversation_tokens(AutoTokenizer.from_pretrained(tiny_target), 8)
     files = write_shards(tmp_path / "hs", samples, _capture_hidden_states(Path(tiny_target), samples), num_shards=1)
-    cfg = small_cfg(num_steps=2, checkpoint={"checkpoint_every": 2})
+    cfg = small_cfg(num_steps=2, checkpoint={"checkpoint_every": 2}, optimizer={"zero_stage": zero_stage})
     _trainer(tiny_target, files, cfg).fit(checkpoint_dir=tmp_path / "ckpt")
     assert _trainer(tiny_target, files, cfg).load_checkpoint(tmp_path / "ckpt") == 2
     marker = tmp_path / "payload-ran"
-    _payload_file(tmp_path / "ckpt" / "step_00000002" / "mp_rank_00_model_states.pt", marker)
-    with pytest.raises(ValueError, match="mp_rank_00_model_states.pt.*not loaded"):
-        _trainer(tiny_target, files, cfg).load_checkpoint(tmp_path / "ckpt")
-    assert not marker.exists()
+    # Each file of the checkpoint tampered in turn: model states (ZeRO-3: zero_pp_rank_0_mp_rank_00_...)
+    # and the rank's ZeRO optimizer states.
+    tampered = sorted((tmp_path / "ckpt" / "step_00000002").glob("*.pt"))
+    assert {p.name.endswith(("model_states.pt", "optim_states.pt")) for p in tampered} == {True} and len(tampered) == 2
+    for path in tampered:
+        original = path.read_bytes()
+        _payload_file(path, marker)
+        with pytest.raises(ValueError, match=f"{path.name}.*not loaded"):
+            _trainer(tiny_target, files, cfg).load_checkpoint(tmp_path / "ckpt")
+        assert not marker.exists()
+        path.write_bytes(original)
 
 
 @pytest.mark.slow
