@@ -74,6 +74,18 @@ HARMONY_LIKE = ChatTemplate(
 )
 
 
+def spans(mask: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each run of 1s in a loss mask."""
+    out, start = [], None
+    for k, v in enumerate(list(mask) + [0]):
+        if v and start is None:
+            start = k
+        elif not v and start is not None:
+            out.append((start, k))
+            start = None
+    return out
+
+
 def _think(reasoning: str, answer: str) -> str:
     return f"<think>\n{reasoning}\n</think>\n\n{answer}"
 

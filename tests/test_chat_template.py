@@ -7,7 +7,7 @@ from __future__ import annotations
 import typing
 
 import pytest
-from templates import FAMILIES, LLAMA3_LIKE, make_tokenizer
+from templates import FAMILIES, LLAMA3_LIKE, make_tokenizer, spans
 
 from eagle3 import tiny
 from eagle3.chat_template import TEMPLATES, RenderReject, prompt_ids, render_conversation, tokenize_conversation
@@ -39,17 +39,6 @@ def truth(m: dict) -> tuple[str, str]:
         head, answer = m["content"].split("</think>\n\n")
         return head.removeprefix("<think>\n").removesuffix("\n"), answer
     return m.get("reasoning_content", ""), m["content"]
-
-
-def spans(mask: list[int]) -> list[tuple[int, int]]:
-    out, start = [], None
-    for k, v in enumerate(list(mask) + [0]):
-        if v and start is None:
-            start = k
-        elif not v and start is not None:
-            out.append((start, k))
-            start = None
-    return out
 
 
 def trained_turns(tok, rendered) -> list[tuple[str, list[int], list[int]]]:

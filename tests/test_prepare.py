@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import json
-from collections import Counter
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from templates import spans
 
 from eagle3 import tiny
 from eagle3.config import PrepareConfig
 from eagle3.prepare import load_conversations, prepare_dataset, read_tokens, tokenize_conversation
 from eagle3.schema import SCHEMA_VERSION, TOKENS_SCHEMA
+
+REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "data" / "demo_conversations.jsonl"
 
 CHATML = (
@@ -60,17 +61,6 @@ def sharegpt(conv, **extra):
 def write_jsonl(path: Path, lines: list) -> Path:
     path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
     return path
-
-
-def spans(mask: list[int]) -> list[tuple[int, int]]:
-    out, start = [], None
-    for k, v in enumerate(list(mask) + [0]):
-        if v and start is None:
-            start = k
-        elif not v and start is not None:
-            out.append((start, k))
-            start = None
-    return out
 
 
 def masked_texts(tokenizer, ids, mask) -> list[str]:
