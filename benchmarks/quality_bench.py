@@ -102,6 +102,9 @@ class Plan:
     samples_per_shard: int
     cpu_kvcache_space_gib: int
     gpu_memory_utilization: float
+    template: str = "simple"
+    """The target's chat template, a name in eagle3.chat_template.TEMPLATES ("qwen3": a template
+    that rewrites earlier turns, so every assistant turn becomes its own sample)."""
 
 
 PLANS = {
@@ -174,13 +177,13 @@ def part_target(plan: Plan, out: Path, sharegpt: str) -> dict:
         from eagle3.conversations import load_conversations
         from eagle3.tiny import build_tiny_target
 
-        build_tiny_target(target, DEMO_CONVERSATIONS, size=1, seed=0)
+        build_tiny_target(target, DEMO_CONVERSATIONS, size=1, seed=0, chat_template=plan.template)
         ids = [sid for sid, _ in load_conversations(DEMO_CONVERSATIONS)][-TINY_HELD_OUT:]
         (out / "held_out.json").write_text(json.dumps(ids))
         return {"tiny_demo_target": str(target), "held_out": {"num_records": len(ids)}}
     if not build.exists():
-        _run([sys.executable, "-m", "benchmarks.make_target", *plan.target_args, "--sharegpt", sharegpt,
-              "--out", str(target)], out / "make_target.log", "target")
+        _run([sys.executable, "-m", "benchmarks.make_target", *plan.target_args, "--template", plan.template,
+              "--sharegpt", sharegpt, "--out", str(target)], out / "make_target.log", "target")
     else:
         print(f"target: {target} already built", flush=True)
     summary = json.loads(build.read_text())
@@ -708,6 +711,7 @@ def main(argv=None) -> int:
     ap.add_argument("--num-steps", type=int, default=None, help="training steps of every draft (plan's default)")
     ap.add_argument("--num-conversations", type=int, default=None, help="ShareGPT records read (plan's default)")
     ap.add_argument("--ks", type=int, nargs="+", default=None, help="num_speculative_tokens values (plan's default)")
+    ap.add_argument("--template", default=None, help="the target's chat template: simple (default) or qwen3")
     ap.add_argument("--deadline-s", type=float, default=540.0,
                     help="eval starts no new engine after this many seconds (one device command runs 600 at most)")
     ap.add_argument("--speculators-timeout", type=float, default=420.0)
@@ -719,7 +723,8 @@ def main(argv=None) -> int:
 
     plan = PLANS["cpu-smoke" if args.cpu_smoke else "h200"]
     overrides = {k: v for k, v in (("num_steps", args.num_steps), ("num_conversations", args.num_conversations),
-                                   ("ks", tuple(args.ks) if args.ks else None)) if v is not None}
+                                   ("ks", tuple(args.ks) if args.ks else None), ("template", args.template))
+                 if v is not None}
     plan = replace(plan, **overrides)
     if plan.speed_k not in plan.ks:
         ap.error(f"--ks {list(plan.ks)} must include the throughput engines' k={plan.speed_k}")

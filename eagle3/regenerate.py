@@ -141,14 +141,16 @@ def conversation_ids(sample_ids: list[str]) -> list[str]:
 
 def regenerate_conversations(generate: GenerateFn, tokenizer, samples: list[tuple[str, list[dict]]],
                              sampling: Sampling, *, max_model_len: int, max_length: int,
-                             assistant_only_loss: bool = True) -> tuple[pa.Table, RegenStats]:
+                             assistant_only_loss: bool = True,
+                             chat_template_kwargs: dict | None = None) -> tuple[pa.Table, RegenStats]:
     """Every assistant turn of `samples` (conversation id, messages) rewritten by `generate`;
     returns the kept conversations' training rows (SHARD_SCHEMA, input order) and the counts.
     A conversation is rejected, with the turn and the reason, when a prompt leaves no room
     within max_model_len, a generation stops at its length limit (finish_reason 'length': the
     answer is cut), a generation is empty, or the regenerated conversation does not encode
     within max_length tokens (over-length conversations are rejected, never cut: a cut one
-    would drop turns the target generated from the history they had)."""
+    would drop turns the target generated from the history they had). `chat_template_kwargs`
+    (prepare.chat_template_kwargs) renders prompts and samples as prepare does."""
     from eagle3.chat_template import prompt_ids, render_conversation
 
     t0 = time.perf_counter()
@@ -163,7 +165,7 @@ def regenerate_conversations(generate: GenerateFn, tokenizer, samples: list[tupl
                 continue
             i = turns[k][r]
             try:
-                ids = prompt_ids(tokenizer, conv[:i])
+                ids = prompt_ids(tokenizer, conv[:i], chat_template_kwargs)
             except ValueError as e:
                 rejected[k] = f"assistant turn {r}: {e}"
                 continue
@@ -206,7 +208,8 @@ def regenerate_conversations(generate: GenerateFn, tokenizer, samples: list[tupl
         if k not in rejected:
             try:
                 rendered = render_conversation(tokenizer, convs[k], max_length=max_length, over_length="reject",
-                                               assistant_only_loss=assistant_only_loss)
+                                               assistant_only_loss=assistant_only_loss,
+                                               chat_template_kwargs=chat_template_kwargs)
             except ValueError as e:
                 rejected[k] = f"regenerated conversation: {e}"
             else:
@@ -238,7 +241,8 @@ def write_shard_table(table: pa.Table, path: str | Path) -> int:
 
 
 def regenerate_fingerprint(sample_ids: list[str], samples_per_shard: int, sampling: Sampling, *, target: str,
-                           max_length: int, assistant_only_loss: bool) -> dict:
+                           max_length: int, assistant_only_loss: bool,
+                           chat_template_kwargs: dict | None = None) -> dict:
     """What a resumed run must share with the run that wrote the shards."""
     h = hashlib.sha256()
     for s in sample_ids:
@@ -246,7 +250,7 @@ def regenerate_fingerprint(sample_ids: list[str], samples_per_shard: int, sampli
         h.update(b"\0")
     return {"num_samples": len(sample_ids), "sample_ids_sha256": h.hexdigest(), "samples_per_shard": samples_per_shard,
             "sampling": asdict(sampling), "target": str(target), "max_length": max_length,
-            "assistant_only_loss": assistant_only_loss}
+            "assistant_only_loss": assistant_only_loss, "chat_template_kwargs": chat_template_kwargs or {}}
 
 
 def source_messages(conversations: str, max_samples: int | None, wanted: set[str]) -> dict[str, list[dict]]:

@@ -61,7 +61,8 @@ def run_regenerate(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: s
     manifest = Manifest(Path(out_dir), "parquet")
     manifest.open(regenerate_fingerprint(ids, plan.samples_per_shard, sampling, target=target_dir,
                                          max_length=cfg.prepare.max_length,
-                                         assistant_only_loss=cfg.prepare.assistant_only_loss))
+                                         assistant_only_loss=cfg.prepare.assistant_only_loss,
+                                         chat_template_kwargs=cfg.prepare.chat_template_kwargs))
     committed = manifest.committed()
     sched = ShardScheduler(plan.num_shards, committed, max_inflight_per_replica=INFLIGHT_PER_REPLICA)
     log.info("%s (up to %d conversations each; temperature %g, top_p %g, max_tokens %d, seed %d)",
@@ -75,7 +76,8 @@ def run_regenerate(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: s
         bundle, num_replicas = replica_layout(ecfg, len(sched.todo))
         pool = ReplicaPool(sched, RegeneratorActor, lambda index: ((target_dir, rcfg, ecfg, sampling), dict(
             max_length=cfg.prepare.max_length, dtype=cfg.target.dtype, trust_remote_code=cfg.target.trust_remote_code,
-            assistant_only_loss=cfg.prepare.assistant_only_loss, replica=index)), bundle,
+            assistant_only_loss=cfg.prepare.assistant_only_loss, replica=index,
+            chat_template_kwargs=cfg.prepare.chat_template_kwargs)), bundle,
             max_concurrency=1, what="regeneration replica")
         metrics = _Metrics(plan.num_samples)
         bar = None

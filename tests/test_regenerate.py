@@ -175,6 +175,23 @@ def test_reasoning_template_turns_become_one_sample_each_with_their_reasoning_in
     assert conversation_ids(["a", "q#t1", "q#t2", "b"]) == ["a", "q", "b"]
 
 
+def test_chat_template_kwargs_reach_the_served_prompt_and_the_samples():
+    """prepare.chat_template_kwargs (here thinking off) is how the target is served: the prompt it
+    regenerates from ends in the template's empty think block, and the sample keeps no reasoning."""
+    from eagle3.chat_template import TEMPLATES
+    from tests.templates import make_tokenizer
+
+    qtok = make_tokenizer(TEMPLATES["qwen3"])
+    gen = Scripted(qtok, lambda t, kw: ("The Nile.", "stop"))
+    table, _ = regenerate_conversations(gen, qtok, [("q", conv("Tell me about rivers.", "old"))], GREEDY,
+                                        max_model_len=512, max_length=512,
+                                        chat_template_kwargs={"enable_thinking": False})
+    assert gen.calls[0][0][0].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    [row] = table.to_pylist()
+    assert row["messages"][1] == {"role": "assistant", "content": "The Nile.", "reasoning_content": None}
+    assert masked_texts(qtok, row["input_ids"], row["loss_mask"]) == ["The Nile.<|im_end|>"]
+
+
 def test_sampling_defaults_come_from_the_targets_generation_config(tmp_path):
     assert resolve_sampling(RegenerateConfig(), str(tmp_path)) == Sampling(1.0, 1.0, 1024, 0)
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95}))
