@@ -29,6 +29,7 @@ Sink = Literal["auto", "memory", "shm"]
 Stage = Literal["prepare", "regenerate", "extract", "train", "export", "eval"]
 OverLength = Literal["truncate", "reject"]
 TinyChatTemplate = Literal["simple", "qwen3"]
+LeadingAssistant = Literal["reject", "drop"]
 """Names in eagle3.chat_template.TEMPLATES (a test keeps them equal)."""
 
 
@@ -86,6 +87,12 @@ class PrepareConfig:
     tokens). A turn is never cut inside. 'reject': such a conversation is a reject, whole."""
     max_samples: int | None = None
     """Take at most this many records (in file order); None = all."""
+    leading_assistant: LeadingAssistant = "reject"
+    """A conversation whose first non-system turn is the assistant's: 'reject' it (kind
+    assistant_first: that turn answers no user turn), or 'drop' the assistant turns before the first
+    user turn and keep the rest, counted in the summary's num_leading_assistant_dropped. ShareGPT's
+    "split" copy cuts long conversations into chunks, and every chunk after the first may start
+    with the assistant (6,308 of its 17,672 records); FastChat-style trainers drop that turn."""
     assistant_only_loss: bool = True
     """loss_mask = 1 on assistant tokens only; False trains on every token."""
     num_eval_prompts: int = 16

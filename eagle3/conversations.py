@@ -58,6 +58,8 @@ class Record:
     """What `line` counts: 'line' (JSONL) or 'record'."""
     kind: str | None = None
     """A reject's short, stable key for counting (REJECT_KINDS); None for a usable record."""
+    num_dropped_leading: int = 0
+    """Assistant turns dropped from the front (iter_records' leading_assistant='drop')."""
 
     @property
     def where(self) -> str:
@@ -291,9 +293,9 @@ def _raw_records(f: Path, fmt: str) -> Iterator[tuple[int, object]]:
 
 # ---------------------------------------------------------------- one record's checks
 
-def _parse_messages(rec: dict) -> tuple[list[dict], list[str]] | _Unreadable:
-    """(normalised [{"role", "content"}] list, source roles mapped by alias), or why the
-    record is unusable."""
+def _parse_messages(rec: dict, leading_assistant: str = "reject") -> tuple[list[dict], list[str], int] | _Unreadable:
+    """(normalised [{"role", "content"}] list, source roles mapped by alias, assistant turns
+    dropped from the front), or why the record is unusable."""
     if "messages" in rec:
         raw, key, role_key, content_key, roles = rec["messages"], "messages", "role", "content", {r: r for r in ROLES}
     elif "conversations" in rec:
@@ -335,10 +337,19 @@ def _parse_messages(rec: dict) -> tuple[list[dict], list[str]] | _Unreadable:
     first = next((j for j, m in enumerate(out) if m["role"] != "system"), None)
     if first is None:
         return _Unreadable("only_system", f"'{key}' has only system turns")
-    if out[first]["role"] == "assistant":
+    dropped = 0
+    if out[first]["role"] == "assistant" and leading_assistant == "drop":
+        user = next((j for j, m in enumerate(out) if m["role"] == "user"), len(out))
+        dropped = sum(m["role"] == "assistant" for m in out[:user])
+        out = [m for j, m in enumerate(out) if j >= user or m["role"] == "system"]
+        if all(m["role"] == "system" for m in out):
+            return _Unreadable("only_system", f"'{key}' has no user turn (its {dropped} leading assistant "
+                                              "turns dropped, prepare.leading_assistant=drop)")
+    elif out[first]["role"] == "assistant":
         return _Unreadable("assistant_first", f"{key}[{first}] is an assistant turn before any user turn; a draft "
-                           "learns replies to a user, and the chat template would render a reply to nothing")
-    return out, mapped
+                           "learns replies to a user, and the chat template would render a reply to nothing "
+                           "(prepare.leading_assistant=drop keeps the rest)")
+    return out, mapped, dropped
 
 
 def _sample_id(rec: dict, default: str) -> str | None:
@@ -350,8 +361,10 @@ def _sample_id(rec: dict, default: str) -> str | None:
     return str(rid)
 
 
-def iter_records(path: str | Path, max_records: int | None = None) -> Iterator[Record]:
+def iter_records(path: str | Path, max_records: int | None = None, *,
+                 leading_assistant: str = "reject") -> Iterator[Record]:
     """Every record of every source file, good or not, in source order; at most max_records.
+    `leading_assistant`: see eagle3.config.PrepareConfig.leading_assistant.
 
     Blank JSONL lines are not records. A file cut inside a record ends in one reject for it.
     """
@@ -379,7 +392,7 @@ def iter_records(path: str | Path, max_records: int | None = None) -> Iterator[R
             if sample_id is None:
                 yield bad("bad_id", f"'id' must be a non-empty string or an integer, found {rec['id']!r}")
                 continue
-            parsed = _parse_messages(rec)
+            parsed = _parse_messages(rec, leading_assistant)
             if isinstance(parsed, _Unreadable):
                 yield bad(*parsed, sample_id)
                 continue
@@ -388,8 +401,9 @@ def iter_records(path: str | Path, max_records: int | None = None) -> Iterator[R
                           sample_id)
                 continue
             seen[sample_id] = source
-            messages, mapped = parsed
-            yield Record(sample_id, messages, source, pos, mapped_roles=tuple(mapped), unit=unit)
+            messages, mapped, dropped = parsed
+            yield Record(sample_id, messages, source, pos, mapped_roles=tuple(mapped), unit=unit,
+                         num_dropped_leading=dropped)
 
 
 def load_conversations(path: str | Path, rejects: list[dict] | None = None,

@@ -143,6 +143,7 @@ def tokenize_chunk(cfg: PrepareConfig, tokenizer, records: list[Record]) -> Chun
             eval_prompts.append({"sample_id": rec.sample_id,
                                  "prompt_token_ids": eval_prompt(tokenizer, rec.messages, cfg.chat_template_kwargs)})
         counts.update(f"mapped_roles:{r}" for r in rec.mapped_roles)
+        counts["num_leading_assistant_dropped"] += rec.num_dropped_leading > 0
         counts["num_truncated"] += rendered.num_turns_cut > 0
         counts["num_turns_cut"] += rendered.num_turns_cut
         counts["num_split"] += len(rendered.samples) > 1
@@ -158,7 +159,7 @@ def tokenize_chunk(cfg: PrepareConfig, tokenizer, records: list[Record]) -> Chun
 
 def _chunks(cfg: PrepareConfig, chunk_records: int) -> Iterator[list[Record]]:
     chunk: list[Record] = []
-    for rec in iter_records(cfg.conversations, cfg.max_samples):
+    for rec in iter_records(cfg.conversations, cfg.max_samples, leading_assistant=cfg.leading_assistant):
         chunk.append(rec)
         if len(chunk) >= chunk_records:
             yield chunk

@@ -253,13 +253,14 @@ def regenerate_fingerprint(sample_ids: list[str], samples_per_shard: int, sampli
             "assistant_only_loss": assistant_only_loss, "chat_template_kwargs": chat_template_kwargs or {}}
 
 
-def source_messages(conversations: str, max_samples: int | None, wanted: set[str]) -> dict[str, list[dict]]:
+def source_messages(conversations: str, max_samples: int | None, wanted: set[str], *,
+                    leading_assistant: str = "reject") -> dict[str, list[dict]]:
     """The messages of the `wanted` sample ids, read from the conversations prepare read (same
-    records: max_samples counts records read, as in prepare)."""
+    records: max_samples counts records read, as in prepare; leading_assistant as prepare's)."""
     from eagle3.conversations import iter_records
 
     out = {}
-    for rec in iter_records(conversations, max_samples):
+    for rec in iter_records(conversations, max_samples, leading_assistant=leading_assistant):
         if rec.reason is None and rec.sample_id in wanted:
             out[rec.sample_id] = rec.messages
     missing = wanted - set(out)

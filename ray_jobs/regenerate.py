@@ -72,7 +72,8 @@ def run_regenerate(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: s
                "shards_skipped": len(sched.skipped), "sampling": vars(sampling)}
     if not sched.finished:
         wanted = {ids[j] for s in sched.todo for j in range(*plan.rows(s))}
-        messages = source_messages(cfg.prepare.conversations, cfg.prepare.max_samples, wanted)
+        messages = source_messages(cfg.prepare.conversations, cfg.prepare.max_samples, wanted,
+                                   leading_assistant=cfg.prepare.leading_assistant)
         bundle, num_replicas = replica_layout(ecfg, len(sched.todo))
         pool = ReplicaPool(sched, RegeneratorActor, lambda index: ((target_dir, rcfg, ecfg, sampling), dict(
             max_length=cfg.prepare.max_length, dtype=cfg.target.dtype, trust_remote_code=cfg.target.trust_remote_code,

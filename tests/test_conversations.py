@@ -168,14 +168,42 @@ def test_roles_mapped_counted_and_bad_conversations_rejected_with_reasons(tmp_pa
         "blank": "record 4: conversations[1] (gpt) has an empty value",
         "empty": "record 5: conversations[0] (human) has an empty value",
         "gpt-first": "record 6: conversations[0] is an assistant turn before any user turn; a draft learns "
-                     "replies to a user, and the chat template would render a reply to nothing",
+                     "replies to a user, and the chat template would render a reply to nothing "
+                     "(prepare.leading_assistant=drop keeps the rest)",
         "sys-gpt": "record 7: conversations[1] is an assistant turn before any user turn; a draft learns "
-                   "replies to a user, and the chat template would render a reply to nothing",
+                   "replies to a user, and the chat template would render a reply to nothing "
+                   "(prepare.leading_assistant=drop keeps the rest)",
         "none": "record 8: 'conversations' must be a non-empty list, found []",
         "only-sys": "record 9: 'conversations' has only system turns",
         "oa-asst-first": "record 10: messages[0] is an assistant turn before any user turn; a draft learns "
-                         "replies to a user, and the chat template would render a reply to nothing",
+                         "replies to a user, and the chat template would render a reply to nothing "
+                         "(prepare.leading_assistant=drop keeps the rest)",
     }
+
+
+def test_leading_assistant_turns_dropped_on_request(tmp_path):
+    """prepare.leading_assistant=drop: the assistant turns before the first user turn go, the
+    system turn and the rest stay; with no user turn left the record is still a reject."""
+    recs = [
+        {"id": "gpt-first", "conversations": [{"from": "gpt", "value": "r0"}, {"from": "gpt", "value": "r1"},
+                                              {"from": "human", "value": "q"}, {"from": "gpt", "value": "r2"}]},
+        {"id": "sys-gpt", "conversations": [{"from": "system", "value": "s"}, {"from": "gpt", "value": "r"},
+                                            {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
+        {"id": "no-user", "conversations": [{"from": "system", "value": "s"}, {"from": "gpt", "value": "r"}]},
+        {"id": "plain", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
+    ]
+    (tmp_path / "r.json").write_text(json_array_text(recs))
+    by_id = {r.sample_id: r for r in iter_records(tmp_path / "r.json", leading_assistant="drop")}
+    assert by_id["gpt-first"].messages == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r2"}]
+    assert by_id["gpt-first"].num_dropped_leading == 2
+    assert [m["role"] for m in by_id["sys-gpt"].messages] == ["system", "user", "assistant"]
+    assert by_id["sys-gpt"].num_dropped_leading == 1
+    assert by_id["no-user"].kind == "only_system" and "1 leading assistant turns dropped" in by_id["no-user"].reason
+    assert by_id["plain"].num_dropped_leading == 0 and by_id["plain"].reason is None
+    # The default still rejects them.
+    kinds = {r.sample_id: r.kind for r in iter_records(tmp_path / "r.json")}
+    assert kinds == {"gpt-first": "assistant_first", "sys-gpt": "assistant_first", "no-user": "assistant_first",
+                     "plain": None}
 
 
 def test_missing_source_is_a_config_error(tmp_path):

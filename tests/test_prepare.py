@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -390,6 +391,17 @@ def test_sharegpt_slice_every_record_is_a_sample_an_eval_prompt_or_a_reject(tok_
     # Kept records: the rest, in source order, the first 8 held out as eval prompts.
     kept = [rec["id"] for i, rec in enumerate(raw, 1) if expected[i - 1] is None and i not in by_line]
     assert [e["sample_id"] for e in evals] + samples == kept
+
+    # leading_assistant=drop: ShareGPT's continuation chunks that start with the assistant are kept
+    # without their leading assistant turns, counted; every other record fares as before.
+    drop = prepare_dataset(replace(cfg, leading_assistant="drop"), tok_dir, str(tmp_path / "drop"))
+    firsts = {rec["id"] for rec, kind in zip(raw, expected) if kind == "assistant_first"}
+    drop_rejects = read_rejects(tmp_path / "drop")
+    assert drop["num_records"] == SLICE and "assistant_first" not in drop["num_rejected_by_reason"]
+    assert {r["sample_id"] for r in drop_rejects} - firsts == {r["sample_id"] for r in rejects} - firsts
+    recovered = firsts - {r["sample_id"] for r in drop_rejects}
+    assert drop["num_leading_assistant_dropped"] == len(recovered) > 0
+    assert drop["num_samples"] + drop["num_eval_prompts"] == len(samples) + len(evals) + len(recovered)
 
 
 @pytest.mark.slow  # starts Ray

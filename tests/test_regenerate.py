@@ -192,6 +192,20 @@ def test_chat_template_kwargs_reach_the_served_prompt_and_the_samples():
     assert masked_texts(qtok, row["input_ids"], row["loss_mask"]) == ["The Nile.<|im_end|>"]
 
 
+def test_source_messages_read_the_records_as_prepare_read_them(tmp_path):
+    """The stage re-reads messages by sample id with prepare's leading_assistant, so a record
+    prepare kept without its leading assistant turn is regenerated from the same turns."""
+    from eagle3.regenerate import source_messages
+
+    src = tmp_path / "c.jsonl"
+    src.write_text(json.dumps({"id": "chunk", "conversations": [
+        {"from": "gpt", "value": "r0"}, {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}) + "\n")
+    got = source_messages(str(src), None, {"chunk"}, leading_assistant="drop")
+    assert got == {"chunk": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    with pytest.raises(ValueError, match="not in prepare.conversations"):
+        source_messages(str(src), None, {"chunk"})  # rejected when read as prepare's default does
+
+
 def test_sampling_defaults_come_from_the_targets_generation_config(tmp_path):
     assert resolve_sampling(RegenerateConfig(), str(tmp_path)) == Sampling(1.0, 1.0, 1024, 0)
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95}))
