@@ -1,7 +1,8 @@
 """Ray actor holding one vLLM engine (target + EAGLE-3 draft, or the target alone) and running
 eagle3.evaluate's measurements on it. One actor per engine setting (num_speculative_tokens, CUDA
 graphs or eager are engine settings): a fresh process gives the engine the whole device and
-frees it when the actor is killed."""
+frees it when the actor is killed. `measure` releases its engine before it returns; an engine
+from `start` is released by `shutdown`."""
 
 from __future__ import annotations
 
@@ -41,3 +42,10 @@ class EvaluatorActor:
 
     def generate(self, prompts: list[list[int]], **kwargs) -> list[list[int]]:
         return self._need_engine().generate(prompts, **kwargs)
+
+    def shutdown(self) -> None:
+        """Release this actor's engine (SpecDecodeEngine.close), if it holds one; call before ray.kill,
+        which ends the process without running any of our code."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.close()

@@ -49,6 +49,7 @@ class ExtractorActor:
                        "num_tokens": stats.num_tokens, "seconds": stats.seconds, "rejects": stats.rejects}
 
     def shutdown(self) -> None:
+        """Release the engine (Extractor.close); the driver calls it before ray.kill."""
         self.extractor.close()
 
 

@@ -22,7 +22,7 @@ class RegeneratorActor:
         import ray
         from transformers import AutoTokenizer
 
-        from compat.vllm_engine import engine_env, generation_engine_kwargs
+        from compat.vllm_engine import Engine, engine_env, generation_engine_kwargs
         from eagle3.extract import target_text_config
 
         self.replica = replica
@@ -35,9 +35,7 @@ class RegeneratorActor:
         self.max_model_len = min(max_length, text_cfg.get("max_position_embeddings") or max_length)
         t0 = time.perf_counter()
         os.environ.update(engine_env(in_process=False, cpu_kvcache_space_gib=extract_cfg.cpu_kvcache_space_gib))
-        from vllm import LLM
-
-        self.llm = LLM(**generation_engine_kwargs(
+        self.engine = Engine(**generation_engine_kwargs(
             model=model_dir, max_model_len=self.max_model_len, dtype=dtype,
             tensor_parallel_size=extract_cfg.tensor_parallel_size,
             pipeline_parallel_size=extract_cfg.pipeline_parallel_size, max_num_seqs=regen_cfg.max_num_seqs,
@@ -60,7 +58,7 @@ class RegeneratorActor:
         from compat.vllm_engine import generate_texts
         from eagle3.regenerate import Generation
 
-        return [Generation(**g) for g in generate_texts(self.llm, prompts, params)]
+        return [Generation(**g) for g in generate_texts(self.engine.llm, prompts, params)]
 
     def regenerate_shard(self, shard: int, samples: list, path: str) -> dict:
         """Regenerate `samples` [(sample_id, messages)], write the shard file at `path`; return stats."""
@@ -78,4 +76,5 @@ class RegeneratorActor:
                 "bytes": nbytes, "write_s": time.perf_counter() - t0}
 
     def shutdown(self) -> None:
-        del self.llm
+        """Release the engine (compat.vllm_engine.Engine.close): its engine-core processes end."""
+        self.engine.close()

@@ -12,12 +12,16 @@ filed as of 0.32).
 Settings forced for correctness: prefix caching off (a cached prefix shortens the captured
 sequence: vLLM issue 44485), chunked prefill off and max_num_batched_tokens >= the longest
 sample (one prefill step per request, so hidden states come from one forward).
+Also owns `Engine`, the one way our code starts and releases a vLLM `LLM` in a process (see
+its docstring for the seam it uses).
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import time
+from typing import Self
 
 from compat.hidden_states_connector import CONNECTOR_NAME, MODULE_PATH
 
@@ -225,3 +229,67 @@ def spec_decode_counters(llm) -> dict:
             per_pos = [a + b for a, b in zip(per_pos, vals)] if per_pos else [int(v) for v in vals]
     out["accepted_per_pos"] = per_pos
     return out
+
+
+class Engine:
+    """One vLLM `LLM`, and the duty to release it: `close()`, or leaving a `with Engine(...) as e:`
+    block. The `LLM` is reachable only through `.llm`, so that after close nothing of ours keeps
+    its weights or KV cache alive; `.llm` of a closed engine raises.
+
+    Seam (vLLM 0.26 - 0.32): `LLM` has no shutdown of its own (upstream PR 36283 proposed one; none
+    in 0.32), and deleting an in-process `LLM` does not release it (vLLM issue 21073, open; PR
+    46023 open): EngineCore.__init__ moves the engine's objects into the GC's permanent generation
+    (gc.freeze), and on 0.26 `InprocClient` has no finalizer at all, so an in-process extraction
+    engine kept its 0.3 x 141 GiB on the H200 until the process ended. We call the client's
+    `llm.llm_engine.engine_core.shutdown()`, public on both clients of both versions:
+    - multiprocess (`SyncMPClient`): stops the engine-core process(es), and their memory with them;
+    - in-process (`InprocClient`): `EngineCore.shutdown` shuts the worker down (its KV connector
+      agent included: `ensure_kv_transfer_shutdown`), undoes the gc.freeze, and tears down vLLM's
+      parallel state (`cleanup_dist_env_and_memory`). 0.26's `InprocClient.shutdown` has no
+      idempotence guard (0.32's detaches a finalizer first), so we call it once only.
+    Then our last reference goes, a full collection frees the engine's tensors, and torch's CUDA
+    cache hands their memory back to the device. Remove when `LLM` releases itself on close or
+    deletion in every tested vLLM (tests/test_compat.py::test_engine_client_shutdown_seam)."""
+
+    def __init__(self, **engine_kwargs):
+        from vllm import LLM
+
+        self._llm = LLM(**engine_kwargs)
+
+    @property
+    def llm(self):
+        if self._llm is None:
+            raise RuntimeError("this vLLM engine was closed (Engine.close): start a new Engine to use one again")
+        return self._llm
+
+    @property
+    def closed(self) -> bool:
+        return self._llm is None
+
+    def close(self) -> None:
+        """Release the engine now: its processes end, its memory (host and device) is freed.
+        Idempotent; an engine that failed mid-shutdown is still dropped."""
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        finally:
+            del llm
+            gc.collect()
+            _empty_device_cache()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _empty_device_cache() -> None:
+    """Hand torch's cached CUDA blocks back to the device, if this process ever used CUDA
+    (never initialise CUDA just to empty a cache)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

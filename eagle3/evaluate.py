@@ -2,15 +2,16 @@
 throughput with and without it, and the draft's own first-token accuracy on stored hidden states.
 
 Owns:
-- `SpecDecodeEngine`: one vLLM engine (the target, with a draft or without), and what is measured
-  on it. `acceptance`: acceptance length = 1 + accepted draft tokens / verification steps
-  (drafts), the mean number of tokens one target forward produces, greedy (temperature 0) or
-  sampled (temperature 1, a seed per request), with `ignore_eos` so every prompt generates
-  exactly `max_tokens` tokens and runs with different num_speculative_tokens see the same number
-  of tokens. Counters come from the engine's own Prometheus metrics (compat/vllm_engine.py), as
-  differences before/after, so one engine serves several measurements. `throughput`: output
-  tokens/s of the same prompts decoded `batch_size` at a time (waves of exactly batch_size
-  requests with the same max_tokens, so each wave decodes at that batch size from start to end).
+- `SpecDecodeEngine`: one vLLM engine (the target, with a draft or without), and what is measured on
+  it; `close()` or a `with` block releases the engine. `acceptance`: acceptance length = 1 +
+  accepted draft tokens / verification steps (drafts), the mean number of tokens one target forward
+  produces, greedy (temperature 0) or sampled (temperature 1, a seed per request), with `ignore_eos`
+  so every prompt generates exactly `max_tokens` tokens and runs with different
+  num_speculative_tokens see the same number of tokens. Counters come from the engine's own
+  Prometheus metrics (compat/vllm_engine.py), as differences before/after, so one engine serves
+  several measurements. `throughput`: output tokens/s of the same prompts decoded `batch_size` at a
+  time (waves of exactly batch_size requests with the same max_tokens, so each wave decodes at that
+  batch size from start to end).
 - `measure_acceptance`: the job's eval stage (one engine per num_speculative_tokens).
 - `draft_accuracy`: the trainer's metric (speculators' full_acc_i: the draft's argmax equals the
   target's argmax at loss-masked positions, step i of the TTT unroll) for an exported draft on
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Self
 
 
 class SpecDecodeEngine:
@@ -33,18 +35,30 @@ class SpecDecodeEngine:
     def __init__(self, target_dir: str, draft_dir: str | None, *, num_speculative_tokens: int, max_model_len: int,
                  dtype: str = "bfloat16", enforce_eager: bool = True, max_num_seqs: int | None = None,
                  gpu_memory_utilization: float = 0.85, trust_remote_code: bool = False):
-        from vllm import LLM
-
-        from compat.vllm_engine import eagle3_engine_kwargs
+        from compat.vllm_engine import Engine, eagle3_engine_kwargs
 
         self.draft_dir, self.k = draft_dir, num_speculative_tokens
         self.enforce_eager = enforce_eager
         t0 = time.perf_counter()
-        self.llm = LLM(**eagle3_engine_kwargs(
+        self.engine = Engine(**eagle3_engine_kwargs(
             target=target_dir, draft=draft_dir, num_speculative_tokens=num_speculative_tokens,
             max_model_len=max_model_len, dtype=dtype, enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
             gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code))
         self.startup_s = time.perf_counter() - t0
+
+    @property
+    def llm(self):
+        return self.engine.llm
+
+    def close(self) -> None:
+        """Release the engine (compat.vllm_engine.Engine.close); idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _generate(self, prompts: list[list[int]], *, max_tokens: int, temperature: float, seed: int):
         from vllm import SamplingParams
@@ -150,10 +164,10 @@ class SpecDecodeEngine:
 def measure_acceptance(target_dir: str, draft_dir: str, prompts: list[list[int]], *, num_speculative_tokens: int,
                        max_tokens: int, max_model_len: int, dtype: str = "bfloat16",
                        trust_remote_code: bool = False, temperature: float = 0.0, seed: int = 0) -> dict:
-    """The job's eval stage: a fresh engine, one acceptance measurement."""
-    engine = SpecDecodeEngine(target_dir, draft_dir, num_speculative_tokens=num_speculative_tokens,
-                              max_model_len=max_model_len, dtype=dtype, trust_remote_code=trust_remote_code)
-    return engine.acceptance(prompts, max_tokens=max_tokens, temperature=temperature, seed=seed)
+    """The job's eval stage: a fresh engine, one acceptance measurement, the engine released."""
+    with SpecDecodeEngine(target_dir, draft_dir, num_speculative_tokens=num_speculative_tokens,
+                          max_model_len=max_model_len, dtype=dtype, trust_remote_code=trust_remote_code) as engine:
+        return engine.acceptance(prompts, max_tokens=max_tokens, temperature=temperature, seed=seed)
 
 
 def draft_accuracy(draft_dir: str | Path, target_dir: str | Path, data_files, *, micro_batch_tokens: int = 4096,

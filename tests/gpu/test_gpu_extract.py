@@ -38,9 +38,18 @@ def test_hidden_states_match_transformers_bf16_on_gpu(gpu_target):
 
     lengths = (7, 41, 73, 300)
     tokens = tokens_table(lengths)
-    ex = Extractor(gpu_target, ExtractConfig(backend="vllm", gpu_memory_utilization=0.3), max_length=512)
-    table, stats = ex.extract(tokens)
-    ex.close()
+    free, total = torch.cuda.mem_get_info()  # this process's CUDA context exists from here on
+    used_before = total - free
+    with Extractor(gpu_target, ExtractConfig(backend="vllm", gpu_memory_utilization=0.3), max_length=512) as ex:
+        used_engine = total - torch.cuda.mem_get_info()[0]
+        table, stats = ex.extract(tokens)
+    # Closed: the in-process engine's weights and KV cache (0.3 of the device) are back on the device.
+    used_after = total - torch.cuda.mem_get_info()[0]
+    release = (f"device memory in use: {used_before / 2**30:.1f} GiB before the engine, {used_engine / 2**30:.1f} "
+               f"with it, {used_after / 2**30:.1f} after close; torch reserves {torch.cuda.memory_reserved() / 2**20:.0f} MiB")
+    print(release)
+    assert used_engine - used_before > 0.2 * total, release  # the engine did take its share
+    assert used_after - used_before < 2 * 2**30, release
     assert stats.num_samples == len(lengths)
     assert table.column("input_ids").to_pylist() == tokens.column("input_ids").to_pylist()
     ref_backend = HFBackend(gpu_target, ex.layer_ids, dtype="bfloat16", device="cuda")
@@ -60,8 +69,8 @@ def test_hidden_states_match_transformers_bf16_on_gpu(gpu_target):
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "gpu_hs_error.txt"), "w") as f:
-            f.write(f"vLLM vs transformers, bf16 on GPU, lengths {lengths}: worst rel max-abs err {worst:.4f}\n")
-    del torch
+            f.write(f"vLLM vs transformers, bf16 on GPU, lengths {lengths}: worst rel max-abs err {worst:.4f}\n"
+                    f"{release}\n")
 
 
 def test_doctor_dry_run_on_gpu(gpu_target):
