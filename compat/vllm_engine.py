@@ -240,8 +240,8 @@ class Engine:
     in 0.32), and deleting an in-process `LLM` does not release it (vLLM issue 21073, open; PR
     46023 open): EngineCore.__init__ moves the engine's objects into the GC's permanent generation
     (gc.freeze), and on 0.26 `InprocClient` has no finalizer at all, so an in-process extraction
-    engine kept its 0.3 x 141 GiB on the H200 until the process ended. We call the client's
-    `llm.llm_engine.engine_core.shutdown()`, public on both clients of both versions:
+    engine kept its 42.5 GiB on the H200 (0.3 of the device) until the process ended. We call
+    the client's `llm.llm_engine.engine_core.shutdown()`, public on both clients of both versions:
     - multiprocess (`SyncMPClient`): stops the engine-core process(es), and their memory with them;
     - in-process (`InprocClient`): `EngineCore.shutdown` shuts the worker down (its KV connector
       agent included: `ensure_kv_transfer_shutdown`), undoes the gc.freeze, and tears down vLLM's

@@ -237,8 +237,10 @@ class Extractor:
         return table, ExtractStats(len(keep), len(rejects), num_tokens, time.perf_counter() - t0, rejects)
 
     def close(self):
-        """Release the backend's engine (idempotent). Or use the Extractor as a context manager."""
-        self.backend.close()
+        """Release the backend's engine (idempotent); waits for a call that is using it (an actor
+        runs several threads). Or use the Extractor as a context manager."""
+        with self._engine_lock:
+            self.backend.close()
 
     def __enter__(self) -> Self:
         return self

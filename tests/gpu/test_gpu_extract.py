@@ -73,9 +73,31 @@ def test_hidden_states_match_transformers_bf16_on_gpu(gpu_target):
                     f"{release}\n")
 
 
+def test_a_second_extraction_engine_starts_in_the_process_after_the_first_is_closed(gpu_target):
+    """vLLM 0.26 on the GPU: once the first in-process extraction engine is closed (compat.vllm_engine.
+    Engine), a second one with other aux layers starts in the same process and captures its own
+    layers (before release it found the first one's KV connector: "Expected 1 CacheOnlyAttentionLayer,
+    got 0"), and both give the same hidden states for the layers they share."""
+    from eagle3.extract import Extractor
+    from tests.test_extract import decoded_rows, tokens_table
+
+    tokens = tokens_table((9, 120))
+    rows = []
+    for aux in ((2, 6), (1, 2, 9)):
+        cfg = ExtractConfig(backend="vllm", gpu_memory_utilization=0.3, aux_hidden_state_layer_ids=aux)
+        with Extractor(gpu_target, cfg, max_length=256) as ex:
+            table, _ = ex.extract(tokens)
+        rows.append(list(decoded_rows(table)))
+    (hs_a, ids_a), (hs_b, ids_b) = rows[0][1], rows[1][1]
+    assert ids_a == [2, 6, 12] and ids_b == [1, 2, 9, 12], (ids_a, ids_b)
+    for shared in (2, 12):  # same model, same batch: equal up to the kernels vLLM picks
+        a, b = hs_a[:, ids_a.index(shared)], hs_b[:, ids_b.index(shared)]
+        assert (a - b).abs().max().item() <= 0.01 * a.abs().max().item(), shared
+
+
 def test_doctor_dry_run_on_gpu(gpu_target):
-    """In its own process, as the doctor runs it (max_calls=1 tasks): vLLM 0.26 cannot start a second
-    in-process engine in a process that already had one ("Expected 1 CacheOnlyAttentionLayer, got 0")."""
+    """In its own process, as the doctor runs it (max_calls=1 tasks: a process that ends frees its
+    engine whatever happened to it)."""
     import json
     import subprocess
     import sys
