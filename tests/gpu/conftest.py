@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,6 +26,27 @@ HERE = Path(__file__).resolve().parent
 # Set in the child pytest process: there the test runs as usual.
 CHILD_ENV = "EAGLE3_GPU_TEST_OWN_PROCESS"
 CHILD_TIMEOUT_S = int(os.environ.get("GPU_TEST_TIMEOUT_S", "1800"))
+# A directory the tests' own processes share for one run of the tier (the `tier_dir` fixture).
+SHARED_ENV = "EAGLE3_GPU_TIER_DIR"
+
+
+def pytest_configure(config):
+    if not os.environ.get(CHILD_ENV) and not os.environ.get(SHARED_ENV):
+        os.environ[SHARED_ENV] = tempfile.mkdtemp(prefix="eagle3-gpu-tier-")
+        config._eagle3_tier_dir = os.environ[SHARED_ENV]  # removed at unconfigure
+
+
+def pytest_unconfigure(config):
+    made = getattr(config, "_eagle3_tier_dir", None)
+    if made:
+        shutil.rmtree(made, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def tier_dir(tmp_path_factory) -> Path:
+    """Shared by the processes of one `pytest tests/gpu` run, so that what several tests build once
+    (a target) is built once (take a file lock while building)."""
+    return Path(os.environ.get(SHARED_ENV) or tmp_path_factory.mktemp("gpu-tier"))
 
 
 def pytest_collection_modifyitems(config, items):
