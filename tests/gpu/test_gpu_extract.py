@@ -50,8 +50,9 @@ def test_hidden_states_match_transformers_bf16_on_gpu(gpu_target):
         table, stats = ex.extract(tokens)
     # Closed: the in-process engine's weights and KV cache (0.3 of the device) are back on the device.
     used_after = total - torch.cuda.mem_get_info()[0]
-    release = (f"device memory in use: {used_before / 2**30:.1f} GiB before the engine, {used_engine / 2**30:.1f} "
-               f"with it, {used_after / 2**30:.1f} after close; torch reserves {torch.cuda.memory_reserved() / 2**20:.0f} MiB")
+    release = (f"device memory in use: {used_before / 2**30:.1f} GiB before the engine, "
+               f"{used_engine / 2**30:.1f} with it, {used_after / 2**30:.1f} after close; "
+               f"torch reserves {torch.cuda.memory_reserved() / 2**20:.0f} MiB")
     print(release)
     assert used_engine - used_before > 0.2 * total, release  # the engine did take its share
     assert used_after - used_before < 2 * 2**30, release
