@@ -114,7 +114,7 @@ class ChatTemplate:
 
 
 TEMPLATES: dict[str, ChatTemplate] = {
-    # The tiny demo target's template (eagle3.tiny.CHAT_TEMPLATE): prefix-stable, one sample
+    # The tiny demo target's template (eagle3.tiny builds with it): prefix-stable, one sample
     # per conversation.
     "simple": ChatTemplate(
         template=("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"

@@ -16,11 +16,11 @@ import json
 from pathlib import Path
 from typing import Iterable, Sequence
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+from eagle3.chat_template import TEMPLATES
+
+# The tiny target's template and tokens are TEMPLATES["simple"]: one definition.
+CHAT_TEMPLATE = TEMPLATES["simple"].template
+SPECIAL_TOKENS = list(TEMPLATES["simple"].special_tokens)
 
 # `size` is the one knob: 1 is what CI and the demo use (8 layers, hidden 256, head_dim 64,
 # a head size every vLLM CPU attention backend supports). Larger sizes scale width and depth.

@@ -222,8 +222,6 @@ def test_tokenize_conversation_keeps_one_sample_conversations_and_points_to_the_
 
 
 def test_templates_a_target_is_built_with():
-    assert TEMPLATES["simple"].template == tiny.CHAT_TEMPLATE
-    assert list(TEMPLATES["simple"].special_tokens) == tiny.SPECIAL_TOKENS
     q = TEMPLATES["qwen3"]
     tok = make_tokenizer(q)
     assert all(len(tok(t, add_special_tokens=False)["input_ids"]) == 1 for t in q.special_tokens + q.added_tokens)
