@@ -31,6 +31,7 @@ class RegeneratorActor:
         self.max_length = max_length
         self.assistant_only_loss = assistant_only_loss
         self.chat_template_kwargs = chat_template_kwargs
+        self.cut = regen_cfg.cut
         text_cfg = target_text_config(model_dir)
         self.max_model_len = min(max_length, text_cfg.get("max_position_embeddings") or max_length)
         t0 = time.perf_counter()
@@ -67,7 +68,8 @@ class RegeneratorActor:
         table, stats = regenerate_conversations(self._generate, self.tokenizer, samples, self.sampling,
                                                 max_model_len=self.max_model_len, max_length=self.max_length,
                                                 assistant_only_loss=self.assistant_only_loss,
-                                                chat_template_kwargs=self.chat_template_kwargs)
+                                                chat_template_kwargs=self.chat_template_kwargs,
+                                                cut=self.cut)
         t0 = time.perf_counter()
         nbytes = write_shard_table(table, path)
         if stats.generate_s > 0:

@@ -30,6 +30,7 @@ Stage = Literal["prepare", "regenerate", "extract", "train", "export", "eval"]
 OverLength = Literal["truncate", "reject"]
 TinyChatTemplate = Literal["simple", "qwen3"]
 LeadingAssistant = Literal["reject", "drop"]
+RegenerateCut = Literal["reject", "end"]
 """Names in eagle3.chat_template.TEMPLATES (a test keeps them equal)."""
 
 
@@ -257,7 +258,14 @@ class RegenerateConfig:
     """Nucleus sampling, in (0, 1]. None: the target's generation_config.json, else 1.0."""
     max_tokens: int = 1024
     """Tokens generated per assistant turn at most; a turn that reaches it (or the context's end,
-    prepare.max_length) is cut mid-answer, so its conversation is a reject."""
+    prepare.max_length) is cut mid-answer: `cut` says what becomes of its conversation."""
+    cut: RegenerateCut = "reject"
+    """A conversation that cannot be regenerated whole (an answer cut by max_tokens or the context's
+    end, or the regenerated conversation over prepare.max_length): 'reject' it, with the turn and
+    the reason; or 'end' it there, keeping the turns before (and a cut answer as its last turn:
+    what the target writes under this max_tokens), counted as num_ended_early. 'reject' is the
+    default: every kept turn is an answer the target ended itself. 'end' is for a target that
+    rarely ends a turn within max_tokens, whose data 'reject' would empty."""
     seed: int = 0
     """Each turn's sampling seed is derived from this, the sample id and the turn: the same text
     whatever the sharding, the batch or a resume."""

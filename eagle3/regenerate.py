@@ -121,6 +121,8 @@ class RegenStats:
     num_generated_tokens: int = 0
     num_tokens: int = 0
     """Tokens of the kept, re-encoded samples."""
+    num_ended_early: int = 0
+    """Conversations kept but ended before their last assistant turn (regenerate.cut 'end')."""
     generate_s: float = 0.0
     seconds: float = 0.0
     rejects: list[dict] = field(default_factory=list)
@@ -141,16 +143,23 @@ def conversation_ids(sample_ids: list[str]) -> list[str]:
 
 def regenerate_conversations(generate: GenerateFn, tokenizer, samples: list[tuple[str, list[dict]]],
                              sampling: Sampling, *, max_model_len: int, max_length: int,
-                             assistant_only_loss: bool = True,
-                             chat_template_kwargs: dict | None = None) -> tuple[pa.Table, RegenStats]:
+                             assistant_only_loss: bool = True, chat_template_kwargs: dict | None = None,
+                             cut: str = "reject") -> tuple[pa.Table, RegenStats]:
     """Every assistant turn of `samples` (conversation id, messages) rewritten by `generate`;
     returns the kept conversations' training rows (SHARD_SCHEMA, input order) and the counts.
-    A conversation is rejected, with the turn and the reason, when a prompt leaves no room
-    within max_model_len, a generation stops at its length limit (finish_reason 'length': the
-    answer is cut), a generation is empty, or the regenerated conversation does not encode
-    within max_length tokens (over-length conversations are rejected, never cut: a cut one
-    would drop turns the target generated from the history they had). `chat_template_kwargs`
-    (prepare.chat_template_kwargs) renders prompts and samples as prepare does."""
+    An empty generation rejects its conversation. What else cannot be regenerated whole (a prompt
+    with no room left within max_model_len, a generation stopped at its length limit:
+    finish_reason 'length', the answer cut; a regenerated conversation over max_length tokens)
+    depends on `cut` (regenerate.cut): 'reject' rejects the conversation with the turn and the
+    reason; 'end' ends it there and keeps what came before: a cut answer as its last assistant
+    turn, a turn with no room dropped with every turn after it, an over-length conversation cut
+    after its last whole assistant turn that fits (a conversation left with no assistant turn is
+    still a reject). The kept turns are exactly what the target generated from the history they
+    had; only the chat template's end-of-turn after a cut answer is a token the target did not
+    choose. `chat_template_kwargs` (prepare.chat_template_kwargs) renders prompts and samples as
+    prepare does."""
+    if cut not in ("reject", "end"):
+        raise ValueError(f"regenerate cut={cut!r}: expected 'reject' or 'end'")
     from eagle3.chat_template import prompt_ids, render_conversation
 
     t0 = time.perf_counter()
@@ -158,10 +167,24 @@ def regenerate_conversations(generate: GenerateFn, tokenizer, samples: list[tupl
     convs = [[dict(m) for m in messages] for _, messages in samples]
     turns = [[i for i, m in enumerate(c) if m["role"] == "assistant"] for c in convs]
     rejected: dict[int, str] = {}
+    ended: set[int] = set()  # cut 'end': no turn of these is generated any more
+
+    def end_or_reject(k: int, r: int, reason: str, keep: dict | None = None) -> None:
+        """Conversation k cannot go on at assistant turn r: with cut 'end' keep its first r
+        regenerated turns (and `keep`, the cut answer of turn r), else reject it."""
+        if cut == "end" and (r > 0 or keep is not None):
+            last = turns[k][r] if keep is not None else turns[k][r - 1]
+            convs[k] = convs[k][:last + 1]
+            if keep is not None:
+                convs[k][last] = keep
+            ended.add(k)
+        else:
+            rejected[k] = f"assistant turn {r}: {reason}"
+
     for r in range(max((len(t) for t in turns), default=0)):
         batch = []  # (conversation, message index, prompt ids, max_tokens)
         for k, conv in enumerate(convs):
-            if k in rejected or r >= len(turns[k]):
+            if k in rejected or k in ended or r >= len(turns[k]):
                 continue
             i = turns[k][r]
             try:
@@ -171,8 +194,8 @@ def regenerate_conversations(generate: GenerateFn, tokenizer, samples: list[tupl
                 continue
             room = max_model_len - len(ids)
             if room < 1:
-                rejected[k] = (f"assistant turn {r}: the prompt has {len(ids)} tokens, no room to generate within "
-                               f"max_model_len={max_model_len} (prepare.max_length)")
+                end_or_reject(k, r, f"the prompt has {len(ids)} tokens, no room to generate within "
+                                    f"max_model_len={max_model_len} (prepare.max_length)")
                 continue
             batch.append((k, i, ids, min(sampling.max_tokens, room)))
         if not batch:
@@ -190,30 +213,32 @@ def regenerate_conversations(generate: GenerateFn, tokenizer, samples: list[tupl
             stats.num_turns += 1
             stats.num_prompt_tokens += len(ids)
             stats.num_generated_tokens += out.num_tokens
-            if out.finish_reason == "length":
-                limit = ("regenerate.max_tokens" if mt == sampling.max_tokens
-                         else f"the context's end (max_model_len={max_model_len}, prompt {len(ids)} tokens)")
-                rejected[k] = (f"assistant turn {r}: generation cut at {out.num_tokens} tokens by {limit} "
-                               "(finish_reason 'length')")
-                continue
             msg = split_reasoning(out.text)
             if not msg["content"].strip():
                 rejected[k] = (f"assistant turn {r}: empty generation"
                                + (" after its reasoning" if msg.get("reasoning_content") else "")
                                + f" (finish_reason {out.finish_reason!r})")
                 continue
+            if out.finish_reason == "length":
+                limit = ("regenerate.max_tokens" if mt == sampling.max_tokens
+                         else f"the context's end (max_model_len={max_model_len}, prompt {len(ids)} tokens)")
+                end_or_reject(k, r, f"generation cut at {out.num_tokens} tokens by {limit} (finish_reason 'length')",
+                              keep=msg)
+                continue
             convs[k][i] = msg
     rows: dict[str, list] = {f.name: [] for f in SHARD_SCHEMA}
     for k, (sample_id, _) in enumerate(samples):
         if k not in rejected:
             try:
-                rendered = render_conversation(tokenizer, convs[k], max_length=max_length, over_length="reject",
+                rendered = render_conversation(tokenizer, convs[k], max_length=max_length,
+                                               over_length="truncate" if cut == "end" else "reject",
                                                assistant_only_loss=assistant_only_loss,
                                                chat_template_kwargs=chat_template_kwargs)
             except ValueError as e:
                 rejected[k] = f"regenerated conversation: {e}"
             else:
                 stats.num_samples += 1
+                stats.num_ended_early += k in ended or rendered.num_turns_cut > 0
                 messages = [{"role": m["role"], "content": m["content"],
                              "reasoning_content": m.get("reasoning_content")} for m in convs[k]]
                 for s in rendered.samples:
@@ -242,7 +267,7 @@ def write_shard_table(table: pa.Table, path: str | Path) -> int:
 
 def regenerate_fingerprint(sample_ids: list[str], samples_per_shard: int, sampling: Sampling, *, target: str,
                            max_length: int, assistant_only_loss: bool,
-                           chat_template_kwargs: dict | None = None) -> dict:
+                           chat_template_kwargs: dict | None = None, cut: str = "reject") -> dict:
     """What a resumed run must share with the run that wrote the shards."""
     h = hashlib.sha256()
     for s in sample_ids:
@@ -250,7 +275,8 @@ def regenerate_fingerprint(sample_ids: list[str], samples_per_shard: int, sampli
         h.update(b"\0")
     return {"num_samples": len(sample_ids), "sample_ids_sha256": h.hexdigest(), "samples_per_shard": samples_per_shard,
             "sampling": asdict(sampling), "target": str(target), "max_length": max_length,
-            "assistant_only_loss": assistant_only_loss, "chat_template_kwargs": chat_template_kwargs or {}}
+            "assistant_only_loss": assistant_only_loss, "chat_template_kwargs": chat_template_kwargs or {},
+            "cut": cut}
 
 
 def source_messages(conversations: str, max_samples: int | None, wanted: set[str], *,
@@ -296,6 +322,7 @@ def finalize(manifest, num_shards: int) -> dict:
     return {"num_samples": sum(r["num_samples"] for r in records.values()), "num_rows": tokens.num_rows,
             "num_rejected": len(rejects),
             "num_turns": sum(r["num_turns"] for r in records.values()), "num_generated_tokens": gen,
+            "num_ended_early": sum(r.get("num_ended_early", 0) for r in records.values()),
             "num_tokens": sum(r["num_tokens"] for r in records.values()),
             "tokens_per_s_per_replica": gen / gen_s if gen_s else None,
             "tokens": str(root / TOKENS_FILE), "files": manifest.committed_files()}

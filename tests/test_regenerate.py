@@ -128,6 +128,44 @@ def test_rejects_name_the_turn_and_the_reason(tok):
     assert stats.rejects[0]["sample_id"] == "grew" and "> prepare.max_length=40" in stats.rejects[0]["reason"]
 
 
+def test_cut_end_keeps_what_came_before_the_cut(tok):
+    """regenerate.cut 'end': the same conversations as above end at their cut instead of being
+    rejected, keeping exactly the turns generated before it (a cut answer as the last turn)."""
+    samples = [("cut", conv("Tell me about rivers.", "x", "More.", "x")),
+               ("empty", conv("Explain space.", "x")),
+               ("late", conv("Hi.", "x", "cut me later.", "x", "Third.", "x")),
+               ("room", conv("Hi.", "x", "word " * 30, "x"))]  # turn 1's prompt fills max_model_len
+
+    def script(text, kw):
+        if text.endswith("rivers.<|end|>\n<|assistant|>\n") or "cut me later.<|end|>\n<|assistant|>\n" in text[-40:]:
+            return "a b c", "length"
+        if "space" in text:
+            return "  \n", "stop"
+        return "fine.", "stop"
+
+    gen = Scripted(tok, script)
+    table, stats = regenerate_conversations(gen, tok, samples, GREEDY, max_model_len=48, max_length=48, cut="end")
+    rows = {r["sample_id"]: r for r in table.to_pylist()}
+    answers = {k: [m["content"] for m in r["messages"] if m["role"] == "assistant"] for k, r in rows.items()}
+    assert answers == {"cut": ["a b c"], "late": ["fine.", "a b c"], "room": ["fine."]}
+    # An empty answer is still a reject; nothing else is.
+    assert [r["sample_id"] for r in stats.rejects] == ["empty"]
+    assert stats.num_samples == 3 and stats.num_ended_early == 3
+    # Round 1 generates only 'late' (cut 'cut' ends, 'room' has no room); no round 2 ('late' ended).
+    assert [len(texts) for texts, _ in gen.calls] == [4, 1]
+    # The cut answer is trained like any other answer (the template closes the turn).
+    assert masked_texts(tok, rows["cut"]["input_ids"], rows["cut"]["loss_mask"]) == ["a b c<|end|>"]
+    # Over max_length after regeneration: cut after the last whole assistant turn that fits.
+    table, stats = regenerate_conversations(
+        Scripted(tok, lambda t, kw: ("ok." if "First" in t[-30:] else "many words " * 20, "stop")), tok,
+        [("grew", conv("First.", "x", "Second.", "x"))], GREEDY, max_model_len=512, max_length=40, cut="end")
+    assert stats.num_rejected == 0 and stats.num_ended_early == 1
+    assert [m["content"] for m in table.to_pylist()[0]["messages"] if m["role"] == "assistant"][0] == "ok."
+    assert max(table.column("num_tokens").to_pylist()) <= 40
+    with pytest.raises(ValueError, match="cut='keep'"):
+        regenerate_conversations(gen, tok, samples, GREEDY, max_model_len=48, max_length=48, cut="keep")
+
+
 def test_a_think_block_becomes_reasoning_content(tok):
     assert split_reasoning("<think>\nweigh it\n</think>\n\nThe answer.") == {
         "role": "assistant", "content": "The answer.", "reasoning_content": "weigh it"}
