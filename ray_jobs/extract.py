@@ -25,6 +25,7 @@ from typing import Callable
 from eagle3.config import ExtractConfig, JobConfig
 from eagle3.manifest import Manifest, ShardPlan, tokens_fingerprint
 from eagle3.schedule import ShardScheduler
+from ray_jobs.metrics import extract_metrics
 
 log = logging.getLogger("eagle3.extract")
 
@@ -137,23 +138,6 @@ class ReplicaPool:
                  "tokens_per_s": r.num_tokens / r.busy_s if r.busy_s else None} for r in self.replicas.values()]
 
 
-class _Metrics:
-    def __init__(self, total: int):
-        from ray.util.metrics import Counter, Gauge
-
-        self.samples = Counter("eagle3_extract_samples_done", "Samples extracted and committed")
-        self.tokens = Counter("eagle3_extract_tokens", "Tokens extracted and committed")
-        self.bytes = Counter("eagle3_extract_bytes_written", "Parquet bytes written")
-        self.total = Gauge("eagle3_extract_samples_total", "Samples this extraction has to do")
-        self.rate = Gauge("eagle3_extract_tokens_per_s_total", "Extraction tokens/s over all replicas")
-        self.total.set(total)
-
-    def add(self, samples: int, tokens: int, nbytes: int) -> None:
-        for counter, value in ((self.samples, samples), (self.tokens, tokens), (self.bytes, nbytes)):
-            if value > 0:  # Ray counters refuse 0
-                counter.inc(value)
-
-
 def is_system_failure(exc: BaseException) -> bool:
     """A failure of the cluster (an actor, a node, an object lost), after which the work is redone;
     anything else is an error in the work itself and ends the run."""
@@ -237,7 +221,7 @@ def _extract_loop(sched: ShardScheduler, pool: ReplicaPool, plan: ShardPlan, tok
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    metrics = _Metrics(plan.num_samples)
+    metrics = extract_metrics(plan.num_samples)
     bar = _progress(plan, committed, progress)
     extracting: dict = {}  # stats ref -> (shard, table ref)
     writing: dict = {}  # write ref -> (shard, extract stats)
@@ -290,7 +274,8 @@ def _extract_loop(sched: ShardScheduler, pool: ReplicaPool, plan: ShardPlan, tok
                 r.num_tokens += stats["num_tokens"]
                 r.busy_s += stats["seconds"]
                 tokens_done += stats["num_tokens"]
-                metrics.add(stats["num_samples"] + stats["num_rejected"], stats["num_tokens"], wstats["bytes"])
+                metrics.add(samples_done=stats["num_samples"] + stats["num_rejected"], tokens=stats["num_tokens"],
+                            bytes_written=wstats["bytes"])
                 rate = tokens_done / max(time.perf_counter() - t_loop, 1e-9)
                 metrics.rate.set(rate)
                 if bar is not None:

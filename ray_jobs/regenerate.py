@@ -19,28 +19,13 @@ from pathlib import Path
 from eagle3.config import JobConfig
 from eagle3.manifest import Manifest, ShardPlan
 from eagle3.schedule import ShardScheduler
+from ray_jobs.metrics import regenerate_metrics
 
 log = logging.getLogger("eagle3.regenerate")
 
 # Two shards per replica: the one generating and the next, queued in the actor (it runs one
 # call at a time), so a replica never idles while the driver commits and hands out work.
 INFLIGHT_PER_REPLICA = 2
-
-
-class _Metrics:
-    def __init__(self, total: int):
-        from ray.util.metrics import Counter, Gauge
-
-        self.samples = Counter("eagle3_regenerate_samples_done", "Conversations regenerated and committed")
-        self.tokens = Counter("eagle3_regenerate_tokens", "Tokens generated in committed shards")
-        self.total = Gauge("eagle3_regenerate_samples_total", "Conversations this regeneration has to do")
-        self.rate = Gauge("eagle3_regenerate_tokens_per_s_total", "Generated tokens/s over all replicas")
-        self.total.set(total)
-
-    def add(self, samples: int, tokens: int) -> None:
-        for counter, value in ((self.samples, samples), (self.tokens, tokens)):
-            if value > 0:  # Ray counters refuse 0
-                counter.inc(value)
 
 
 def run_regenerate(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str, *, progress: bool = True) -> dict:
@@ -62,7 +47,7 @@ def run_regenerate(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: s
     manifest.open(regenerate_fingerprint(ids, plan.samples_per_shard, sampling, target=target_dir,
                                          max_length=cfg.prepare.max_length,
                                          assistant_only_loss=cfg.prepare.assistant_only_loss,
-                                         chat_template_kwargs=cfg.prepare.chat_template_kwargs))
+                                         chat_template_kwargs=cfg.prepare.chat_template_kwargs, cut=rcfg.cut))
     committed = manifest.committed()
     sched = ShardScheduler(plan.num_shards, committed, max_inflight_per_replica=INFLIGHT_PER_REPLICA)
     log.info("%s (up to %d conversations each; temperature %g, top_p %g, max_tokens %d, seed %d)",
@@ -80,7 +65,7 @@ def run_regenerate(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: s
             assistant_only_loss=cfg.prepare.assistant_only_loss, replica=index,
             chat_template_kwargs=cfg.prepare.chat_template_kwargs)), bundle,
             max_concurrency=1, what="regeneration replica")
-        metrics = _Metrics(plan.num_samples)
+        metrics = regenerate_metrics(plan.num_samples)
         bar = None
         if progress:
             from tqdm import tqdm
@@ -121,7 +106,7 @@ def run_regenerate(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: s
                     r.busy_s += stats["generate_s"]
                     gen_tokens += stats["num_generated_tokens"]
                     rate = gen_tokens / max(time.perf_counter() - t_loop, 1e-9)
-                    metrics.add(stats["num_samples"] + stats["num_rejected"], stats["num_generated_tokens"])
+                    metrics.add(samples_done=stats["num_samples"] + stats["num_rejected"], tokens=stats["num_generated_tokens"])
                     metrics.rate.set(rate)
                     log.info("regenerate: shard %d committed (%d of %d): %d conversations kept, %d rejected, "
                              "%d tokens generated; %.0f generated tokens/s over all replicas", shard,
