@@ -13,6 +13,7 @@ import copy
 import json
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 import traceback
@@ -52,37 +53,40 @@ def check_seams(target_dir: str | None, trust_remote_code: bool) -> list[Check]:
 
 
 def check_gpus(min_free_fraction: float = 0.9) -> list[Check]:
-    """Memory in use on each visible GPU and the processes holding it: a crashed engine's
-    zombie keeps its memory, and the next engine start fails 18 minutes later."""
-    try:
-        import pynvml  # nvidia-ml-py
-    except ImportError:
-        pynvml = None
-    import torch
+    """Memory in use on each GPU of the node and the processes holding it, each named (a vLLM
+    engine core, a Ray worker, one of our actors; orphaned or not) with the command that stops
+    it: a crashed engine's zombie keeps its memory, and the next engine start fails 18 minutes
+    later. Every GPU of the node, not only those of CUDA_VISIBLE_DEVICES: the job's engines will
+    use them all (eagle3.gpu_processes)."""
+    from eagle3 import gpu_processes as gp
 
-    if not torch.cuda.is_available():
-        return [Check("gpu hygiene", True, "no CUDA device on this node (CPU engine)")]
+    try:
+        gpus, procs = gp.query()
+    except gp.NvidiaSmiMissing:
+        if gp.nvidia_gpus_present():
+            return [Check("gpu hygiene", True, "NVIDIA GPUs present but nvidia-smi is not on PATH: GPU hygiene "
+                          "not checked", "put nvidia-smi on PATH (NVIDIA driver utilities) to check it", warn=True)]
+        return [Check("gpu hygiene", True, "no NVIDIA GPU and no nvidia-smi on this node (CPU engine): skipped")]
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        return [Check("gpu hygiene", False, f"[nvidia-smi] {e}", "fix the NVIDIA driver (nvidia-smi must run) "
+                      "before starting engines")]
+    own_raylet = gp.own_raylet_pid()
     rows = []
-    if pynvml is not None:
-        pynvml.nvmlInit()
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        indices = [int(i) for i in visible.split(",")] if visible else range(pynvml.nvmlDeviceGetCount())
-        for i in indices:
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(h)
-            holders = [f"pid {p.pid} ({(p.usedGpuMemory or 0) / 2**30:.1f} GiB)" for p in procs if p.pid != os.getpid()]
-            ok = mem.used / mem.total <= 1 - min_free_fraction and not holders
-            rows.append(Check(f"gpu {i} hygiene", ok,
-                              f"{mem.used / 2**30:.1f} of {mem.total / 2**30:.0f} GiB in use; holders: {holders or 'none'}",
-                              "" if ok else "kill the processes holding GPU memory (nvidia-smi; `ray stop` on a crashed "
-                                            "cluster) before starting engines"))
-        return rows
-    for i in range(torch.cuda.device_count()):
-        free, total = torch.cuda.mem_get_info(i)
-        ok = free / total >= min_free_fraction
-        rows.append(Check(f"gpu {i} hygiene", ok, f"{(total - free) / 2**30:.1f} of {total / 2**30:.0f} GiB in use",
-                          "" if ok else "free the GPU (nvidia-smi shows who holds it)"))
+    for gpu in gpus:
+        holders = [gp.describe(p, own_raylet=own_raylet) for p in procs
+                   if p.gpu_uuid == gpu.uuid and p.pid != os.getpid()]
+        busy = gpu.total_mib > 0 and gpu.used_mib / gpu.total_mib > 1 - min_free_fraction
+        ok = not busy and not holders
+        detail = (f"{gpu.used_mib / 1024:.1f} of {gpu.total_mib / 1024:.0f} GiB in use; holders: "
+                  + ("; ".join(h.describe() for h in holders) if holders else "none"))
+        if holders:
+            fix = "; ".join(f"pid {h.pid}: {h.fix}" for h in holders)
+        elif busy:
+            fix = ("memory in use by processes nvidia-smi does not list (another container or VM on this GPU?): "
+                   "free it where it runs")
+        else:
+            fix = ""
+        rows.append(Check(f"gpu {gpu.index} hygiene", ok, detail, fix))
     return rows
 
 

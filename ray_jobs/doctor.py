@@ -83,9 +83,9 @@ def run_doctor(cfg: JobConfig, target_dir: str, *, dry_run: bool = True) -> tupl
         lines.append(f"node {rep['node_ip']} ({rep['host']})")
         for r in rep["rows"]:
             ok &= r["ok"]
-            mark = "PASS" if r["ok"] else "FAIL"
+            mark = "FAIL" if not r["ok"] else "WARN" if r.get("warn") else "PASS"
             lines.append(f"  {mark}  {r['name']:<44} {r['detail']}")
-            if not r["ok"] and r["fix"]:
+            if mark != "PASS" and r["fix"]:
                 lines.append(f"        -> {r['fix'].splitlines()[0]}")
     lines.append(f"doctor: {'all checks passed' if ok else 'FAILED'} on {len(reports)} node(s) in "
                  f"{time.perf_counter() - t0:.0f}s (dataset estimate from {how}: {num_tokens} tokens)")
