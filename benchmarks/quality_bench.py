@@ -28,12 +28,13 @@
 
 Parts. One device command may run 10 minutes and a session has 30, so each part is a command of
 its own (`--part target`, `data`, `train`, `eval`, `report`; `all` runs them in order), with its
-state under --out, and prints its wall time. Planned on one H200 (not yet run there): target ~5-6
-min (240 s of training plus reading ShareGPT and a 32k tokenizer), data ~4, train ~6, report
-seconds; eval is 16 engines at k 1..5 (3 serving engines, 13 eager ones), which at ~40 s a start
-is more than one 10-minute command: eval keeps one file per engine and stops starting engines once
---deadline-s has passed, so a second `--part eval` finishes the rest; `--ks 1 3 5` makes it 10
-engines (speed_k 3 must stay). Every part that finds its outputs done skips them.
+state under --out, and prints its wall time. Planned on one H200: target ~4.5 min (200 s of
+training plus reading ShareGPT and a 32k tokenizer), data ~5, train ~4, report seconds; eval is
+16 engines at k 1..5: the 3 serving engines one at a time (their tokens/s is a timing), the 13
+acceptance-only ones 5 at a time on the one GPU (Plan.parallel_engines). Eval keeps one file per
+engine and stops starting engines once --deadline-s has passed, so a second `--part eval`
+finishes the rest; `--ks 1 3 5` makes it 10 engines (speed_k 3 must stay). Every part that finds
+its outputs done skips them.
 On the CPU (`--cpu-smoke`, this machine, 2026-12-01): target 44 s, data 92 s, train 69 s, eval 98
 s (5 engines, ~18 s a start), report 0.5 s.
 
@@ -102,17 +103,33 @@ class Plan:
     samples_per_shard: int
     cpu_kvcache_space_gib: int
     gpu_memory_utilization: float
+    regen_cut: str = "reject"
+    """regenerate.cut: 'end' keeps a turn the target did not end within regen_max_tokens."""
+    regen_max_num_seqs: int = 256
+    parallel_engines: int = 1
+    """Acceptance-only engines started and measured at once on the one device (GPU: each with a
+    set KV cache, compat.vllm_engine.eagle3_engine_kwargs' kv_cache_memory_bytes). Throughput
+    engines always run alone."""
+    acceptance_kv_cache_gib: float = 8.0
+    """The KV cache of each of those engines on the GPU (the held-out prompts with their answers
+    take under 4 GiB at the gpu size: 64 x ~1.3k tokens x 40 KiB a token)."""
     template: str = "simple"
     """The target's chat template, a name in eagle3.chat_template.TEMPLATES ("qwen3": a template
     that rewrites earlier turns, so every assistant turn becomes its own sample)."""
 
 
 PLANS = {
-    "h200": Plan(target_args=("--size", "gpu", "--time-budget-s", "240"), num_conversations=3000, max_length=2048,
-                 regen_max_tokens=1024, regen_temperature=None, num_steps=600, micro_batch_tokens=8192, lr=3e-4, warmup_steps=30,
-                 ks=(1, 2, 3, 4, 5), speed_k=3, num_eval_prompts=64, max_prompt_tokens=1024, eval_max_tokens=256,
-                 throughput_prompts=((1, 4), (16, 32)), throughput_max_tokens=256, enforce_eager_serving=False,
-                 samples_per_shard=512, cpu_kvcache_space_gib=1, gpu_memory_utilization=0.8),
+    # Sized for one 30-minute device lease (machine start and the carried packages included):
+    # target ~4.5 min, data ~5, train ~4, eval ~8.
+    "h200": Plan(target_args=("--size", "gpu", "--time-budget-s", "200"), num_conversations=2000, max_length=2048,
+                 regen_max_tokens=768, regen_temperature=None, num_steps=600, micro_batch_tokens=8192, lr=3e-4,
+                 warmup_steps=30, ks=(1, 2, 3, 4, 5), speed_k=3, num_eval_prompts=64, max_prompt_tokens=1024,
+                 eval_max_tokens=256, throughput_prompts=((1, 4), (16, 32)), throughput_max_tokens=256,
+                 enforce_eager_serving=False, samples_per_shard=256, cpu_kvcache_space_gib=1,
+                 gpu_memory_utilization=0.8,
+                 # The gpu target never ended a greedy answer within 128 tokens (results/target-h200-gpu.md):
+                 # regenerate.cut 'reject' could leave no data.
+                 regen_cut="end", regen_max_num_seqs=512, parallel_engines=5),
     # The demo's tiny target and conversations: make_target's CPU size, trained the minutes a smoke
     # run can spend (60 steps: loss 6.9), ends no ShareGPT answer within a short max_tokens, and the
     # regenerate stage rejects a cut turn; the demo target ends its turns (all 16 held-out demo
@@ -123,7 +140,8 @@ PLANS = {
                       regen_temperature=0.0, micro_batch_tokens=2048, lr=1e-3, warmup_steps=2,
                       ks=(1, 2), speed_k=2, num_eval_prompts=8, max_prompt_tokens=256, eval_max_tokens=32,
                       throughput_prompts=((1, 2), (16, 16)), throughput_max_tokens=16, enforce_eager_serving=True,
-                      samples_per_shard=32, cpu_kvcache_space_gib=1, gpu_memory_utilization=0.8),
+                      samples_per_shard=32, cpu_kvcache_space_gib=1, gpu_memory_utilization=0.8,
+                      parallel_engines=2),
 }
 
 
@@ -220,7 +238,8 @@ def job_config(plan: Plan, out: Path, name: str, *, regenerate: bool, conversati
         "prepare": {"conversations": conversations, "max_length": plan.max_length,
                     "max_samples": plan.num_conversations, "num_eval_prompts": 0},
         "regenerate": {"enabled": regenerate, "max_tokens": plan.regen_max_tokens,
-                       "temperature": plan.regen_temperature},
+                       "temperature": plan.regen_temperature, "cut": plan.regen_cut,
+                       "max_num_seqs": plan.regen_max_num_seqs, "samples_per_shard": plan.samples_per_shard},
         "extract": {"samples_per_shard": plan.samples_per_shard, "cpu_kvcache_space_gib": plan.cpu_kvcache_space_gib,
                     "gpu_memory_utilization": plan.gpu_memory_utilization},
         "train": train_section(plan, gpu),
@@ -450,33 +469,56 @@ def eval_units(plan: Plan, drafts: dict[str, str]) -> list[dict]:
     return units
 
 
-def run_unit(ray, unit: dict, plan: Plan, out: Path, drafts: dict[str, str], prompts: list[list[int]],
-             throughput_prompts: list[list[int]], gpu: bool) -> dict:
+def engine_limits(plan: Plan, unit: dict, prompts: list[list[int]], throughput_prompts: list[list[int]]) -> dict:
+    max_prompt = max(len(p) for p in prompts + throughput_prompts)
+    return {"max_model_len": max_prompt + max(plan.eval_max_tokens, plan.throughput_max_tokens) + max(plan.ks) + 8,
+            "max_num_seqs": max(b for b, _ in plan.throughput_prompts) if unit["throughput"] else None}
+
+
+def run_wave(ray, wave: list[dict], plan: Plan, out: Path, drafts: dict[str, str], prompts: list[list[int]],
+             throughput_prompts: list[list[int]], gpu: bool) -> list[dict]:
+    """The engines of `wave`, started at once and measured at once (one actor each, the device
+    shared: len(wave) > 1 only for acceptance-only engines, whose figures do not depend on
+    timing); results in wave order. A lone engine gets the device's plan.gpu_memory_utilization."""
     from actors.evaluator import EvaluatorActor
 
-    max_prompt = max(len(p) for p in prompts + throughput_prompts)
-    max_len = max_prompt + max(plan.eval_max_tokens, plan.throughput_max_tokens) + max(plan.ks) + 8
-    max_seqs = max(b for b, _ in plan.throughput_prompts) if unit["throughput"] else None
-    actor = ray.remote(EvaluatorActor).options(num_cpus=1, num_gpus=1 if gpu else 0).remote(plan.cpu_kvcache_space_gib)
+    share = len(wave)
+    if share > 1 and any(u["throughput"] for u in wave):
+        raise ValueError("a throughput engine runs alone: its tokens/s is a timing")
+    memory = ({"gpu_memory_utilization": min(plan.gpu_memory_utilization, 0.9 / share),
+               "kv_cache_memory_bytes": int(plan.acceptance_kv_cache_gib * (1 << 30))}
+              if share > 1 and gpu else {"gpu_memory_utilization": plan.gpu_memory_utilization})
+    actors = [ray.remote(EvaluatorActor).options(num_cpus=1, num_gpus=(1 / share if gpu else 0))
+              .remote(plan.cpu_kvcache_space_gib) for _ in wave]
     try:
         t = time.perf_counter()
-        ray.get(actor.start.remote(str(out / "target"), drafts.get(unit["draft"]), num_speculative_tokens=unit["k"],
-                                   max_model_len=max_len, enforce_eager=unit["eager"], max_num_seqs=max_seqs,
-                                   gpu_memory_utilization=plan.gpu_memory_utilization))
-        res: dict = {**unit, "engine_start_s": time.perf_counter() - t}
-        if unit["draft"] is not None:
-            res["greedy"] = ray.get(actor.acceptance.remote(prompts, max_tokens=plan.eval_max_tokens, temperature=0.0))
-            res["t1"] = ray.get(actor.acceptance.remote(prompts, max_tokens=plan.eval_max_tokens, temperature=1.0,
-                                                        seed=1234))
-        if unit["throughput"]:
-            res["decode"] = {}
-            for batch, n in plan.throughput_prompts:
-                res["decode"][str(batch)] = ray.get(actor.throughput.remote(
-                    throughput_prompts[:n], batch_size=batch, max_tokens=plan.throughput_max_tokens))
-        res["wall_s"] = time.perf_counter() - t
-        return res
+        ray.get([a.start.remote(str(out / "target"), drafts.get(u["draft"]), num_speculative_tokens=u["k"],
+                                enforce_eager=u["eager"], **engine_limits(plan, u, prompts, throughput_prompts),
+                                **memory) for a, u in zip(actors, wave)])
+        started = time.perf_counter() - t
+        results = [{**u, "engine_start_s": started, "engines_at_once": share, **memory} for u in wave]
+        measured = [a for a, u in zip(actors, wave) if u["draft"] is not None]
+        greedy = [a.acceptance.remote(prompts, max_tokens=plan.eval_max_tokens, temperature=0.0) for a in measured]
+        t1 = [a.acceptance.remote(prompts, max_tokens=plan.eval_max_tokens, temperature=1.0, seed=1234)
+              for a in measured]
+        for res, g, r1 in zip([r for r in results if r["draft"] is not None], ray.get(greedy), ray.get(t1)):
+            res["greedy"], res["t1"] = g, r1
+        for a, res in zip(actors, results):
+            if res["throughput"]:
+                res["decode"] = {}
+                for batch, n in plan.throughput_prompts:
+                    res["decode"][str(batch)] = ray.get(a.throughput.remote(
+                        throughput_prompts[:n], batch_size=batch, max_tokens=plan.throughput_max_tokens))
+        for res in results:
+            res["wall_s"] = time.perf_counter() - t
+        return results
     finally:
-        ray.kill(actor)
+        try:
+            ray.get([a.shutdown.remote() for a in actors], timeout=120)
+        except Exception as e:  # an actor that died took its engine with it; the kill below ends the rest
+            print(f"eval: shutting down the engines of {[u['name'] for u in wave]}: {e!r}", flush=True)
+        for a in actors:
+            ray.kill(a)
 
 
 def draft_dirs(out: Path) -> dict[str, str]:
@@ -499,24 +541,29 @@ def part_eval(plan: Plan, out: Path, gpu: bool, deadline_s: float) -> dict:
     done_dir.mkdir(exist_ok=True)
     todo = [u for u in units if not (done_dir / f"{u['name']}.json").exists()]
     print(f"eval: {len(units)} engines planned, {len(units) - len(todo)} done before, {len(todo)} to run", flush=True)
+    # Throughput engines one at a time, then the acceptance-only ones plan.parallel_engines at once.
+    serving = [u for u in todo if u["throughput"]]
+    eager = [u for u in todo if not u["throughput"]]
+    waves = [[u] for u in serving] + [eager[i:i + plan.parallel_engines]
+                                      for i in range(0, len(eager), plan.parallel_engines)]
     if todo:
         from ray_jobs.cluster import init_ray
 
         init_ray()  # the job's own: a local cluster, the repository on the workers' path
         try:
-            for u in todo:
+            for wave in waves:
                 if time.perf_counter() - t0 > deadline_s:
                     print(f"eval: --deadline-s {deadline_s:.0f} passed; left for the next --part eval: "
                           f"{[x['name'] for x in todo if not (done_dir / (x['name'] + '.json')).exists()]}", flush=True)
                     break
-                res = run_unit(ray, u, plan, out, drafts, prompts, throughput_prompts, gpu)
-                (done_dir / f"{u['name']}.json").write_text(json.dumps(res, indent=1))
-                print(f"eval: {u['name']}: engine {res['engine_start_s']:.0f} s, "
-                      + (f"AL greedy {res['greedy']['acceptance_length']:.3f}, T=1 {res['t1']['acceptance_length']:.3f}"
-                         if "greedy" in res else "")
-                      + (", tok/s " + ", ".join(f"b{b} {r['output_tokens_per_s']:.0f}"
-                                                for b, r in res["decode"].items()) if "decode" in res else ""),
-                      flush=True)
+                for res in run_wave(ray, wave, plan, out, drafts, prompts, throughput_prompts, gpu):
+                    (done_dir / f"{res['name']}.json").write_text(json.dumps(res, indent=1))
+                    print(f"eval: {res['name']}: engine {res['engine_start_s']:.0f} s ({res['engines_at_once']} at once), "
+                          + (f"AL greedy {res['greedy']['acceptance_length']:.3f}, "
+                             f"T=1 {res['t1']['acceptance_length']:.3f}" if "greedy" in res else "")
+                          + (", tok/s " + ", ".join(f"b{b} {r['output_tokens_per_s']:.0f}"
+                                                    for b, r in res["decode"].items()) if "decode" in res else ""),
+                          flush=True)
         finally:
             ray.shutdown()
     left = [u["name"] for u in units if not (done_dir / f"{u['name']}.json").exists()]
@@ -712,6 +759,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-conversations", type=int, default=None, help="ShareGPT records read (plan's default)")
     ap.add_argument("--ks", type=int, nargs="+", default=None, help="num_speculative_tokens values (plan's default)")
     ap.add_argument("--template", default=None, help="the target's chat template: simple (default) or qwen3")
+    ap.add_argument("--parallel-engines", type=int, default=None,
+                    help="acceptance-only engines at once on the device (plan's default; 1: one at a time)")
     ap.add_argument("--deadline-s", type=float, default=540.0,
                     help="eval starts no new engine after this many seconds (one device command runs 600 at most)")
     ap.add_argument("--speculators-timeout", type=float, default=420.0)
@@ -723,7 +772,8 @@ def main(argv=None) -> int:
 
     plan = PLANS["cpu-smoke" if args.cpu_smoke else "h200"]
     overrides = {k: v for k, v in (("num_steps", args.num_steps), ("num_conversations", args.num_conversations),
-                                   ("ks", tuple(args.ks) if args.ks else None), ("template", args.template))
+                                   ("ks", tuple(args.ks) if args.ks else None), ("template", args.template),
+                                   ("parallel_engines", args.parallel_engines))
                  if v is not None}
     plan = replace(plan, **overrides)
     if plan.speed_k not in plan.ks:

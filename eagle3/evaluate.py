@@ -34,7 +34,8 @@ class SpecDecodeEngine:
 
     def __init__(self, target_dir: str, draft_dir: str | None, *, num_speculative_tokens: int, max_model_len: int,
                  dtype: str = "bfloat16", enforce_eager: bool = True, max_num_seqs: int | None = None,
-                 gpu_memory_utilization: float = 0.85, trust_remote_code: bool = False):
+                 gpu_memory_utilization: float = 0.85, trust_remote_code: bool = False,
+                 kv_cache_memory_bytes: int | None = None):
         from compat.vllm_engine import Engine, eagle3_engine_kwargs
 
         self.draft_dir, self.k = draft_dir, num_speculative_tokens
@@ -43,7 +44,8 @@ class SpecDecodeEngine:
         self.engine = Engine(**eagle3_engine_kwargs(
             target=target_dir, draft=draft_dir, num_speculative_tokens=num_speculative_tokens,
             max_model_len=max_model_len, dtype=dtype, enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
-            gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code))
+            gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code,
+            kv_cache_memory_bytes=kv_cache_memory_bytes))
         self.startup_s = time.perf_counter() - t0
 
     @property

@@ -594,3 +594,22 @@ def test_pack_builds_the_batch_speculators_collate_builds(dtype_name):
     assert got["document_ids"][0].tolist() == [0] * 19 + [2] * 24 + [3] * 21  # the 1-token sample has none
     short = pack(rows[:1], max_len, dtype)
     assert short["document_ids"][0, 19:].eq(-1).all() and short["hidden_states"][0, 19:].eq(0).all()
+
+
+def test_kv_cache_memory_bytes_skips_profiling_seam():
+    """vLLM 0.26 - 0.32: benchmarks.quality_bench starts several acceptance engines at once on one
+    GPU with `kv_cache_memory_bytes` (compat.vllm_engine.eagle3_engine_kwargs): the GPU worker
+    then returns that size before it profiles the device's free memory, which concurrent starts
+    change. Fails when the argument goes or the worker stops returning early: run those engines
+    one at a time (quality_bench --parallel-engines 1)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from compat.vllm_engine import eagle3_engine_kwargs
+
+    kw = eagle3_engine_kwargs(target="t", draft="d", num_speculative_tokens=2, max_model_len=256,
+                              kv_cache_memory_bytes=1 << 30)
+    assert EngineArgs(**{k: v for k, v in kw.items() if k != "model"}).kv_cache_memory_bytes == 1 << 30
+    src = inspect.getsource(Worker.determine_available_memory)
+    early = src.index("if kv_cache_memory_bytes := self.cache_config.kv_cache_memory_bytes")
+    assert early < src.index("Error in memory profiling"), "the worker profiles before it honours the set size"
