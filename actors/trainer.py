@@ -50,7 +50,16 @@ def train_loop_per_worker(config: dict) -> None:
     cfg: TrainConfig = config["cfg"]
     ctx = ray.train.get_context()
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
-    trainer = Eagle3Trainer(cfg, config["target_dir"], config["data_files"], rank=rank, world_size=world_size)
+    online = config.get("online")
+    dataset = None
+    if online is not None:  # train.source: online (ray_jobs/online.py): tables from the feed actor
+        from eagle3.data.online import OnlineDataset
+
+        dataset = OnlineDataset(online["feed"], online["tokens_path"], online["samples_per_shard"], online["layout"],
+                                seed=cfg.seed, rank=rank, world_size=world_size,
+                                shuffle_buffer_size=cfg.data.shuffle_buffer_size)
+    trainer = Eagle3Trainer(cfg, config["target_dir"], config["data_files"], rank=rank, world_size=world_size,
+                            dataset=dataset)
     trainer.attach_engine(deepspeed_backend.initialize(trainer.model, cfg, world_size, use_gpu=config["use_gpu"]))
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
@@ -67,7 +76,13 @@ def train_loop_per_worker(config: dict) -> None:
     profiler = StepProfiler(cfg.profiling.profile_steps, Path(config["metrics_path"]).parent / "profile",
                             done=trainer.global_step) if rank == 0 and cfg.profiling.profile_steps else None
 
+    ids_log = _SampleIds(Path(config["metrics_path"]).parent / "sample_ids", rank, dataset) \
+        if dataset is not None and cfg.online.record_sample_ids else None
+
     def on_step(metrics: dict) -> None:
+        ranges = metrics.pop("data_ranges")
+        if ids_log is not None:  # before the checkpoint: a step in a checkpoint is in the record
+            ids_log.write(metrics["step"], ranges)
         last.update(metrics)
         if profiler is not None:
             profiler.step()
@@ -94,6 +109,31 @@ def train_loop_per_worker(config: dict) -> None:
         "tokens_per_s": trainer.tokens_per_s, "train_seconds": train_seconds,
         "resumed_from_step": trainer.resumed_from_step, "draft_dir": config["draft_dir"],
     })
+
+
+class _SampleIds:
+    """train.online.record_sample_ids: per optimizer step, the sample ids this rank trained and those
+    the engines rejected, one JSON line a step in <train>/sample_ids/rank-<r>.jsonl (appended;
+    a step redone after a restart gets a later line, which is the one that counts)."""
+
+    def __init__(self, directory: Path, rank: int, dataset):
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / f"rank-{rank}.jsonl"
+        self.rank, self.dataset = rank, dataset
+        self._orders: dict[int, list] = {}
+
+    def write(self, step: int, ranges: list) -> None:
+        trained, rejected, epochs = [], [], set()
+        for epoch, lo, hi in ranges:
+            if epoch not in self._orders:
+                self._orders = {epoch: self.dataset.epoch_order(epoch)}  # one epoch at a time
+            epochs.add(epoch)
+            for key in self._orders[epoch][lo:hi]:
+                sid = self.dataset.sample_id(key)
+                (rejected if sid in self.dataset.rejected else trained).append(sid)
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, "rank": self.rank, "epochs": sorted(epochs), "ranges": ranges,
+                                "sample_ids": trained, "rejected": rejected}) + "\n")
 
 
 class StepProfiler:
@@ -203,9 +243,11 @@ def plot_curves(metrics_path: Path, png_path: Path) -> Path | None:
     return png_path
 
 
-def run_training(cfg: TrainConfig, data_files: list[str], target_dir: str, out_dir: str,
-                 draft_dir: str | None = None, *, use_gpu: bool | None = None) -> dict:
+def run_training(cfg: TrainConfig, data_files: list[str] | None, target_dir: str, out_dir: str,
+                 draft_dir: str | None = None, *, use_gpu: bool | None = None, online: dict | None = None) -> dict:
     """Train a draft on cfg.num_workers Ray Train workers; resume if out_dir holds a checkpoint.
+    The data: committed shard files, or with data_files None, `online` (ray_jobs/online.py: the
+    feed actor's handle, tokens_path, samples_per_shard, layout (layer_ids, hidden_size, hs_dtype)).
 
     Returns a summary: loss_first (step 1 of the whole run, kept across resumes), loss_last,
     steps, tokens (all ranks, whole run), tokens_per_s (this call), checkpoint (latest
@@ -218,7 +260,7 @@ def run_training(cfg: TrainConfig, data_files: list[str], target_dir: str, out_d
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    if not data_files:
+    if not data_files and online is None:
         raise ValueError("run_training got no hidden-states shard files; pass the extract stage's committed shards")
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -234,7 +276,8 @@ def run_training(cfg: TrainConfig, data_files: list[str], target_dir: str, out_d
         env_vars["DS_ACCELERATOR"] = "cpu"
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"cfg": cfg, "data_files": [str(Path(f).resolve()) for f in data_files],
+        train_loop_config={"cfg": cfg, "online": online,
+                           "data_files": None if online else [str(Path(f).resolve()) for f in data_files],
                            "target_dir": str(Path(target_dir).resolve()),
                            "draft_dir": str(Path(draft_dir).resolve() if draft_dir else out / "draft"),
                            "use_gpu": use_gpu, "metrics_path": str(out / "metrics.jsonl")},

@@ -80,6 +80,15 @@ class ShardScheduler:
         return bool(self.todo) and not self.alive()
 
     # Shards -------------------------------------------------------------------------------------
+    def add(self, shards: Iterable[int]) -> None:
+        """Work that arrives while the run goes on, queued after what is there (online mode: a unit is
+        one training rank's request for a shard, numbered by the caller, eagle3.online.FeedState)."""
+        for s in shards:
+            if s in self.committed or s in self.inflight or s in self.todo:
+                raise AssertionError(f"work {s} is already queued, in flight or committed")
+            self.todo.append(s)
+            self.num_shards = max(self.num_shards, s + 1)
+
     def assign(self) -> list[tuple[int, int]]:
         """(replica, shard) pairs to dispatch now; they count as in flight from here on."""
         out = []

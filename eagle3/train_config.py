@@ -3,8 +3,9 @@ actors.trainer).
 
 Owns: every knob of draft training and its validation, grouped by concern: `train.optimizer`
 (learning-rate schedule, ZeRO, precision), `train.draft` (the draft model and its loss),
-`train.data` (batches: size, shuffle, prefetch), `train.checkpoint` and `train.profiling`; what
-is the stage's own (workers, steps, seed) stays at `train`'s top. A section is a frozen
+`train.data` (batches: size, shuffle, prefetch), `train.checkpoint`, `train.profiling` and
+`train.online` (`train.source: online`: hidden states from the engines through the object store);
+what is the stage's own (workers, steps, seed, source) stays at `train`'s top. A section is a frozen
 dataclass built and type-checked like every other (eagle3.config builds it from the hints, so
 errors name `train.optimizer.lr`). Torch-free (drivers load configs before any heavy import),
 so the loss names speculators knows are listed here and a test checks them against
@@ -26,6 +27,8 @@ LossName = Literal["kl_div", "rkl", "jsd", "ce", "tv", "nla", "lk_hybrid"]
 LOSS_NAMES = get_args(LossName)
 DraftAttnImpl = Literal["sdpa", "eager", "simple_flex_attention"]
 ZeroStage = Literal[0, 1, 2, 3]
+Source = Literal["offline", "online"]
+OnlineEpochs = Literal["reextract", "keep"]
 
 
 def _fail(name: str, value: Any, fix: str) -> None:
@@ -190,6 +193,43 @@ class ProfilingConfig:
 
 
 @dataclass(frozen=True)
+class OnlineConfig:
+    """`train.source: online`: the engines extract while the trainer trains, and each
+    hidden-states table goes from an engine to a training rank through the Ray object store
+    (ray_jobs/online.py, actors/online_feed.py, eagle3/online.py). Ignored when source is offline."""
+
+    max_inflight_bytes: int = 4 << 30
+    """Bound on hidden-state bytes waiting in the object store: tables being extracted or
+    extracted and not yet taken by their training rank. Engines get no new shard while it is
+    reached (they wait: the trainer is behind); one shard is always let through when nothing is
+    in flight, so a shard larger than the bound still moves. Tables a rank has taken stay
+    alive while its shuffle window holds rows of them (train.data.shuffle_buffer_size bounds that)."""
+    epochs: OnlineEpochs = "reextract"
+    """After the first epoch: 'reextract' (default) asks the engines again for every epoch;
+    'keep' writes each extracted table as a committed shard under hidden_states/ in the background
+    (the offline layout: an offline run can train on it later) and serves later epochs (and resumes)
+    from those files. Default reextract: online mode exists to keep hidden states off the disk
+    (several TB for a real data set, and the disk was the bound for small targets), and EAGLE-3
+    drafts are usually trained for few epochs, so an engine pass per epoch costs less than the
+    writes; 'keep' pays off when the engines are the slower side and epochs are many."""
+    record_sample_ids: bool = False
+    """Each rank appends, per optimizer step, the sample ids it trained (and those extraction
+    rejected) to train/sample_ids/rank-<r>.jsonl: an audit that every sample was trained once per
+    epoch, across restarts (a step redone after a restart is written again; the last line of a
+    step counts)."""
+    log_every_s: float = 10.0
+    """How often the job log gets a line of who waits for whom (bytes in flight, engine idle
+    time and why, trainer ranks' wait for engines); the same figures are Ray gauges."""
+
+    def __post_init__(self):
+        check_types(self, "train.online")
+        if self.max_inflight_bytes < 1:
+            _fail("online.max_inflight_bytes", self.max_inflight_bytes, "must be >= 1 byte (e.g. 4294967296 = 4 GiB)")
+        if not self.log_every_s > 0:
+            _fail("online.log_every_s", self.log_every_s, "must be > 0 seconds")
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """DeepSpeed EAGLE-3 draft training."""
 
@@ -200,11 +240,18 @@ class TrainConfig:
     cycled in epochs as needed: training length is set in steps, not epochs."""
     seed: int = 0
     """Seeds the draft's initial weights and the data shuffle (order depends on seed and epoch)."""
+    source: Source = "offline"
+    """Where training reads hidden states. 'offline' (default): the committed shards of the
+    extract stage, on disk. 'online': the engines extract while training runs and each table
+    reaches a training rank through the Ray object store, nothing written unless
+    train.online.epochs is 'keep' (settings: train.online). Same order and same draft vocabulary
+    as offline for the same data (tests/test_online.py)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    online: OnlineConfig = field(default_factory=OnlineConfig)
 
     def __post_init__(self):
         check_types(self, "train")  # types and Literal choices (each section checked its own); the ranges below

@@ -34,7 +34,7 @@ from torch.profiler import record_function
 from eagle3.data.pipeline import input_pipeline
 from eagle3.data.rows import HiddenStatesDataset
 from eagle3.data.staging import DeviceBatches
-from eagle3.data.vocab import draft_vocab_mapping
+from eagle3.data.vocab import draft_vocab_mapping_from_counts
 from eagle3.train_config import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -72,19 +72,32 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _data_range(before: dict, after: dict) -> tuple[int, int, int]:
+    """(epoch, first, end) positions of the samples in the micro-batch taken between two data
+    states (eagle3.data.packing.PackedBatches: a batch never straddles epochs)."""
+    if after["epoch"] == before["epoch"]:
+        return after["epoch"], before["samples_seen"], after["samples_seen"]
+    return after["epoch"], 0, after["samples_seen"]
+
+
 class Eagle3Trainer:
     """One rank's draft, data stream and step counter."""
 
-    def __init__(self, cfg: TrainConfig, target_dir: str | Path, data_files: str | Path | Sequence[str | Path],
-                 *, rank: int = 0, world_size: int = 1):
+    def __init__(self, cfg: TrainConfig, target_dir: str | Path,
+                 data_files: str | Path | Sequence[str | Path] | None, *, rank: int = 0, world_size: int = 1,
+                 dataset=None):
+        """`data_files`: committed shards (offline); or None with `dataset`, a rank's rows from
+        elsewhere (online: eagle3.data.online.OnlineDataset), ordered and resumed the same way."""
         from speculators.models.eagle3.core import Eagle3DraftModel
 
         from compat.speculators_verifier import draft_layer_config, ensure_text_verifier_weights, verifier_text_config
 
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.target_dir = str(Path(target_dir).resolve())
-        self.dataset = HiddenStatesDataset(data_files, seed=cfg.seed, rank=rank, world_size=world_size,
-                                           shuffle_buffer_size=cfg.data.shuffle_buffer_size)
+        if (dataset is None) == (data_files is None):
+            raise ValueError("Eagle3Trainer takes either data_files (shards) or dataset (online), not both or neither")
+        self.dataset = dataset or HiddenStatesDataset(data_files, seed=cfg.seed, rank=rank, world_size=world_size,
+                                                      shuffle_buffer_size=cfg.data.shuffle_buffer_size)
         text_cfg = verifier_text_config(self.target_dir)
         if text_cfg.hidden_size != self.dataset.hidden_size:
             raise ValueError(f"hidden states have hidden_size={self.dataset.hidden_size}, the target at "
@@ -99,7 +112,9 @@ class Eagle3Trainer:
         if self.draft_vocab_size > self.target_vocab_size:
             raise ValueError(f"config train.draft.draft_vocab_size={cfg.draft.draft_vocab_size}: larger than the "
                              f"target vocab ({self.target_vocab_size}); use at most that, or null")
-        d2t, t2d = draft_vocab_mapping(self.dataset.files, self.draft_vocab_size, self.target_vocab_size)
+        # Offline from the shards, online from the prepared tokens: the same counts for the same data.
+        d2t, t2d = draft_vocab_mapping_from_counts(lambda: self.dataset.token_frequencies(self.target_vocab_size),
+                                                   self.draft_vocab_size, self.target_vocab_size)
         torch.manual_seed(cfg.seed)  # same initial draft on every rank
         attn = cfg.draft.draft_attn_impl or ("simple_flex_attention" if torch.cuda.is_available() else "sdpa")
         self.model = Eagle3DraftModel.from_training_args(
@@ -148,9 +163,10 @@ class Eagle3Trainer:
     def train_step(self) -> dict:
         """One optimizer step (gradient_accumulation_steps micro-batches); metrics averaged over
         all ranks: loss (sum over TTT steps), loss_i, full_acc_i, cond_acc_i per TTT step i,
-        tokens (packed, all ranks), loss_tokens (loss-masked), lr (used by this step); and
-        input_wait_s, this rank's own: how long the step waited for its batches (near 0 when reading
-        keeps ahead of the device; the step time when the input is the bound)."""
+        tokens (packed, all ranks), loss_tokens (loss-masked), lr (used by this step); and this
+        rank's own: input_wait_s, how long the step waited for its batches (near 0 when reading
+        keeps ahead of the device; the step time when the input is the bound), and data_ranges,
+        (epoch, first, end) positions in its epoch order of each micro-batch's samples."""
         self._need_engine()
         lr = float(self.engine.get_lr()[0])
         # Loss and metrics are summed on the device and copied to the host once per step: a copy
@@ -159,9 +175,12 @@ class Eagle3Trainer:
         tokens = loss_tokens = 0
         input_wait = 0.0
         gas = self.cfg.data.gradient_accumulation_steps
+        ranges = []
         for _ in range(gas):
+            before = self.batches.state_dict()
             with record_function("eagle3.next_batch"):
                 batch, inputs, wait = next(self.batches)
+            ranges.append(_data_range(before, self.batches.state_dict()))
             with record_function("eagle3.forward"):
                 _, loss, metrics = self.engine(**inputs, ttt_steps=self.cfg.draft.ttt_steps,
                                                ttt_step_loss_decay=self.cfg.draft.ttt_step_loss_decay,
@@ -192,7 +211,7 @@ class Eagle3Trainer:
         self.run_tokens += int(vals["_tokens"])
         out = {"step": self.global_step, "loss": vals["_loss"] / vals["_micro"], "lr": lr,
                "tokens": int(vals["_tokens"]), "loss_tokens": int(vals["_loss_tokens"]),
-               "input_wait_s": input_wait}
+               "input_wait_s": input_wait, "data_ranges": ranges}
         for i in range(self.cfg.draft.ttt_steps):
             out[f"loss_{i}"] = vals[f"loss_{i}_sum"] / max(vals[f"loss_{i}_total"], 1.0)
             for acc in ("full_acc", "cond_acc"):

@@ -102,7 +102,17 @@ def run(cfg: JobConfig) -> dict:
             report["stages"]["regenerate"] = {k: v for k, v in summary.items() if k != "files"}
         tokens_path, tokens_source = out / "regenerated" / "tokens.parquet", "regenerated"
 
-    if "extract" in cfg.stages:
+    if cfg.train.source == "online" and "train" in cfg.stages:
+        # Extraction runs inside training: tables go from the engines to the ranks through the object
+        # store (ray_jobs/online.py); no extract stage, no shards unless train.online.epochs is keep.
+        from ray_jobs.online import run_online
+
+        summary = timed("train", run_online, cfg, str(tokens_path), target_dir, out, tokens_source=tokens_source)
+        write_provenance(out / "train", cfg.to_dict(), "train", {"summary": summary})
+        write_provenance(out / "draft", cfg.to_dict(), "export", {"trained_from": str(tokens_path), "source": "online"})
+        report["stages"]["train"] = summary
+        report["draft"] = str(out / "draft")
+    elif "extract" in cfg.stages:
         from ray_jobs.extract import run_extract
 
         summary = timed("extract", run_extract, cfg, str(tokens_path), target_dir,
@@ -110,7 +120,7 @@ def run(cfg: JobConfig) -> dict:
         write_provenance(out / "hidden_states", cfg.to_dict(), "extract", {"summary": summary})
         report["stages"]["extract"] = {k: v for k, v in summary.items() if k != "files"}
 
-    if "train" in cfg.stages or "export" in cfg.stages:
+    if cfg.train.source == "offline" and ("train" in cfg.stages or "export" in cfg.stages):
         from actors.trainer import run_training
         from eagle3.manifest import Manifest
 
@@ -162,6 +172,12 @@ def format_summary(report: dict) -> str:
         lines.append(f"  hidden_states/   {e['num_samples']} samples, {e['num_tokens']} tokens, {e['bytes'] / 1e6:.1f} MB, "
                      f"{e['bytes_per_token']:.0f} bytes/token, layers {e['layer_ids']}, {e['num_rejected']} rejected"
                      f"{_resumed(e)}")
+    if "train" in st and "online" in st["train"]:
+        o = st["train"]["online"]
+        lines.append(f"  online           {o['num_extractions']} shard extractions ({o['num_reextracted']} redone, "
+                     f"{o['num_lost']} lost), peak {o['peak_bytes_in_flight'] / 1e6:.1f} MB in flight (bound "
+                     f"{o['max_inflight_bytes'] / 1e6:.1f} MB), engines waited {o['engine_idle_budget_s']:.0f}s "
+                     f"for the trainer, the trainer {sum(o['trainer_wait_s']):.0f}s for engines")
     if "train" in st:
         t = st["train"]
         def loss(v):  # None: a checkpoint written before loss_last was kept in it

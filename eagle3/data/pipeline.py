@@ -97,7 +97,9 @@ def input_pipeline(dataset: HiddenStatesDataset, cfg: DataConfig, dtype: torch.d
     dequantisation is slower than packing bf16 (benchmarks/results/batch-h200-1b-fp8.md)."""
     on_gpu = device.type == "cuda"
     depth = prefetch_depth(cfg, len(dataset.layer_ids), dataset.hidden_size, dtype)
-    workers = data_workers(cfg)
+    # An online dataset (eagle3.data.online) asks the coordinator for its tables: forked workers
+    # would each walk the batch sequence and ask for every shard again, so it is read in a thread.
+    workers = data_workers(cfg) if dataset.forkable else 0
     source = batch_source(dataset, cfg.micro_batch_tokens, dtype, depth, workers,
                           on_gpu=on_gpu, dequantize=not on_gpu)
     how = (f"{workers} worker process(es)" if isinstance(source, WorkerPrefetcher) else

@@ -67,6 +67,33 @@ def resolve_files(files: str | Path | Sequence[str | Path]) -> list[str]:
     return out
 
 
+def rank_shards(num_shards: int, seed: int, epoch: int, rank: int, world_size: int) -> list[int]:
+    """The shards rank `rank` reads in `epoch`, in reading order (steps 1 and 2 above)."""
+    perm = np.random.default_rng([seed, epoch]).permutation(num_shards)
+    return [int(i) for i in perm[rank::world_size]]
+
+
+def epoch_order(shard_rows: Sequence[int], shards: Sequence[int], shuffle_buffer_size: int, seed: int, epoch: int,
+                rank: int) -> list[tuple[int, int]]:
+    """(shard, row) in the order a rank yields the rows of `shards` (of shard_rows[s] rows each, read
+    in this order) in `epoch` (step 3 above). Online training (eagle3.data.online) orders the same way."""
+    rng = np.random.default_rng([seed, epoch, rank])
+    size = max(1, shuffle_buffer_size)
+    buffer: list[tuple[int, int]] = []
+    out: list[tuple[int, int]] = []
+    for s in shards:
+        for row in range(shard_rows[s]):
+            if len(buffer) < size:
+                buffer.append((s, row))
+                continue
+            j = int(rng.integers(len(buffer)))
+            out.append(buffer[j])
+            buffer[j] = (s, row)
+    order = rng.permutation(len(buffer))
+    out.extend(buffer[int(j)] for j in order)
+    return out
+
+
 @dataclass
 class _Shard:
     path: str
@@ -87,6 +114,9 @@ class HiddenStatesDataset:
       (the last layer id: the target's final layer before its final norm), lengths [1],
       position_ids [T-1] (starting at 1).
     """
+
+    forkable = True
+    """DataLoader worker processes may read it (each opens the shards itself); eagle3.data.pipeline."""
 
     def __init__(self, files: str | Path | Sequence[str | Path], *, seed: int = 0, rank: int = 0,
                  world_size: int = 1, shuffle_buffer_size: int = 256):
@@ -124,25 +154,18 @@ class HiddenStatesDataset:
         return list(self.layer_ids[:-1])
 
     def rank_shards(self, epoch: int) -> list[int]:
-        perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))
-        return [int(i) for i in perm[self.rank :: self.world_size]]
+        return rank_shards(len(self.shards), self.seed, epoch, self.rank, self.world_size)
 
     def epoch_order(self, epoch: int) -> list[tuple[int, int]]:
         """(shard index, row) in the order this rank yields them in `epoch`. Reads no data."""
-        rng = np.random.default_rng([self.seed, epoch, self.rank])
-        buffer: list[tuple[int, int]] = []
-        out: list[tuple[int, int]] = []
-        for s in self.rank_shards(epoch):
-            for row in range(self.shards[s].num_rows):
-                if len(buffer) < self.shuffle_buffer_size:
-                    buffer.append((s, row))
-                    continue
-                j = int(rng.integers(len(buffer)))
-                out.append(buffer[j])
-                buffer[j] = (s, row)
-        order = rng.permutation(len(buffer))
-        out.extend(buffer[int(j)] for j in order)
-        return out
+        return epoch_order([s.num_rows for s in self.shards], self.rank_shards(epoch), self.shuffle_buffer_size,
+                           self.seed, epoch, self.rank)
+
+    def token_frequencies(self, vocab_size: int):
+        """Counts of every loss-masked token id of these shards (eagle3.data.vocab)."""
+        from eagle3.data.vocab import token_frequencies
+
+        return token_frequencies(self.files, vocab_size)
 
     def samples(self, epoch: int, start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
         """This rank's samples of `epoch` in shuffled order, skipping the first `start`, each shifted

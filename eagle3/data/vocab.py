@@ -28,21 +28,43 @@ def token_frequencies(files: str | Path | Sequence[str | Path], vocab_size: int 
         pf = ShardFile(path)
         hs_layout(pf.schema)  # refuse other schema versions before reading
         for batch in pf.iter_batches(columns=["input_ids", "loss_mask"]):
-            ids_col, mask_col = batch.column("input_ids"), batch.column("loss_mask")
-            if not np.array_equal(ids_col.value_lengths().to_numpy(), mask_col.value_lengths().to_numpy()):
-                raise ValueError(f"{path}: input_ids and loss_mask lengths differ in some rows; the shard is corrupt")
-            ids = ids_col.flatten().to_numpy()
-            mask = mask_col.flatten().to_numpy().astype(bool)
-            kept = ids[mask]
-            if kept.size and vocab_size is not None and kept.max() >= vocab_size:
-                raise ValueError(
-                    f"{path}: token id {int(kept.max())} >= target vocab_size {vocab_size}; "
-                    "the shards were extracted with another tokenizer/target"
-                )
-            minlength = max(vocab_size or 0, int(kept.max()) + 1 if kept.size else 0, counts.size)
-            if counts.size < minlength:
-                counts = np.pad(counts, (0, minlength - counts.size))
-            counts += np.bincount(kept, minlength=minlength)[: counts.size]
+            counts = _add_counts(counts, batch, vocab_size, path)
+    return counts
+
+
+def tokens_frequencies(tokens_path: str | Path, vocab_size: int | None = None) -> np.ndarray:
+    """`token_frequencies` of a prepared tokens table (prepare's tokens.parquet: input_ids and
+    loss_mask, the same columns the shards copy), for online training, which has no shards before
+    it trains. Equal to the shards' counts when extraction rejected no sample (a sample longer than
+    the engine takes is counted here and not there)."""
+    import pyarrow.parquet as pq
+
+    from eagle3.schema import check_schema
+
+    pf = pq.ParquetFile(tokens_path)
+    check_schema(pf.schema_arrow, "tokens")
+    counts = np.zeros(vocab_size or 0, dtype=np.int64)
+    for batch in pf.iter_batches(columns=["input_ids", "loss_mask"]):
+        counts = _add_counts(counts, batch, vocab_size, str(tokens_path))
+    return counts
+
+
+def _add_counts(counts: np.ndarray, batch, vocab_size: int | None, path: str) -> np.ndarray:
+    ids_col, mask_col = batch.column("input_ids"), batch.column("loss_mask")
+    if not np.array_equal(ids_col.value_lengths().to_numpy(), mask_col.value_lengths().to_numpy()):
+        raise ValueError(f"{path}: input_ids and loss_mask lengths differ in some rows; the file is corrupt")
+    ids = ids_col.flatten().to_numpy()
+    mask = mask_col.flatten().to_numpy().astype(bool)
+    kept = ids[mask]
+    if kept.size and vocab_size is not None and kept.max() >= vocab_size:
+        raise ValueError(
+            f"{path}: token id {int(kept.max())} >= target vocab_size {vocab_size}; "
+            "the data was made with another tokenizer/target"
+        )
+    minlength = max(vocab_size or 0, int(kept.max()) + 1 if kept.size else 0, counts.size)
+    if counts.size < minlength:
+        counts = np.pad(counts, (0, minlength - counts.size))
+    counts += np.bincount(kept, minlength=minlength)[: counts.size]
     return counts
 
 
@@ -50,6 +72,13 @@ def draft_vocab_mapping(files: str | Path | Sequence[str | Path], draft_vocab_si
     """(d2t, t2d) torch tensors for a draft vocabulary of the `draft_vocab_size` most frequent
     loss-masked tokens of the shards (speculators' build_vocab_mappings_from_distribution over
     `token_frequencies`), or (None, None) when the draft keeps the whole target vocabulary."""
+    return draft_vocab_mapping_from_counts(lambda: token_frequencies(files, target_vocab_size), draft_vocab_size,
+                                           target_vocab_size)
+
+
+def draft_vocab_mapping_from_counts(counts_fn, draft_vocab_size: int, target_vocab_size: int):
+    """`draft_vocab_mapping` from counts of loss-masked token ids, `counts_fn()` (called only
+    when the draft vocabulary is smaller than the target's)."""
     if draft_vocab_size > target_vocab_size:
         raise ValueError(f"draft_vocab_size={draft_vocab_size} > target vocab {target_vocab_size}: "
                          "use at most the target's vocabulary size")
@@ -57,6 +86,6 @@ def draft_vocab_mapping(files: str | Path | Sequence[str | Path], draft_vocab_si
         return None, None
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
-    counts = token_frequencies(files, target_vocab_size)
+    counts = counts_fn()
     freq = {int(i): int(counts[i]) for i in np.flatnonzero(counts)}
     return build_vocab_mappings_from_distribution(freq, draft_vocab_size, target_vocab_size)
