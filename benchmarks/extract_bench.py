@@ -19,13 +19,16 @@ and the ratios to (1). With --diagnose, two more engines that locate a bound:
        as our memory sink runs it) and (2s) extraction into the object store through the
        "shm" sink (multiprocess engine, files in /dev/shm); and, without an engine, (2c) the
        copy into the object store alone (tables of the same size returned by an actor).
-Each engine runs in its own Ray actor (its own process), one after the other, so GPU memory
-is returned between them. Writes JSON and a markdown table.
+Each engine is started by the product's path (compat.vllm_engine: the extraction engine's
+settings, Engine) in its own Ray actor (its own process), one after the other, and released
+(Engine.close) before its actor is killed, so GPU memory is returned between them. Writes JSON
+and a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -38,27 +41,34 @@ from benchmarks.common import random_prompts, result_meta, steady_tok_s, tokens_
 
 
 class PlainPrefill:
-    """(1): the same engine settings as extraction, without the hidden-states method."""
+    """(1): the extraction engine of (2), same ExtractConfig and the same product path
+    (compat.vllm_engine.extraction_engine_kwargs, started and released by compat.vllm_engine.Engine),
+    without the hidden-states method: no speculative_config, no KV connector."""
 
-    def __init__(self, model_dir: str, max_len: int, batched_tokens: int, cpu_kv_gib: int, in_process: bool = False,
-                 block_size: int | None = None):
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_gib))
-        if in_process:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        from vllm import LLM
+    def __init__(self, model_dir: str, cfg, max_len: int, in_process: bool = False):
+        from compat.vllm_engine import Engine, engine_env, extraction_engine_kwargs
 
-        self.llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-                       enforce_eager=True, enable_prefix_caching=False, enable_chunked_prefill=False,
-                       max_model_len=max_len, max_num_batched_tokens=batched_tokens, gpu_memory_utilization=0.8,
-                       **({} if block_size is None else {"block_size": block_size}))
+        os.environ.update(engine_env(in_process=in_process, cpu_kvcache_space_gib=cfg.cpu_kvcache_space_gib))
+        # layer_ids, sink and storage_path configure only the hidden-states method, removed below
+        kwargs = extraction_engine_kwargs(
+            model=model_dir, layer_ids=[], max_model_len=max_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            sink="memory", storage_path="", dtype="bfloat16", tensor_parallel_size=cfg.tensor_parallel_size,
+            pipeline_parallel_size=cfg.pipeline_parallel_size, max_num_seqs=cfg.max_num_seqs,
+            gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
+            load_format=cfg.load_format, block_size=cfg.block_size)
+        del kwargs["speculative_config"], kwargs["kv_transfer_config"]  # the hidden-states method
+        self.engine = Engine(**kwargs)
 
     def run(self, prompts: list[list[int]]) -> float:
         from compat.vllm_engine import run_prefill
 
-        run_prefill(self.llm, prompts[: min(8, len(prompts))], capture=False)  # warm-up
+        run_prefill(self.engine.llm, prompts[: min(8, len(prompts))], capture=False)  # warm-up
         t0 = time.perf_counter()
-        run_prefill(self.llm, prompts, capture=False)
+        run_prefill(self.engine.llm, prompts, capture=False)
         return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 class ObjectStoreExtract:
@@ -81,6 +91,9 @@ class ObjectStoreExtract:
         for i in range(0, len(prompts), shard):
             backend.hidden_states(prompts[i:i + shard])
         return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.inner.shutdown()
 
 
 class StoreOnly:
@@ -151,16 +164,12 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
     def in_actor(cls, *a, concurrency=1):
         return ray.remote(num_gpus=gpu, num_cpus=1, max_concurrency=concurrency)(cls).remote(*a)
 
-    # (1) plain prefill; (1i) the same with the engine in the calling process
-    for key, in_process in (("plain_prefill", False), ("plain_inproc", True)):
-        if in_process and not args.diagnose:
-            continue
-        actor = in_actor(PlainPrefill, model_dir, max_len, batched, args.cpu_kv_gib, in_process, args.block_size)
-        secs = ray.get(actor.run.remote(prompts))
+    def release(actor) -> None:
+        # the engine first (Engine.close ends its engine-core process), then the actor: killing
+        # only the actor can leave a multiprocess engine's core holding the GPU
+        ray.get(actor.close.remote())
         ray.kill(actor)
-        res[f"{key}_tok_s"] = tokens / secs
 
-    # (2) extraction into the object store, (2e) its engine part; (2s) through the shm sink
     from actors.extractor import max_concurrency
     from eagle3.config import ExtractConfig
     from eagle3.manifest import Manifest, ShardPlan
@@ -175,20 +184,32 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
     shard = ShardPlan.sized([len(p) for p in prompts], args.samples_per_shard, bytes_per_token,
                             defaults.shard_bytes).samples_per_shard
     res["samples_per_shard"] = shard
+    # the engine settings of (1) and (2)
+    ecfg = ExtractConfig(load_format="dummy", max_num_batched_tokens=batched, gpu_memory_utilization=0.8,
+                         cpu_kvcache_space_gib=args.cpu_kv_gib, samples_per_shard=shard, block_size=args.block_size)
+
+    # (1) plain prefill; (1i) the same with the engine in the calling process
+    for key, in_process in (("plain_prefill", False), ("plain_inproc", True)):
+        if in_process and not args.diagnose:
+            continue
+        actor = in_actor(PlainPrefill, model_dir, ecfg, max_len, in_process)
+        secs = ray.get(actor.run.remote(prompts))
+        release(actor)
+        res[f"{key}_tok_s"] = tokens / secs
+
+    # (2) extraction into the object store, (2e) its engine part; (2s) through the shm sink
     for key, sink in (("object_store", "auto"), ("object_store_shm", "shm")):
         if (sink == "shm" and not args.diagnose) or args.skip_object_store:
             continue
-        ecfg = ExtractConfig(load_format="dummy", max_num_batched_tokens=batched, gpu_memory_utilization=0.8,
-                             cpu_kvcache_space_gib=args.cpu_kv_gib, samples_per_shard=shard, sink=sink,
-                             block_size=args.block_size)
-        actor = in_actor(ObjectStoreExtract, model_dir, ecfg, max_len, concurrency=max_concurrency(ecfg))
-        secs = _object_store_run(actor, table, shard, ecfg.max_inflight_shards, args.store_passes)
+        scfg = dataclasses.replace(ecfg, sink=sink)
+        actor = in_actor(ObjectStoreExtract, model_dir, scfg, max_len, concurrency=max_concurrency(scfg))
+        secs = _object_store_run(actor, table, shard, scfg.max_inflight_shards, args.store_passes)
         res[f"{key}_tok_s"] = tokens / secs[-1]
         res[f"{key}_passes_tok_s"] = [tokens / x for x in secs]
         if sink == "auto":
-            res["object_store_inflight"] = ecfg.max_inflight_shards
+            res["object_store_inflight"] = scfg.max_inflight_shards
             res["engine_only_tok_s"] = tokens / ray.get(actor.engine_only.remote(prompts, shard))
-        ray.kill(actor)
+        release(actor)
     if args.diagnose and not args.skip_object_store:
         actor = in_actor(StoreOnly, SHAPES[shape][0], len(layer_ids), args.prompt_len, shard,
                          concurrency=max_concurrency(defaults))
