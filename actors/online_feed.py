@@ -77,12 +77,15 @@ class OnlineFeed:
             self.manifest.open(self.fingerprint)
             on_disk = set(self.manifest.committed())
         self.state = FeedState(shard_bytes, self.num_ranks, max_inflight_bytes=ocfg.max_inflight_bytes,
-                               max_inflight_per_replica=ecfg.max_inflight_shards, on_disk=on_disk)
+                               max_inflight_per_replica=ecfg.max_inflight_shards, keep=ocfg.epochs == "keep",
+                               on_disk=on_disk)
         self.pool = ReplicaPool(self.state.sched, ExtractorActor, lambda index: ((self.target_dir, ecfg), dict(
             max_length=self.cfg.prepare.max_length, dtype=self.cfg.target.dtype,
             trust_remote_code=self.cfg.target.trust_remote_code, replica=index)), bundle,
             max_concurrency=max_concurrency(ecfg), what="online extraction replica")
-        self.pool.start(num_replicas, ecfg.placement_timeout_s)
+        for r in self.pool.start(num_replicas, ecfg.placement_timeout_s):
+            info = ray.get(r.actor.info.remote())
+            log.info("online: engine replica %d is pid %d on %s", info["replica"], info["pid"], info["host"])
         self._reader = ray.remote(read_shard_table).options(num_cpus=0)
         self._gauges = _Gauges()
         self._thread = threading.Thread(target=self._run, name="online-feed", daemon=True)
@@ -224,11 +227,14 @@ class OnlineFeed:
                         if not is_system_failure(exc):
                             raise
                         log.warning("online: writing shard %d lost (%s)", shard, failure_reason(exc))
+                        with self.lock:
+                            self.state.written(shard, ok=False)
                         continue
                     self.manifest.commit(shard, {**{k: v for k, v in stats.items() if k != "replica"}, **wstats,
                                                  "committed_at": time.time()})
                     with self.lock:
-                        self.state.on_disk.add(shard)
+                        self.state.written(shard, ok=True)
+                        self.lock.notify_all()
             self.pool.ensure_one(ecfg.placement_timeout_s)
             now = time.monotonic()
             with self.lock:

@@ -58,12 +58,14 @@ class Job:
     bytes: int
     state: str = QUEUED
     from_disk: bool = False
+    waited_for_budget: bool = False
     ref: Any = None
 
 
 class FeedState:
     def __init__(self, shard_bytes: list[int], num_ranks: int, *, max_inflight_bytes: int,
-                 max_inflight_per_replica: int, max_attempts: int = 3, on_disk: set[int] | None = None):
+                 max_inflight_per_replica: int, max_attempts: int = 3, keep: bool = False,
+                 on_disk: set[int] | None = None):
         if num_ranks < 1:
             raise ValueError(f"num_ranks={num_ranks}: must be >= 1")
         self.shard_bytes = list(shard_bytes)
@@ -73,6 +75,10 @@ class FeedState:
         self.sched = ShardScheduler(0, max_inflight_per_replica=max_inflight_per_replica, max_attempts=max_attempts)
         self.on_disk: set[int] = set(on_disk or ())
         """Shards committed on disk (train.online.epochs: keep): served by reading the file."""
+        self.keep = keep
+        self.pending_disk: set[int] = set()
+        """keep: shards being extracted or written; another request for one waits for its file
+        rather than extract it twice."""
         self.jobs: dict[int, Job] = {}
         self.sessions: dict[int, str] = {}
         self.queued: dict[int, deque[int]] = {r: deque() for r in range(num_ranks)}
@@ -83,6 +89,7 @@ class FeedState:
         self.extractions: Counter = Counter()  # (epoch, shard) -> times extracted by an engine
         self.num_lost = 0
         self.num_reserved = 0  # requests of a new session served by a table asked for before
+        self.num_budget_waits = 0  # requests that waited for their rank's budget (the trainer was behind)
         self.engine_idle_budget_s = 0.0
         self.engine_idle_no_request_s = 0.0
         self.trainer_wait_s = [0.0] * num_ranks
@@ -152,7 +159,14 @@ class FeedState:
                     continue
                 job = self.jobs[q[0]]
                 if self.rank_bytes[rank] and self.rank_bytes[rank] + job.bytes > self.rank_budget:
+                    if not job.waited_for_budget:
+                        job.waited_for_budget = True
+                        self.num_budget_waits += 1
                     continue
+                if self.keep and job.shard not in self.on_disk:
+                    if job.shard in self.pending_disk:
+                        continue  # its file is on the way
+                    self.pending_disk.add(job.shard)
                 q.popleft()
                 job.state = ADMITTED
                 self.rank_bytes[rank] += job.bytes
@@ -196,7 +210,14 @@ class FeedState:
         if job.state == DROPPED:  # nobody wants it: do not redo it
             self.sched.todo.remove(job_id)
             del self.jobs[job_id]
+            self.pending_disk.discard(job.shard)
         return newly_dead
+
+    def written(self, shard: int, ok: bool) -> None:
+        """keep: the shard's file is committed (ok), or its write was lost (extract it again when asked)."""
+        self.pending_disk.discard(shard)
+        if ok:
+            self.on_disk.add(shard)
 
     def tick(self, dt: float, idle_replicas: int) -> None:
         """`dt` seconds passed with `idle_replicas` alive replicas holding no work."""
@@ -221,7 +242,8 @@ class FeedState:
         total = sum(self.extractions.values())
         return {"num_extractions": total, "num_shard_epochs": len(self.extractions),
                 "num_reextracted": total - len(self.extractions), "num_lost": self.num_lost,
-                "num_reserved": self.num_reserved, "peak_bytes_in_flight": self.peak_bytes,
+                "num_reserved": self.num_reserved, "num_budget_waits": self.num_budget_waits,
+                "peak_bytes_in_flight": self.peak_bytes,
                 "max_inflight_bytes": self.max_inflight_bytes,
                 "engine_idle_budget_s": round(self.engine_idle_budget_s, 3),
                 "engine_idle_no_request_s": round(self.engine_idle_no_request_s, 3),
@@ -252,6 +274,7 @@ class FeedState:
         elif not job.from_disk and job.id in self.sched.todo:
             self.sched.todo.remove(job.id)
             del self.jobs[job.id]
+            self.pending_disk.discard(job.shard)
         else:
             job.state = DROPPED
 

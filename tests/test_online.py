@@ -13,8 +13,10 @@ an engine replica, the driver.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -54,6 +56,7 @@ def test_feed_admits_under_the_byte_bound_and_engines_wait_for_the_trainer():
     assert s.bytes_in_flight == 100 and s.bytes_held == 100
     s.admit()
     assert [j.shard for _, j in s.assign()] == [4]  # the taken table's bytes made room
+    assert s.num_budget_waits == 2  # shards 4 and 0 each waited for the budget once
     assert s.peak_bytes == 200 <= s.max_inflight_bytes
     s.release(0, "a", 3)
     assert s.bytes_held == 0
@@ -129,6 +132,26 @@ def test_a_lost_extraction_is_handed_to_another_replica():
     s.extracted(work[1][1].id, "ref-1")
     assert [(r, j.shard) for r, j in s.assign()] == [(1, 0)]  # the lost shard first, on the live replica
     assert s.summary()["num_lost"] == 1
+
+
+def test_keep_writes_each_shard_once_and_serves_later_epochs_from_disk():
+    s = FeedState([100] * 2, 1, max_inflight_bytes=1000, max_inflight_per_replica=3, keep=True)
+    s.sched.add_replica()
+    s.want(0, "a", 0, [0, 1])
+    s.admit()
+    first = [j for _, j in s.assign()]
+    for job in first:
+        s.extracted(job.id, f"ref-{job.shard}")
+        assert s.take(0, "a", job.shard, now=0.0)[0] == "ready"
+    s.want(0, "b", 1, [0, 1])  # the next epoch, before shard 1's file is committed
+    s.written(0, ok=True)
+    s.admit()
+    assert s.assign() == [] and [j.shard for j in s.reads()] == [0]  # shard 1 waits for its file
+    assert s.queued[0] and s.jobs[s.queued[0][0]].shard == 1
+    s.written(1, ok=False)  # its write was lost: extracted again
+    s.admit()
+    assert [j.shard for _, j in s.assign()] == [1]
+    assert s.extractions[(0, 0)] == 1 and (1, 0) not in s.extractions
 
 
 def test_online_order_is_the_offline_order_of_the_same_shards():
@@ -212,3 +235,210 @@ def test_online_driver_imports_no_heavy_packages():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "", f"the online driver's imports pulled in: {out.stdout.strip()}"
+
+
+# ---------------------------------------------------------------------------------------------
+# the real job online: prepare, then extraction (hf backend: the engine is not under test here)
+# and DeepSpeed training at once, on a local cluster
+
+from tests.test_faults import (  # noqa: E402 - the offline fault tests' helpers
+    CKPT_EVERY, TRAIN_STEPS, _conversations, _descendants, _registered_steps, _steps, _stop, _wait_for_step,
+    _wait_for_registered_checkpoint)
+
+
+def _online_args(out: Path, data: Path, tiny_target: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml", "--set", f"output_dir={out}",
+            "--set", f"target.model={tiny_target}", "--set", f"prepare.conversations={data}",
+            "--set", "prepare.num_eval_prompts=1", "--set", "stages=[prepare, train]", "--set", "doctor=false",
+            "--set", "extract.backend=hf", "--set", "extract.samples_per_shard=4", "--set", "train.source=online",
+            "--set", "train.online.record_sample_ids=true", "--set", "train.online.log_every_s=1",
+            "--set", "train.data.micro_batch_tokens=512", "--set", f"train.num_steps={TRAIN_STEPS}",
+            "--set", f"train.checkpoint.checkpoint_every={CKPT_EVERY}", *extra]
+
+
+def _start_online(out: Path, data: Path, tiny_target: str, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(_online_args(out, data, tiny_target, *extra), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def check_trained_once_per_epoch(out: Path, num_workers: int) -> dict:
+    """From train/sample_ids (the last line of each step counts: a step redone after a restart is
+    written again): per rank and epoch no sample twice, ranks' samples of an epoch disjoint, and
+    every epoch that all ranks finished holds every prepared sample exactly once. Returns
+    {epoch: Counter of sample ids} over ranks."""
+    prepared = pq.read_table(out / "prepared" / "tokens.parquet", columns=["sample_id"]).column(0).to_pylist()
+    per_epoch: dict[int, Counter] = {}
+    finished: list[set[int]] = []
+    for rank in range(num_workers):
+        lines = [json.loads(x) for x in (out / "train" / "sample_ids" / f"rank-{rank}.jsonl").read_text().splitlines()]
+        last = {rec["step"]: rec for rec in lines}
+        assert sorted(last) == list(range(1, TRAIN_STEPS + 1)), sorted(last)
+        mine: dict[int, list[str]] = {}
+        for step in sorted(last):
+            rec = last[step]
+            assert rec["rejected"] == []
+            for epoch in rec["epochs"]:
+                mine.setdefault(epoch, []).extend(rec["sample_ids"])
+        for epoch, ids in mine.items():
+            assert len(ids) == len(set(ids)), f"rank {rank} trained {Counter(ids).most_common(1)} in epoch {epoch}"
+            per_epoch.setdefault(epoch, Counter()).update(ids)
+        finished.append(set(sorted(mine)[:-1]))  # the last epoch of a rank may be cut by num_steps
+    for epoch, counts in per_epoch.items():
+        assert max(counts.values()) == 1, f"epoch {epoch}: {counts.most_common(2)} (ranks overlap)"
+        if all(epoch in f for f in finished):
+            assert sorted(counts) == sorted(prepared), f"epoch {epoch}: lost {sorted(set(prepared) - set(counts))}"
+    assert any(all(e in f for f in finished) for e in per_epoch), "no epoch was finished by every rank"
+    return per_epoch
+
+
+@pytest.mark.slow
+def test_online_job_trains_every_sample_once_per_epoch_under_the_byte_bound(tiny_target, tmp_path):
+    """Two training ranks, one engine, 40 samples in 10 shards, a bound of about 3 shards per rank:
+    the job trains from tables it never writes, every sample once per epoch, the bytes waiting in
+    the object store stay under the bound, and requests wait for it (the engine for the trainer)."""
+    out = tmp_path / "out"
+    data = _conversations(tmp_path / "conversations.jsonl", 41)
+    bound = 3_000_000
+    job = subprocess.run(_online_args(out, data, tiny_target, "--set", "train.num_workers=2", "--set", "ray.num_cpus=3",
+                                      "--set", f"train.online.max_inflight_bytes={bound}"),
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    text = job.stdout + job.stderr
+    assert job.returncode == 0, text[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    online = report["stages"]["train"]["online"]
+    assert report["stages"]["train"]["steps"] == TRAIN_STEPS and "extract" not in report["stages"]
+    assert not (out / "hidden_states").exists()  # nothing written
+    per_epoch = check_trained_once_per_epoch(out, 2)
+    assert 0 < online["peak_bytes_in_flight"] <= bound, online
+    assert online["num_budget_waits"] > 0 and online["num_lost"] == 0, online
+    assert online["num_shard_epochs"] >= online["num_shards"] * 2  # each rank asked for at least 2 epochs
+    assert "waiting for the trainer (bound reached)" in text and "trainer ranks waited" in text
+    print(f"\nonline: {len(per_epoch)} epochs, {sum(sum(c.values()) for c in per_epoch.values())} samples trained, "
+          f"peak {online['peak_bytes_in_flight']} bytes in flight (bound {bound}), "
+          f"{online['num_budget_waits']} requests waited for the bound, engine idle for the trainer "
+          f"{online['engine_idle_budget_s']} s")
+
+
+@pytest.mark.slow
+def test_online_training_worker_killed_resumes_and_gets_the_samples_after_its_checkpoint_again(tiny_target, tmp_path):
+    """SIGKILL of the Ray Train worker after a registered checkpoint: Ray Train restarts it from
+    that checkpoint; the rank asks the feed again for the shards holding the samples after it, and
+    every sample is trained once per epoch."""
+    import signal
+
+    out = tmp_path / "out"
+    job = _start_online(out, _conversations(tmp_path / "conversations.jsonl", 41), tiny_target,
+                        "--set", "ray.num_cpus=2", "--set", "train.online.max_inflight_bytes=2000000")
+    metrics = out / "train" / "metrics.jsonl"
+    try:
+        _wait_for_step(job, metrics, CKPT_EVERY + 2)
+        _wait_for_registered_checkpoint(job, out)
+        workers = [p for p in _descendants(job.pid) if p.name() == "ray::RayTrainWorker"]
+        assert len(workers) == 1, [p.name() for p in _descendants(job.pid)]
+        killed_after = _steps(metrics)[-1]
+        workers[0].send_signal(signal.SIGKILL)
+        text, _ = job.communicate(timeout=600)
+    finally:
+        _stop(job)
+    assert job.returncode == 0, text[-3000:]
+    summary = json.loads((out / "train" / "train_summary.json").read_text())
+    online = json.loads((out / "report.json").read_text())["stages"]["train"]["online"]
+    steps = _steps(metrics)
+    restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+    resumed_at = steps[restart] - 1
+    assert resumed_at % CKPT_EVERY == 0 and CKPT_EVERY <= resumed_at <= killed_after
+    assert summary["steps"] == TRAIN_STEPS
+    check_trained_once_per_epoch(out, 1)
+    # the samples after the checkpoint: their shards extracted again, or served from a table still waiting
+    assert online["num_reextracted"] + online["num_reserved"] >= 1, online
+    print(f"\ntrain worker killed after step {killed_after}, resumed at {resumed_at + 1}; "
+          f"{online['num_reextracted']} shard extractions redone, {online['num_reserved']} re-served")
+
+
+@pytest.mark.slow
+def test_online_engine_killed_has_its_shard_redone_by_another_replica(tiny_target, tmp_path):
+    """SIGKILL of engine replica 0 (the one the feed fills first) while training runs: its
+    shard in flight is handed to the other replica, and every sample is trained once per epoch."""
+    import re
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    job = _start_online(out, _conversations(tmp_path / "conversations.jsonl", 41), tiny_target,
+                        "--set", "ray.num_cpus=3", "--set", "extract.num_replicas=2",
+                        "--set", "train.online.max_inflight_bytes=2000000")
+    metrics = out / "train" / "metrics.jsonl"
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(job.stdout.readline, "")), daemon=True)
+    reader.start()  # drained all along: a full pipe would stop the job
+    try:
+        pid = None
+        while pid is None and job.poll() is None:  # the feed logs each replica's pid once the engines are up
+            m = re.search(r"online: engine replica 0 is pid (\d+)", "".join(lines))
+            pid = int(m.group(1)) if m else time.sleep(0.05)
+        assert pid in {p.pid for p in _descendants(job.pid)}, "".join(lines)[-3000:]
+        while job.poll() is None and len(_steps(metrics)) < 2:  # training has started: extraction goes on
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)
+        job.wait(timeout=600)
+        reader.join(timeout=60)
+        text = "".join(lines)
+    finally:
+        _stop(job)
+    assert job.returncode == 0, text[-3000:]
+    online = json.loads((out / "report.json").read_text())["stages"]["train"]["online"]
+    assert online["num_lost"] >= 1, online
+    replicas = {r["replica"]: r for r in online["replicas"]}
+    assert not replicas[0]["alive"] and any(r["alive"] and r["shards"] for i, r in replicas.items() if i != 0)
+    assert "lost on replica 0" in text
+    check_trained_once_per_epoch(out, 1)
+    print(f"\nengine replica 0 (pid {pid}) killed; {online['num_lost']} shard(s) lost and redone, "
+          f"replicas {[(i, r['alive'], len(r['shards'])) for i, r in replicas.items()]}")
+
+
+@pytest.mark.slow
+def test_online_driver_killed_then_resubmitted_resumes_and_keeps_shards(tiny_target, tmp_path):
+    """train.online.epochs: keep. SIGKILL of the driver after a registered checkpoint, its
+    cluster's processes stopped; the resubmitted job resumes training from that checkpoint,
+    reads back the shards committed in the background instead of extracting them, and every
+    sample is trained once per epoch."""
+    import signal
+    import time
+
+    from eagle3.manifest import Manifest
+
+    out = tmp_path / "out"
+    data = _conversations(tmp_path / "conversations.jsonl", 41)
+    extra = ("--set", "ray.num_cpus=2", "--set", "train.online.epochs=keep")
+    job = _start_online(out, data, tiny_target, *extra)
+    metrics = out / "train" / "metrics.jsonl"
+    try:
+        _wait_for_step(job, metrics, CKPT_EVERY + 2)
+        _wait_for_registered_checkpoint(job, out)
+        cluster = _descendants(job.pid)
+        job.send_signal(signal.SIGKILL)
+        job.wait(timeout=60)
+        for proc in cluster:
+            if proc.is_running():
+                proc.kill()
+        time.sleep(1)
+    finally:
+        _stop(job)
+    ckpt = _registered_steps(out)[-1]
+    committed = Manifest(out / "hidden_states").committed()
+    assert committed, "no shard was committed in the background before the kill"
+    job = _start_online(out, data, tiny_target, *extra)
+    text, _ = job.communicate(timeout=600)
+    assert job.returncode == 0, text[-3000:]
+    summary = json.loads((out / "train" / "train_summary.json").read_text())
+    online = json.loads((out / "report.json").read_text())["stages"]["train"]["online"]
+    assert summary["resumed_from_step"] == ckpt and summary["steps"] == TRAIN_STEPS
+    check_trained_once_per_epoch(out, 1)
+    # every shard was extracted at most once in the second run: later epochs were read back
+    assert online["num_extractions"] <= online["num_shards"] - len(committed), online
+    assert online["num_shards_on_disk"] == online["num_shards"]
+    from tests.test_faults import check_every_sample_once
+
+    check_every_sample_once(out)  # the kept shards are the offline layout, whole and once
+    print(f"\ndriver killed after checkpoint {ckpt} with {len(committed)} shards kept; resubmit resumed, "
+          f"{online['num_extractions']} extractions in the second run")
