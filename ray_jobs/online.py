@@ -42,7 +42,8 @@ def online_replicas(cfg: JobConfig, cluster_gpus: int) -> int:
     return n
 
 
-def run_online(cfg: JobConfig, tokens_path: str, target_dir: str, out: Path, *, tokens_source: str = "prepared") -> dict:
+def run_online(cfg: JobConfig, tokens_path: str, target_dir: str, out: Path, *,
+               tokens_source: str = "prepared") -> dict:
     """Extract and train at once; returns the training summary with an `online` section (the
     feed's: extractions, lost and redone shards, peak bytes in flight, who waited how long)."""
     import pyarrow.parquet as pq
@@ -75,7 +76,8 @@ def run_online(cfg: JobConfig, tokens_path: str, target_dir: str, out: Path, *, 
         str(out / "hidden_states"), fingerprint)
     t0 = time.perf_counter()
     ray.get(feed.start.remote(n, bundle))
-    online = {"feed": feed, "tokens_path": str(Path(tokens_path).resolve()), "samples_per_shard": plan.samples_per_shard,
+    online = {"feed": feed, "tokens_path": str(Path(tokens_path).resolve()),
+              "samples_per_shard": plan.samples_per_shard,
               "layout": (layer_ids, text_cfg["hidden_size"], ecfg.hs_dtype)}
     finished = False
     try:

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eagle3.online import DROPPED, READY, FeedState
+from eagle3.online import DROPPED, FeedState
 from tests.conftest import REPO
 
 
@@ -154,20 +154,6 @@ def test_keep_writes_each_shard_once_and_serves_later_epochs_from_disk():
     assert s.extractions[(0, 0)] == 1 and (1, 0) not in s.extractions
 
 
-def test_online_order_is_the_offline_order_of_the_same_shards():
-    from eagle3.data.rows import epoch_order, rank_shards
-
-    rows = [4, 4, 4, 4, 4, 3]
-    for rank in range(2):
-        for epoch in range(2):
-            shards = rank_shards(len(rows), 7, epoch, rank, 2)
-            order = epoch_order(rows, shards, 5, 7, epoch, rank)
-            assert sorted(order) == sorted((s, r) for s in shards for r in range(rows[s]))
-            assert order == epoch_order(rows, shards, 5, 7, epoch, rank)  # seeded
-    both = [set(rank_shards(6, 7, 0, r, 2)) for r in range(2)]
-    assert both[0].isdisjoint(both[1]) and both[0] | both[1] == set(range(6))
-
-
 # ---------------------------------------------------------------------------------------------
 # the draft vocabulary: from the prepared tokens (online) = from the shards (offline)
 
@@ -204,6 +190,25 @@ def test_draft_vocab_from_prepared_tokens_equals_the_one_from_the_shards(tmp_pat
     d2t_on, t2d_on = draft_vocab_mapping_from_counts(lambda: tokens_frequencies(tokens_path, 64), 16, 64)
     assert d2t_off.tolist() == d2t_on.tolist() and t2d_off.tolist() == t2d_on.tolist()
     assert int(t2d_on.sum()) == 16
+
+
+def test_online_order_is_the_offline_order_of_the_same_shards(tmp_path):
+    """A rank's samples, epoch after epoch, are those offline training reads from the shards the
+    extract stage would write from the same tokens (same plan, seed, shuffle window)."""
+    from eagle3.data.online import OnlineDataset
+    from eagle3.data.rows import HiddenStatesDataset
+    from eagle3.shards import read_shards
+
+    tokens_path, files = _tokens_and_shards(tmp_path, np.random.default_rng(1), n=30, per_shard=7)
+    ids_of_file = [read_shards([f], columns=["sample_id"]).column(0).to_pylist() for f in files]
+    for rank in range(2):
+        offline = HiddenStatesDataset(files, seed=5, rank=rank, world_size=2, shuffle_buffer_size=6)
+        online = OnlineDataset(None, tokens_path, 7, ([1, 2], 4, "bfloat16"), seed=5, rank=rank, world_size=2,
+                               shuffle_buffer_size=6)
+        for epoch in range(3):
+            want = [ids_of_file[s][r] for s, r in offline.epoch_order(epoch)]
+            assert [online.sample_id(k) for k in online.epoch_order(epoch)] == want
+            assert len(want) == len(set(want)) > 0
 
 
 def test_online_config_switch_is_checked():
