@@ -541,11 +541,11 @@ def part_eval(plan: Plan, out: Path, gpu: bool, deadline_s: float) -> dict:
     done_dir.mkdir(exist_ok=True)
     todo = [u for u in units if not (done_dir / f"{u['name']}.json").exists()]
     print(f"eval: {len(units)} engines planned, {len(units) - len(todo)} done before, {len(todo)} to run", flush=True)
-    # Throughput engines one at a time, then the acceptance-only ones plan.parallel_engines at once.
+    # The acceptance-only engines plan.parallel_engines at once, then the throughput engines one at a time.
     serving = [u for u in todo if u["throughput"]]
     eager = [u for u in todo if not u["throughput"]]
-    waves = [[u] for u in serving] + [eager[i:i + plan.parallel_engines]
-                                      for i in range(0, len(eager), plan.parallel_engines)]
+    waves = [eager[i:i + plan.parallel_engines] for i in range(0, len(eager), plan.parallel_engines)] + [
+        [u] for u in serving]
     if todo:
         from ray_jobs.cluster import init_ray
 

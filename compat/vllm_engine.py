@@ -99,6 +99,20 @@ def extraction_engine_kwargs(
     return kwargs
 
 
+def prefill_max_model_len(max_length: int, max_position_embeddings: int | None) -> int:
+    """max_model_len of an extraction engine for samples of up to max_length tokens. Extraction's
+    prefill asks for one output token (run_prefill: max_tokens=1), and vLLM 0.26 refuses a prompt
+    without room for it ("The decoder prompt (length 2048) plus the number of requested output
+    tokens (at least 1) is longer than the maximum model length of 2048"; 0.32 checks the prompt
+    alone), so a sample of exactly max_length tokens needs max_length + 1, within the target's
+    position table. The longest sample such an engine takes is one less than this
+    (eagle3.extract.VLLMBackend.max_len): a longer one is a reject with its reason before it
+    reaches the engine. On 0.26 a prompt refused there also crashed the stock hidden-states
+    connector (KeyError in ExampleHiddenStatesConnector.request_finished for a request it never
+    saw), which ended the extraction replica: seen on the H200, 2026-12-01."""
+    return min(max_length + 1, max_position_embeddings or max_length + 1)
+
+
 def run_prefill(llm, prompt_token_ids: list[list[int]], *, capture: bool = True, drain_timeout_s: float = 120.0):
     """Prefill each prompt once (max_tokens=1). With capture, return one (tensors, done) pair per
     prompt, in prompt order, as `take_hidden_states` gives it: the hidden states are out of the

@@ -71,7 +71,7 @@ class VLLMBackend:
             load_format=cfg.load_format, trust_remote_code=trust_remote_code, block_size=cfg.block_size,
         )
         self.engine = Engine(**kwargs)
-        self.max_len = min(max_model_len, self.max_num_batched_tokens)
+        self.max_len = min(max_model_len - 1, self.max_num_batched_tokens)  # prompt + 1 output token
         # One short prefill through the whole path now, so the first shard is not the one that pays
         # for lazy initialisation (and a broken connector fails at start-up, not mid-job).
         try:
@@ -187,14 +187,17 @@ class Extractor:
         self.hidden_size = text_cfg["hidden_size"]
         self.cfg = cfg
         self.schema = hidden_states_schema(layer_ids=self.layer_ids, hidden_size=self.hidden_size, hs_dtype=cfg.hs_dtype)
-        max_model_len = min(max_length, text_cfg.get("max_position_embeddings") or max_length)
+        from compat.vllm_engine import prefill_max_model_len
+
+        positions = text_cfg.get("max_position_embeddings")
         if backend is not None:
             self.backend = backend
         elif cfg.backend == "vllm":
-            self.backend = VLLMBackend(model_dir, cfg, self.layer_ids, max_model_len=max_model_len, dtype=dtype,
-                                       trust_remote_code=trust_remote_code)
-        else:
-            self.backend = HFBackend(model_dir, self.layer_ids, dtype=dtype, max_model_len=max_model_len,
+            self.backend = VLLMBackend(model_dir, cfg, self.layer_ids, max_model_len=prefill_max_model_len(
+                max_length, positions), dtype=dtype, trust_remote_code=trust_remote_code)
+        else:  # a forward pass generates nothing: the position table is the only limit
+            self.backend = HFBackend(model_dir, self.layer_ids, dtype=dtype,
+                                     max_model_len=min(max_length, positions or max_length),
                                      trust_remote_code=trust_remote_code)
 
     def extract(self, tokens: pa.Table) -> tuple[pa.Table, ExtractStats]:

@@ -613,3 +613,14 @@ def test_kv_cache_memory_bytes_skips_profiling_seam():
     src = inspect.getsource(Worker.determine_available_memory)
     early = src.index("if kv_cache_memory_bytes := self.cache_config.kv_cache_memory_bytes")
     assert early < src.index("Error in memory profiling"), "the worker profiles before it honours the set size"
+
+
+def test_prefill_max_model_len_leaves_room_for_the_one_output_token():
+    """A sample of exactly prepare.max_length tokens is extracted: the engine's max_model_len has
+    room for extraction's one output token (vLLM 0.26 refuses a prompt without it), within the
+    target's position table; where the table is the limit, the engine takes one token less."""
+    from compat.vllm_engine import prefill_max_model_len
+
+    assert prefill_max_model_len(2048, 4096) == 2049
+    assert prefill_max_model_len(2048, None) == 2049
+    assert prefill_max_model_len(2048, 2048) == 2048  # samples of 2048 are rejects with a reason
