@@ -124,7 +124,9 @@ PLANS = {
     "h200": Plan(target_args=("--size", "gpu", "--time-budget-s", "200"), num_conversations=2000, max_length=2048,
                  regen_max_tokens=768, regen_temperature=None, num_steps=600, micro_batch_tokens=8192, lr=3e-4,
                  warmup_steps=30, ks=(1, 2, 3, 4, 5), speed_k=3, num_eval_prompts=64, max_prompt_tokens=1024,
-                 eval_max_tokens=256, throughput_prompts=((1, 4), (16, 32)), throughput_max_tokens=256,
+                 # Batch 1 timed over 16 x 512 tokens: the first H200 run's 4 x 256 (1.3-1.8 s an engine)
+                 # could not tell two drafts of one architecture apart (results/quality-h200.md).
+                 eval_max_tokens=256, throughput_prompts=((1, 16), (16, 64)), throughput_max_tokens=512,
                  enforce_eager_serving=False, samples_per_shard=256, cpu_kvcache_space_gib=1,
                  gpu_memory_utilization=0.8,
                  # The gpu target never ended a greedy answer within 128 tokens (results/target-h200-gpu.md):
