@@ -3,6 +3,8 @@
 One module a step of a hidden state's way into training:
 - rows: which rows a rank reads, in which order, resumably; each decoded by eagle3.codec as
   views of the shard's memory
+- online: the same rows from hidden-states tables the engines hand over through the Ray object
+  store while training runs (`train.source: online`), in the same order
 - packing: rows packed into micro-batches of speculators' CollateFn format (compat/
   speculators_batch.py checks the format against speculators)
 - ring: the shared memory that worker processes pack batches into
