@@ -200,9 +200,10 @@ class OnlineConfig:
 
     max_inflight_bytes: int = 4 << 30
     """Bound on hidden-state bytes waiting in the object store: tables being extracted or
-    extracted and not yet taken by their training rank. Engines get no new shard while it is
-    reached (they wait: the trainer is behind); one shard is always let through when nothing is
-    in flight, so a shard larger than the bound still moves. Tables a rank has taken stay
+    extracted and not yet taken by their training rank, split evenly between the ranks (ranks
+    step together, so one rank's unread tables must not hold up another's). Engines get no new
+    shard while it is reached (they wait: the trainer is behind); a rank with nothing in flight
+    always gets its next shard, so a shard larger than its share still moves. Tables a rank has taken stay
     alive while its shuffle window holds rows of them (train.data.shuffle_buffer_size bounds that)."""
     epochs: OnlineEpochs = "reextract"
     """After the first epoch: 'reextract' (default) asks the engines again for every epoch;
