@@ -156,10 +156,13 @@ def dry_run(target_dir: str, extract_cfg, *, dtype: str, trust_remote_code: bool
         # DeepSeek-V2/V3 (Kimi-K2.x) in vLLM 0.26-0.32 crash on id 0 (residual is None before layer 0);
         # every other id becomes a decoder layer of the cut model.
         cut_aux = tuple(sorted({0 if k == 0 else min(k, n - 1) for k in full_aux}))
+        # One step holds a whole prefill, up to the engine's max_model_len: max_length + 1
+        # (compat.vllm_engine.prefill_max_model_len).
+        max_length = max(256, num_tokens)
         cfg = dataclasses.replace(extract_cfg, aux_hidden_state_layer_ids=cut_aux or (0,),
                                   load_format="dummy", num_replicas=1, gpu_memory_utilization=0.3,
-                                  max_num_batched_tokens=max(256, num_tokens), max_num_seqs=4)
-        extractor = Extractor(cut, cfg, max_length=max(256, num_tokens), dtype=dtype, trust_remote_code=trust_remote_code)
+                                  max_num_batched_tokens=max_length + 1, max_num_seqs=4)
+        extractor = Extractor(cut, cfg, max_length=max_length, dtype=dtype, trust_remote_code=trust_remote_code)
         ids = [(7 * i + 3) % min(int(text.get("vocab_size", 1000)), 1000) for i in range(num_tokens)]
         tokens = pa.Table.from_pylist([{"sample_id": "dry-run", "input_ids": ids, "loss_mask": [1] * num_tokens,
                                         "num_tokens": num_tokens}], schema=TOKENS_SCHEMA)
