@@ -358,10 +358,12 @@ class JobConfig:
         # Chunked prefill is off for extraction (compat.vllm_engine), so every sample prepare lets
         # through must fit one scheduler step; a target whose max_position_embeddings is shorter
         # still needs prepare.max_length lowered to it, or its long samples are rejected at extraction.
-        if e.max_num_batched_tokens is not None and e.max_num_batched_tokens < p.max_length:
+        # The step holds the sample and the prefill's one output token (compat.vllm_engine.prefill_max_model_len).
+        if e.max_num_batched_tokens is not None and e.max_num_batched_tokens <= p.max_length:
             _fail("extract", "max_num_batched_tokens", e.max_num_batched_tokens,
-                  f"must be >= prepare.max_length={p.max_length} (chunked prefill is off for extraction: each "
-                  "sample must fit one step); raise it, lower prepare.max_length, or use null (max(8192, max_length))")
+                  f"must be > prepare.max_length={p.max_length} (chunked prefill is off for extraction: each "
+                  "sample and its one prefill output token must fit one step); raise it, lower "
+                  "prepare.max_length, or use null (max(8192, max_length + 1))")
         # Samples of up to prepare.max_length tokens would be cut in training; prepare rejects
         # over-long samples rather than truncate them, so training must not truncate either.
         if "train" in self.stages and t.data.micro_batch_tokens < p.max_length:

@@ -179,11 +179,12 @@ def test_memory_sink_with_several_gpus_per_replica_is_refused_at_load():
 
 def test_batch_budget_below_the_sample_length_is_refused_at_load():
     """The engine would refuse it only once started (compat.vllm_engine.extraction_engine_kwargs)."""
-    with pytest.raises(ValueError, match=r"^config extract\.max_num_batched_tokens=1024: must be >= "
-                                         r"prepare\.max_length=2048 .*lower prepare\.max_length"):
-        load_job_config(None, {"extract.max_num_batched_tokens": 1024, "prepare.max_length": 2048})
-    cfg = load_job_config(None, {"extract.max_num_batched_tokens": 2048, "prepare.max_length": 2048})
-    assert cfg.extract.max_num_batched_tokens == 2048
+    for budget in (1024, 2048):  # 2048: no room for the prefill's one output token
+        with pytest.raises(ValueError, match=rf"^config extract\.max_num_batched_tokens={budget}: must be > "
+                                             r"prepare\.max_length=2048 .*lower prepare\.max_length"):
+            load_job_config(None, {"extract.max_num_batched_tokens": budget, "prepare.max_length": 2048})
+    cfg = load_job_config(None, {"extract.max_num_batched_tokens": 2049, "prepare.max_length": 2048})
+    assert cfg.extract.max_num_batched_tokens == 2049
 
 
 def test_training_window_shorter_than_a_sample_is_refused_when_training_runs():
@@ -252,7 +253,7 @@ def test_command_line_overrides_pass_the_same_checks(tmp_path, monkeypatch):
         run_mod.main(["--config", config, "--set", "train.lr=3e-4"])
     with pytest.raises(ValueError, match=r"^config extract\.max_inflight_shards=0: must be >= 1"):
         run_mod.main(["--config", config, "--set", "extract.max_inflight_shards=0"])
-    with pytest.raises(ValueError, match=r"^config extract\.max_num_batched_tokens=256: must be >= prepare\.max_length=512"):
+    with pytest.raises(ValueError, match=r"^config extract\.max_num_batched_tokens=256: must be > prepare\.max_length=512"):
         run_mod.main(["--config", config, "--set", "extract.max_num_batched_tokens=256"])
     assert len(seen) == 1
 
