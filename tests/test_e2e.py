@@ -24,11 +24,17 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory):
+def demo_run(tmp_path_factory, tiny_target):
+    """The demo job, on a copy of the session's tiny target at the place the demo builds it
+    (output_dir/target): the same bytes (eagle3.tiny.build_tiny_target(size=1, seed=0) on the same
+    conversations), without the ~40 s of pretraining a second time. Building the target inside a
+    job (a Ray task) is covered by tests/test_e2e_qwen3.py."""
     out = tmp_path_factory.mktemp("e2e")
+    shutil.copytree(tiny_target, out / "target")
     t0 = time.time()
     proc = subprocess.run(
         [sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml", "--set", f"output_dir={out}",
+         "--set", f"target.model={out / 'target'}",
          "--set", "eval.num_speculative_tokens=[1, 3]", "--set", "train.num_steps=20"],
         cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -118,7 +124,8 @@ def test_rerun_resumes_without_redoing_extraction(demo_run, tmp_path):
     out, _, _ = demo_run
     first = json.loads((out / "report.json").read_text())["stages"]["train"]
     proc = subprocess.run([sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml",
-                           "--set", f"output_dir={out}", "--set", "stages=[prepare, extract, train]",
+                           "--set", f"output_dir={out}", "--set", f"target.model={out / 'target'}",
+                           "--set", "stages=[prepare, extract, train]",
                            "--set", "doctor=false", "--set", "train.num_steps=20"],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -141,10 +148,12 @@ def _free_ports(n: int) -> list[int]:
             sock.close()
 
 
-def test_same_driver_runs_under_ray_job_submit(tmp_path):
+def test_same_driver_runs_under_ray_job_submit(tiny_target, tmp_path):
     """A head node of its own (its own temp dir and ports, `ray start --block` in a process group
     of its own), stopped by signalling that command: `ray stop` would stop every Ray cluster on
-    the machine, including ones this test did not start."""
+    the machine, including ones this test did not start. The submitted job prepares the demo
+    conversations for the session's tiny target (target.model): what is under test is the driver
+    under `ray job submit`, not a second build of the target (demo_run, tests/test_e2e_qwen3.py)."""
     # Ray 2.60 turns token authentication on; the CLI client must hold the cluster's token.
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=os.urandom(16).hex())
@@ -172,7 +181,7 @@ def test_same_driver_runs_under_ray_job_submit(tmp_path):
             [ray_bin, "job", "submit", "--address", address, "--working-dir", str(REPO),
              "--runtime-env-json", json.dumps({"excludes": [".venv", "runs", ".gpu*", ".git"]}), "--",
              sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml", "--set", f"output_dir={out}",
-             "--set", "stages=[prepare]", "--set", "doctor=false"],
+             "--set", f"target.model={tiny_target}", "--set", "stages=[prepare]", "--set", "doctor=false"],
             capture_output=True, text=True, env=env, timeout=600)
         assert sub.returncode == 0, sub.stdout[-3000:] + sub.stderr[-3000:]
         assert "succeeded" in sub.stdout

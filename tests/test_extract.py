@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import threading
 import time
 
@@ -61,9 +62,10 @@ def decoded_rows(table: pa.Table):
         yield row.hidden_states_as(), layer_ids
 
 
-def _in_engine_process(ray, tiny_target, cfg: ExtractConfig, fn_name: str, *args):
-    """Run an Extractor method in its own Ray actor: vLLM keeps one KV-connector per process (a
-    process-global), so each extraction engine needs a fresh process, as in production."""
+def _in_engine_process(ray, tiny_target, cfg: ExtractConfig, *calls):
+    """Run Extractor calls, each (method, *args), in order on one engine in its own Ray actor; returns
+    their results. vLLM keeps one KV-connector per process (a process-global), so each extraction
+    engine needs a fresh process, as in production."""
     from eagle3.extract import Extractor
 
     class Host:
@@ -75,18 +77,49 @@ def _in_engine_process(ray, tiny_target, cfg: ExtractConfig, fn_name: str, *args
 
     host = ray.remote(num_cpus=1)(Host).remote()
     try:
-        return ray.get(host.call.remote(fn_name, *args))
+        return [ray.get(host.call.remote(name, *args)) for name, *args in calls]
     finally:
         ray.kill(host)
 
 
+@pytest.fixture(scope="module")
+def _shared_cluster():
+    """Shut down, at the end of the module, the cluster ray_shared started."""
+    import shutil
+
+    import ray
+
+    started = {}
+    yield started
+    ray.shutdown()
+    if started.get("temp_dir"):
+        shutil.rmtree(started["temp_dir"], ignore_errors=True)
+
+
+@pytest.fixture
+def ray_shared(_shared_cluster):
+    """One local Ray cluster (2 CPUs, as conftest's ray_local) for the tests of this module that need
+    one, started by the first of them: each start and stop costs ~6 s. Each test leaves it as it
+    found it (its actors killed, its placement groups removed). test_shards_spread_over_nodes_...
+    comes after them: it shuts this cluster down to start its own."""
+    import ray
+
+    from ray_jobs.cluster import init_ray
+
+    if not ray.is_initialized():
+        _shared_cluster["temp_dir"] = os.environ["RAY_TMPDIR"]  # the first test's (conftest)
+        init_ray(num_cpus=2)
+    yield ray
+
+
 @pytest.mark.slow
-def test_vllm_hidden_states_equal_transformers_forward(tiny_target, ray_local):
+def test_vllm_hidden_states_equal_transformers_forward(tiny_target, ray_shared):
     """Batch of 3 prompts of mixed lengths through the real vLLM CPU engine, in-memory sink."""
     import torch
 
     tokens = tokens_table(LENGTHS)
-    table, stats = _in_engine_process(ray_local, tiny_target, ExtractConfig(backend="vllm"), "extract", tokens)
+    [(table, stats)] = _in_engine_process(ray_shared, tiny_target, ExtractConfig(backend="vllm"),
+                                          ("extract", tokens))
     assert stats.num_samples == 3 and stats.num_rejected == 0 and stats.num_tokens == sum(LENGTHS)
     # Row by row, token ids and loss masks are the input's, in order.
     assert table.column("sample_id").to_pylist() == tokens.column("sample_id").to_pylist()
@@ -110,6 +143,25 @@ def test_vllm_hidden_states_equal_transformers_forward(tiny_target, ray_local):
         shifted = (hs[1:] - ref[:-1]).abs().amax(dim=(1, 2)) / ref[:-1].abs().amax(dim=(1, 2))
         print(f"per-token rel err max {per_token.max().item():.4f}; shifted by one: min {shifted.min().item():.3f}")
         assert torch.all(per_token < 0.15) and torch.all(shifted > 0.3)
+
+
+@pytest.mark.slow
+def test_vllm_fp8_is_quantised_in_the_connector(tiny_target, ray_shared):
+    """hs_dtype float8_e4m3fn: the connector quantises before the copy to host (one scale per token
+    and layer); stored bytes are half of bf16 and values within e4m3's 3-bit mantissa."""
+    tokens = tokens_table(LENGTHS)
+    cfg = ExtractConfig(backend="vllm", hs_dtype="float8_e4m3fn")
+    # One engine: first what leaves it for one prompt, then the stored table of all three.
+    [raw], (table, stats) = _in_engine_process(ray_shared, tiny_target, cfg,
+                                               ("hidden_states", [tokens.column("input_ids")[0].as_py()]),
+                                               ("extract", tokens))
+    q, scale = raw  # what left the engine: e4m3 bytes and [T, L] scales, not bf16
+    assert str(q.dtype) == "torch.uint8" and tuple(scale.shape) == (LENGTHS[0], 4)
+    assert pa.compute.sum(pa.compute.binary_length(table.column("hidden_states"))).as_py() == sum(LENGTHS) * 4 * 256
+    for (hs, layer_ids), ids in zip(decoded_rows(table), tokens.column("input_ids").to_pylist()):
+        ref = reference_hidden_states(tiny_target, ids, layer_ids)
+        rel = ((hs - ref).abs().amax(dim=-1) / ref.abs().amax(dim=-1)).max().item()
+        assert rel <= 0.1, rel  # e4m3 rounding (<= 6.25%) on top of bf16-vs-fp32 engine differences
 
 
 def test_fp8_storage_halves_bytes_within_tolerance(tiny_target):
@@ -140,7 +192,7 @@ def _dataset_ids(files):
 
 
 @pytest.mark.slow  # starts Ray
-def test_extract_commits_each_sample_once_and_resumes(tiny_target, tmp_path, ray_local, caplog):
+def test_extract_commits_each_sample_once_and_resumes(tiny_target, tmp_path, ray_shared, caplog):
     from ray_jobs.extract import run_extract
 
     lengths = [5 + (7 * i) % 90 for i in range(40)] + [300]  # the last one is over the engine's limit
@@ -180,14 +232,14 @@ def test_extract_commits_each_sample_once_and_resumes(tiny_target, tmp_path, ray
 
 
 @pytest.mark.slow  # starts Ray
-def test_placement_timeout_says_what_to_check(tiny_target, tmp_path, ray_local):
+def test_placement_timeout_says_what_to_check(tiny_target, tmp_path, ray_shared):
     from ray_jobs.extract import run_extract
 
     pq.write_table(tokens_table([8, 9]), tmp_path / "tokens.parquet")
     cfg = _job(tmp_path, backend="vllm", placement_timeout_s=2, num_replicas=1)
     # Another job holds every CPU of the cluster: the replica's bundle cannot be placed, and the
     # error comes before any engine starts.
-    import ray
+    ray = ray_shared
 
     @ray.remote(num_cpus=2)
     class Hog:
@@ -195,9 +247,12 @@ def test_placement_timeout_says_what_to_check(tiny_target, tmp_path, ray_local):
             return 1
 
     hog = Hog.remote()
-    ray.get(hog.ping.remote())
-    with pytest.raises(ValueError, match=r"no extraction replica could be placed within 2s.*ray status"):
-        run_extract(cfg, str(tmp_path / "tokens.parquet"), tiny_target, str(tmp_path / "hs"), progress=False)
+    try:
+        ray.get(hog.ping.remote())
+        with pytest.raises(ValueError, match=r"no extraction replica could be placed within 2s.*ray status"):
+            run_extract(cfg, str(tmp_path / "tokens.parquet"), tiny_target, str(tmp_path / "hs"), progress=False)
+    finally:
+        ray.kill(hog)  # the cluster's CPUs back for the next test
 
 
 # Only against a hung job: a bound on waiting, never a condition of the test. On a busy machine the
@@ -216,6 +271,7 @@ def test_shards_spread_over_nodes_and_survive_node_removal(tiny_target, tmp_path
     from ray_jobs.cluster import init_ray
     from ray_jobs.extract import run_extract
 
+    ray.shutdown()  # this module's shared cluster (ray_shared), when up: this test joins one of its own
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     workers = [cluster.add_node(num_cpus=1, resources={f"worker{i}": 1}) for i in range(2)]
     cluster.wait_for_nodes()
@@ -260,23 +316,6 @@ def test_shards_spread_over_nodes_and_survive_node_removal(tiny_target, tmp_path
     finally:
         ray.shutdown()
         cluster.shutdown()
-
-
-@pytest.mark.slow
-def test_vllm_fp8_is_quantised_in_the_connector(tiny_target, ray_local):
-    """hs_dtype float8_e4m3fn: the connector quantises before the copy to host (one scale per token
-    and layer); stored bytes are half of bf16 and values within e4m3's 3-bit mantissa."""
-    tokens = tokens_table(LENGTHS)
-    cfg = ExtractConfig(backend="vllm", hs_dtype="float8_e4m3fn")
-    raw = _in_engine_process(ray_local, tiny_target, cfg, "hidden_states", [tokens.column("input_ids")[0].as_py()])[0]
-    table, stats = _in_engine_process(ray_local, tiny_target, cfg, "extract", tokens)
-    q, scale = raw  # what left the engine: e4m3 bytes and [T, L] scales, not bf16
-    assert str(q.dtype) == "torch.uint8" and tuple(scale.shape) == (LENGTHS[0], 4)
-    assert pa.compute.sum(pa.compute.binary_length(table.column("hidden_states"))).as_py() == sum(LENGTHS) * 4 * 256
-    for (hs, layer_ids), ids in zip(decoded_rows(table), tokens.column("input_ids").to_pylist()):
-        ref = reference_hidden_states(tiny_target, ids, layer_ids)
-        rel = ((hs - ref).abs().amax(dim=-1) / ref.abs().amax(dim=-1)).max().item()
-        assert rel <= 0.1, rel  # e4m3 rounding (<= 6.25%) on top of bf16-vs-fp32 engine differences
 
 
 @pytest.fixture(scope="module")
