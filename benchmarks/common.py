@@ -84,13 +84,30 @@ def drop_cache(files: list[str]) -> None:
         advise_page_cache(f, "dontneed")
 
 
-def direct_read_gb_s(files: list[str], chunk: int = 16 << 20) -> float | None:
+def drop_all_caches() -> str:
+    """Write back and drop the whole page cache (`sync; echo 3 > /proc/sys/vm/drop_caches`, root
+    only). Returns "dropped", or why not (the caller records it; drop_cache's per-file drop stands)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError as e:
+        note = f"not dropped: writing /proc/sys/vm/drop_caches failed ({e.strerror}); per-file drop only"
+        print(note, flush=True)
+        return note
+    return "dropped"
+
+
+def direct_read_gb_s(files: list[str], chunk: int = 16 << 20, max_bytes: int | None = None) -> float | None:
     """The disk's sequential read bandwidth over these files, read with O_DIRECT (no page cache
-    is filled or used): what a cold epoch can read at most. None where O_DIRECT is refused."""
+    is filled or used): what a cold epoch can read at most. None where O_DIRECT is refused.
+    max_bytes: stop after the file that reaches it."""
     import mmap
 
     buf, total, t = mmap.mmap(-1, chunk), 0, time.perf_counter()
     for f in files:
+        if max_bytes is not None and total >= max_bytes:
+            break
         try:
             fd = os.open(f, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
         except OSError:

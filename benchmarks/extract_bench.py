@@ -151,7 +151,6 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
 
     from benchmarks.shapes import SHAPES, write_shape
     from eagle3.config import load_job_config
-    from ray_jobs.extract import run_extract
 
     model_dir = write_shape(shape, work / f"model-{shape}")
     prompts = random_prompts(args.num_prompts, args.prompt_len, SHAPES[shape][5])
@@ -172,7 +171,7 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
 
     from actors.extractor import max_concurrency
     from eagle3.config import ExtractConfig
-    from eagle3.manifest import Manifest, ShardPlan
+    from eagle3.manifest import ShardPlan
     from eagle3.schema import stored_bytes_per_token
 
     table = tokens_table(prompts)
@@ -225,25 +224,10 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
     for key, dt in (("arrow_disk", "bfloat16"), ("arrow_disk_fp8", "float8_e4m3fn")):
         if key == "arrow_disk_fp8" and args.skip_fp8:
             continue
-        out = Path(args.disk_dir) / f"bench-{shape}-{dt}"
-        shutil.rmtree(out, ignore_errors=True)
-        cfg = load_job_config(None, {"output_dir": str(work), "prepare.max_length": max_len,
-                                     "extract.load_format": "dummy", "extract.hs_dtype": dt,
-                                     "extract.samples_per_shard": args.samples_per_shard, "extract.num_replicas": 1,
-                                     "extract.max_num_batched_tokens": batched,
-                                     "extract.gpu_memory_utilization": 0.8,
-                                     "extract.cpu_kvcache_space_gib": args.cpu_kv_gib,
-                                     "extract.block_size": args.block_size})
-        summary = run_extract(cfg, str(tpath), model_dir, str(out), progress=False)
-        records = Manifest(out, cfg.extract.file_format).committed().values()
-        res[f"{key}_writer_task_gb_s"] = sorted(r["bytes"] / r["write_s"] / 1e9 for r in records)
-        res[f"{key}_tok_s"] = tokens / summary["loop_s"]
-        res[f"{key}_steady_tok_s"] = steady_tok_s(list(records))
-        res[f"{key}_samples_per_shard"] = summary["samples_per_shard"]
-        res[f"{key}_bytes"] = summary["bytes"]
-        res[f"{key}_bytes_per_token"] = summary["bytes_per_token"]
-        res[f"{key}_write_gb_s"] = summary["bytes"] / summary["loop_s"] / 1e9
-        shutil.rmtree(out, ignore_errors=True)
+        disk = disk_extract(model_dir, tpath, Path(args.disk_dir) / f"bench-{shape}-{dt}", work, max_len=max_len,
+                            hs_dtype=dt, samples_per_shard=args.samples_per_shard, batched=batched,
+                            cpu_kv_gib=args.cpu_kv_gib, block_size=args.block_size)
+        res.update({f"{key}_{k}": v for k, v in disk.items() if k not in ("num_samples", "seconds")})
 
     # (4) transformers output_hidden_states + copy to host
     if not args.skip_hf:
@@ -273,6 +257,37 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
         if res.get(f"{k}_tok_s"):
             res[f"{k}_ratio"] = res[f"{k}_tok_s"] / base
     return res
+
+
+def disk_extract(model_dir: str, tokens_path: Path, out: Path, work: Path, *, max_len: int, hs_dtype: str,
+                 samples_per_shard: int, batched: int, cpu_kv_gib: int, block_size: int | None) -> dict:
+    """(3): the product's run_extract loop (dummy weights, one replica) from a tokens file into
+    Arrow shards in `out` (emptied before, removed after). Returns tok_s (whole loop, engine start
+    excluded), steady_tok_s (common.steady_tok_s), writer_task_gb_s (each shard's, sorted),
+    samples_per_shard, bytes, bytes_per_token, write_gb_s, num_samples, shard_file_bytes (sorted)."""
+    from eagle3.config import load_job_config
+    from eagle3.manifest import Manifest
+    from ray_jobs.extract import run_extract
+
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = load_job_config(None, {"output_dir": str(work), "prepare.max_length": max_len,
+                                 "extract.load_format": "dummy", "extract.hs_dtype": hs_dtype,
+                                 "extract.samples_per_shard": samples_per_shard, "extract.num_replicas": 1,
+                                 "extract.max_num_batched_tokens": batched,
+                                 "extract.gpu_memory_utilization": 0.8,
+                                 "extract.cpu_kvcache_space_gib": cpu_kv_gib,
+                                 "extract.block_size": block_size})
+    try:
+        summary = run_extract(cfg, str(tokens_path), model_dir, str(out), progress=False)
+        records = list(Manifest(out, cfg.extract.file_format).committed().values())
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    return {"writer_task_gb_s": sorted(r["bytes"] / r["write_s"] / 1e9 for r in records),
+            "tok_s": summary["num_tokens"] / summary["loop_s"], "steady_tok_s": steady_tok_s(records),
+            "samples_per_shard": summary["samples_per_shard"], "bytes": summary["bytes"],
+            "bytes_per_token": summary["bytes_per_token"], "write_gb_s": summary["bytes"] / summary["loop_s"] / 1e9,
+            "num_samples": summary["num_samples"], "num_rejected": summary["num_rejected"],
+            "shard_file_bytes": sorted(r["bytes"] for r in records)}
 
 
 def disk_bandwidth(path: str, gib: int) -> float | None:

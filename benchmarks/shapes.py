@@ -14,14 +14,16 @@ SHAPES = {
 }
 
 
-def write_shape(name: str, out_dir: str | Path) -> str:
+def write_shape(name: str, out_dir: str | Path, max_positions: int = 8192) -> str:
+    """config.json of shape `name` in `out_dir`; max_positions: the position table (rope), at
+    least the longest sample the engine or trainer will see."""
     hidden, layers, heads, kv, inter, vocab = SHAPES[name]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
-        "intermediate_size": inter, "vocab_size": vocab, "max_position_embeddings": 8192,
+        "intermediate_size": inter, "vocab_size": vocab, "max_position_embeddings": max_positions,
         "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu", "tie_word_embeddings": False,
         "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
     }, indent=1))

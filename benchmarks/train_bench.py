@@ -18,6 +18,22 @@ local_rank)`, `torch.accelerator.synchronize()`, Triton fused losses), only ours
 
     python -m benchmarks.train_bench --shape tiny --extract-backend hf --skip-speculators --out /tmp/tb
 
+The long run (issue 19): 300 optimizer steps at the 1b shape, steady state from step 51, every
+sample read once (2,401 prompts, 40 GB of bf16 shards, ~10x our prefetch ring: data_vs_ring in
+the result), each trainer's files dropped from the page cache and, with --drop-caches, the whole
+page cache dropped (root) before it starts. Both trainers in one command would take ~12.5 min
+(planned_seconds, printed at the start), so one trainer a command, each ~6-8.5 min:
+
+    python -m benchmarks.train_bench --shape 1b --num-steps 300 --skip-steps 50 --drop-caches \
+        --skip-speculators [--hs-dtype float8_e4m3fn] --tag h200-1b-long-ours-bf16|fp8 --out $OUT
+    python -m benchmarks.train_bench --shape 1b --num-steps 300 --skip-steps 50 --drop-caches \
+        --skip-ours --shards-dir /dev/shm/e3-long --hs-dtype float8_e4m3fn --tag h200-1b-long-speculators --out $OUT
+
+speculators' files are bf16 either way; its run extracts fp8 into /dev/shm (memory), converts
+those to its 40 GB of files on disk and removes them, so that only its own files are on the disk
+(64 GiB) and read cold. Ours reports its input wait per measured step (median, mean, p90, max,
+steps over 1 ms), theirs its DataLoader fetch time the same way.
+
 `--profile-steps FIRST LAST` also records those steps of ours with torch.profiler
 (train.profiling.profile_steps) and copies its top-ops table and gzipped trace to --out, with the GPU's idle
 gaps in it (benchmarks.trace_gaps, NAME-gaps.md); the profiler slows
@@ -422,6 +438,81 @@ def _median_over_window(records: list[dict], key: str, s: BenchSettings) -> floa
     return statistics.median(vals) if vals else None
 
 
+def window_stats(records: list[dict], key: str, s: BenchSettings) -> dict | None:
+    """A per-step value over the measured steps: median, mean, p90, max and sum (ms), and the
+    steps where it was over 1 ms (a step that waited for its input at all)."""
+    import statistics
+
+    vals = sorted(r[key] for r in records if s.skip_steps < r["step"] <= s.num_steps and r.get(key) is not None)
+    if not vals:
+        return None
+    return {"median": statistics.median(vals), "mean": statistics.fmean(vals),
+            "p90": vals[min(len(vals) - 1, int(0.9 * len(vals)))], "max": vals[-1], "sum": sum(vals),
+            "steps": len(vals), "steps_over_1ms": sum(v > 1.0 for v in vals)}
+
+
+DIRECT_READ_BYTES = 8 << 30
+"""The O_DIRECT read probe reads at most this much of the shards (a long run's 40 GB would take ~25 s)."""
+
+
+def data_vs_ring(s: BenchSettings, args, ext: dict, num_layers: int, hidden: int) -> dict:
+    """Our shards' bytes against our trainer's prefetch ring (eagle3.data.pipeline: prefetch_depth
+    packed batches of batch_bytes): a data set that fits in the ring is all read ahead during the
+    first step's compile, and a measured step then never reads the disk."""
+    import torch
+
+    from eagle3.data.pipeline import batch_bytes, prefetch_depth
+    from eagle3.train_config import DataConfig
+
+    dcfg = DataConfig(micro_batch_tokens=s.micro_batch_tokens,
+                      **({} if args.prefetch_batches is None else {"prefetch_batches": args.prefetch_batches}))
+    one = batch_bytes(dcfg, num_layers, hidden, torch.bfloat16)
+    depth = prefetch_depth(dcfg, num_layers, hidden, torch.bfloat16)
+    return {"data_bytes": ext["bytes"], "ring_batches": depth, "ring_bytes": depth * one,
+            "data_over_ring": ext["bytes"] / max(1, depth * one)}
+
+
+# Planning figures (s), one H200, train-h200-1b-run7 (20 steps of 8,184 tokens, 2.7 GB of data):
+# Ray start, target build, extraction's engine start and its disk-bound GB/s, conversion s per GB
+# (run7: 24 s for 2.7 GB read cold from disk; ~3.5 s/GB from memory on the 2-core CPU machine),
+# each trainer's set-up (Ray Train / torchrun, DeepSpeed or DDP, compile, checkpoint, export), a step.
+PLAN_S = {"ray": 11.0, "target": 25.0, "engine_start": 60.0, "extract_gb_s": 1.2, "convert_gb": 5.0,
+          "ours_setup": 200.0, "theirs_setup": 160.0, "step": 0.1}
+
+
+def planned_seconds(s: BenchSettings, args) -> float:
+    """The run's wall time on one H200 by PLAN_S, for the 1b shape (other shapes: a rough bound)."""
+    gb = s.num_prompts * s.prompt_len * 16384 / 1e9 * (0.5 if args.hs_dtype == "float8_e4m3fn" else 1.0)
+    spec_gb = s.num_prompts * s.prompt_len * 16384 / 1e9  # speculators' files: bf16 either way
+    t = PLAN_S["ray"] + PLAN_S["target"] + PLAN_S["engine_start"] + gb / PLAN_S["extract_gb_s"]
+    if not args.skip_ours:
+        t += PLAN_S["ours_setup"] + s.num_steps * PLAN_S["step"] + min(gb, DIRECT_READ_BYTES / 1e9) / 1.5
+    if not args.skip_speculators:
+        t += spec_gb * PLAN_S["convert_gb"] + PLAN_S["theirs_setup"] + s.num_steps * PLAN_S["step"]
+    return t
+
+
+def check_disk_room(s: BenchSettings, args, work: Path) -> None:
+    """Fail before extraction where the work dir's file system cannot hold the run's data (our
+    shards unless --shards-dir puts them elsewhere, speculators' bf16 files unless skipped)."""
+    per_token = sum(SHAPES_BYTES_PER_TOKEN.get(s.shape, (0, 0)))  # bf16 hidden states + token ids
+    need = 0
+    if not args.shards_dir:
+        need += s.num_prompts * s.prompt_len * per_token * (0.5 if args.hs_dtype == "float8_e4m3fn" else 1.0)
+    if not args.skip_speculators:
+        need += s.num_prompts * s.prompt_len * per_token
+    free = shutil.disk_usage(work).free
+    if need > 0.95 * free:
+        raise ValueError(f"this run writes ~{need / 1e9:.1f} GB under {work}, which has {free / 1e9:.1f} GB free: "
+                         "fewer --num-steps, --hs-dtype float8_e4m3fn, --skip-speculators/--skip-ours (one trainer "
+                         "a command), or --shards-dir on another file system (e.g. /dev/shm/...)")
+
+
+SHAPES_BYTES_PER_TOKEN = {"tiny": (4 * 256 * 2, 16), "1b": (4 * 2048 * 2, 16), "8b": (4 * 4096 * 2, 16)}
+"""(hidden-states bytes per token in bf16 (4 captured layers x hidden x 2), ids and mask bytes):
+a planning bound, not the exact file size."""
+
+
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f} ms"
 
@@ -485,6 +576,17 @@ def markdown(res: dict) -> str:
          f"({s['tokens_per_step'] * res['extract']['bytes'] / res['extract']['num_tokens'] / res['disk_read_gb_s'] / 1e6:.0f}"
          " ms to read one step's shard bytes at that rate)." if res.get("disk_read_gb_s") else
          "Disk read bandwidth: not measured."), "",
+        (f"Our shards: {res['data_vs_ring']['data_bytes'] / 1e9:.2f} GB = {res['data_vs_ring']['data_over_ring']:.1f}x "
+         f"our prefetch ring ({res['data_vs_ring']['ring_batches']} batches, "
+         f"{res['data_vs_ring']['ring_bytes'] / 1e9:.2f} GB)." if res.get("data_vs_ring") else ""), "",
+        *[f"{who} input wait per measured step (ms): " + ", ".join(f"{k} {v:,.1f}" if isinstance(v, float) else
+                                                                     f"{k} {v}" for k, v in st.items())
+          for who, st in (("Ours", res["ours"].get("input_wait_ms_stats")),
+                          ("Speculators' DataLoader fetch", res["speculators"].get("fetch_ms_stats"))) if st],
+        "Whole page cache dropped before each trainer: " + json.dumps(
+            {k: v for k, v in (("ours", res.get("drop_caches_ours")),
+                               ("speculators", res["speculators"].get("drop_caches"))) if v}) if
+        res.get("drop_caches_ours") or res["speculators"].get("drop_caches") else "", "",
         "Phases (s): " + ", ".join(f"{k} {v:.1f}" for k, v in res["phases_s"].items()), "",
     ]
     cmd = res["speculators"].get("command")
@@ -523,6 +625,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--page-cache", choices=("cold", "warm"), default="cold",
                     help="each trainer's data files before it starts: dropped from the page cache (cold: a data "
                          "set larger than memory, the usual case) or read into it once (warm)")
+    ap.add_argument("--skip-ours", action="store_true",
+                    help="run speculators' trainer only (a long run splits the trainers into commands of their own)")
+    ap.add_argument("--drop-caches", action="store_true",
+                    help="before each trainer, also drop the whole page cache (sync; echo 3 > /proc/sys/vm/drop_caches, "
+                         "root only; where refused, the result says so and the per-file drop stands)")
+    ap.add_argument("--shards-dir", default=None,
+                    help="where extraction writes our shards (default: WORK/hidden_states); with --skip-ours they "
+                         "are removed once converted, e.g. /dev/shm/x to keep a large speculators' set alone on disk")
     ap.add_argument("--skip-speculators", action="store_true",
                     help="only validate speculators' command line (CPU: its trainer needs an accelerator)")
     ap.add_argument("--speculators-timeout", type=float, default=300.0,
@@ -567,32 +677,36 @@ def extract_hidden_states(s: BenchSettings, args, work: Path, target_dir: str, v
         "extract.hs_dtype": args.hs_dtype,
         "extract.max_num_batched_tokens": max(16384, s.prompt_len + 8), "extract.gpu_memory_utilization": 0.8,
         "extract.cpu_kvcache_space_gib": args.cpu_kv_gib})
-    ext = run_extract(cfg, str(tokens_path), target_dir, str(work / "hidden_states"), progress=False)
+    out = Path(args.shards_dir) if args.shards_dir else work / "hidden_states"
+    ext = run_extract(cfg, str(tokens_path), target_dir, str(out), progress=False)
     if ext["num_rejected"] or ext["num_samples"] != s.num_prompts:
         raise RuntimeError(f"extraction kept {ext['num_samples']} of {s.num_prompts} prompts "
-                           f"({ext['num_rejected']} rejected: see {work / 'hidden_states' / 'rejects.jsonl'})")
+                           f"({ext['num_rejected']} rejected: see {out / 'rejects.jsonl'})")
     return ext, prompts, table.column("sample_id").to_pylist()
 
 
 def prepare_speculators_data(s: BenchSettings, work: Path, target_dir: str, ext: dict, prompts: list,
-                             sample_ids: list, draft_vocab: int, vocab: int) -> tuple[dict, list[str]]:
+                             sample_ids: list, draft_vocab: int, vocab: int,
+                             convert: bool = True) -> tuple[dict, list[str]]:
     """Step 3: the same samples in speculators' layout, the draft vocabulary mapping both trainers
     use (eagle3.data.vocab.draft_vocab_mapping, as our trainer computes it), and speculators' flags.
-    Returns (the result's "speculators_data" record, the flags)."""
+    Returns (the result's "speculators_data" record, the flags). convert False (speculators' trainer
+    not run): the flags only, no data written."""
     import numpy as np
 
     from benchmarks.speculators_data import convert_shards
     from eagle3.data.vocab import draft_vocab_mapping
 
     spec_data = work / "speculators_data"
-    conv = convert_shards(ext["files"], spec_data, expected_input_ids=dict(zip(sample_ids, prompts, strict=True)))
+    conv = convert_shards(ext["files"], spec_data, expected_input_ids=dict(zip(sample_ids, prompts, strict=True))) \
+        if convert else {"num_samples": 0, "num_tokens": 0, "hidden_states_bytes": 0}
     d2t_path = t2d_path = None
     d2t, t2d = draft_vocab_mapping(ext["files"], draft_vocab, vocab)
     if d2t is not None:
         d2t_path, t2d_path = str(work / f"d2t-{draft_vocab}.npy"), str(work / f"t2d-{draft_vocab}.npy")
         np.save(d2t_path, d2t.cpu().numpy())
         np.save(t2d_path, t2d.cpu().numpy())
-    record = {"dir": str(spec_data), "num_samples": conv["num_samples"], "num_tokens": conv["num_tokens"],
+    record = {"dir": str(spec_data), "converted": convert, "num_samples": conv["num_samples"], "num_tokens": conv["num_tokens"],
               "bytes": conv["hidden_states_bytes"], "token_ids_checked": True, "vocab_mapping": d2t_path is not None}
     flags = speculators_flags(s, target_dir=target_dir, data_path=str(spec_data), save_path=str(work / "spec_ckpt"),
                               log_dir=str(work / "spec_logs"), aux_layer_ids=list(ext["layer_ids"])[:-1],
@@ -631,6 +745,7 @@ def run_ours(s: BenchSettings, args, work: Path, target_dir: str, files: list[st
         records = read_step_log(step_log)
         ours["steady"] = steady_state(records, s.skip_steps, s.num_steps)
         ours["input_wait_ms_steady"] = _median_over_window(records, "input_wait_ms", s)
+        ours["input_wait_ms_stats"] = window_stats(records, "input_wait_ms", s)
         ours["note"] = (f"steps 2..{s.skip_steps} took {ours['steady']['seconds_skipped_steps']} s; waited for "
                         f"its batches a median {_ms(ours['input_wait_ms_steady'])} a measured step")
     except ValueError as e:
@@ -653,6 +768,10 @@ def run_theirs(s: BenchSettings, args, work: Path, flags: list[str], gpu: bool, 
     if gpu:
         _wait_gpu_released("speculators' training")
     set_page_cache([str(p) for p in (work / "speculators_data").rglob("*") if p.is_file()], args.page_cache)
+    if args.drop_caches:
+        from benchmarks.common import drop_all_caches
+
+        theirs["drop_caches"] = drop_all_caches()
     t = time.perf_counter()
     run = run_speculators(flags, work, args.speculators_timeout)
     phases["speculators_wall"] = time.perf_counter() - t
@@ -665,6 +784,7 @@ def run_theirs(s: BenchSettings, args, work: Path, flags: list[str], gpu: bool, 
         theirs["profile_tokens_per_s"] = (sum(r["tokens"] for r in window) /
                                           (sum(r["step_ms"] for r in window) / 1000.0))
         theirs["fetch_ms_steady"] = _median_over_window(records, "fetch_ms", s)
+        theirs["fetch_ms_stats"] = window_stats(records, "fetch_ms", s)
         theirs["note"] = (f"steps 2..{s.skip_steps} took {theirs['steady']['seconds_skipped_steps']} s; its own "
                           f"profile (tokens / sum of step_ms): {theirs['profile_tokens_per_s']:,.0f} tok/s; "
                           f"fetch_ms median {_ms(theirs['fetch_ms_steady'])} a measured step")
@@ -702,9 +822,14 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     s = resolve_settings(args)
+    plan_s = planned_seconds(s, args)
+    print(f"train_bench: planned wall time {plan_s / 60:.1f} min on one H200 (planned_seconds: the measured "
+          "phases of train-h200-1b-run7 scaled by steps and bytes)" +
+          ("; over a 10-minute device command: run one trainer a command (--skip-ours / --skip-speculators)"
+           if plan_s > 570 else ""), flush=True)
     import ray
 
-    from benchmarks.common import direct_read_gb_s, result_meta
+    from benchmarks.common import direct_read_gb_s, drop_all_caches, result_meta
     from benchmarks.shapes import SHAPES
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="eagle3-train-bench-")).resolve()
@@ -735,6 +860,7 @@ def main(argv=None) -> int:
     phases["build_target"] = time.perf_counter() - t
 
     # 2. hidden states with our extraction
+    check_disk_room(s, args, work)
     t = time.perf_counter()
     ext, prompts, sample_ids = extract_hidden_states(s, args, work, target_dir, vocab)
     res["shape"]["layer_ids"] = list(ext["layer_ids"])
@@ -746,19 +872,28 @@ def main(argv=None) -> int:
     # 3. the same samples in speculators' layout
     t = time.perf_counter()
     res["speculators_data"], flags = prepare_speculators_data(s, work, target_dir, ext, prompts, sample_ids,
-                                                              draft_vocab, vocab)
+                                                              draft_vocab, vocab, convert=not args.skip_speculators)
     res["speculators_flags_check"] = check_speculators_flags(flags, s)
     phases["convert"] = time.perf_counter() - t
+    if args.skip_ours and args.shards_dir:  # converted: free their room (memory, under /dev/shm)
+        shutil.rmtree(args.shards_dir, ignore_errors=True)
 
     # 4a. ours
-    if gpu:
-        _wait_gpu_released("our training")
     res["page_cache"] = args.page_cache
-    res["disk_read_gb_s"] = direct_read_gb_s(ext["files"])  # O_DIRECT: leaves the page cache as it is
-    set_page_cache(ext["files"], args.page_cache)
-    t = time.perf_counter()
-    ours = run_ours(s, args, work, target_dir, ext["files"], draft_vocab, gpu, our_step_log)
-    phases["ours_wall"] = time.perf_counter() - t
+    res["data_vs_ring"] = data_vs_ring(s, args, ext, len(res["shape"]["layer_ids"]), hidden)
+    if args.skip_ours:
+        ours = {"skipped": "--skip-ours"}
+    else:
+        if gpu:
+            _wait_gpu_released("our training")
+        # O_DIRECT (leaves the page cache as it is), over the first DIRECT_READ_BYTES of the shards
+        res["disk_read_gb_s"] = direct_read_gb_s(ext["files"], max_bytes=DIRECT_READ_BYTES)
+        set_page_cache(ext["files"], args.page_cache)
+        if args.drop_caches:
+            res["drop_caches_ours"] = drop_all_caches()
+        t = time.perf_counter()
+        ours = run_ours(s, args, work, target_dir, ext["files"], draft_vocab, gpu, our_step_log)
+        phases["ours_wall"] = time.perf_counter() - t
     res["ours"] = ours
     ray.shutdown()
 
