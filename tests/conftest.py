@@ -85,7 +85,9 @@ def _ray_temp_dir_of_its_own(request, monkeypatch):
         ray = sys.modules.get("ray")
         if fast and sessions and ray is not None and ray.is_initialized():
             ray.shutdown()
-        if not (ray is not None and ray.is_initialized()):  # a slow test's cluster may outlive it (fixtures)
+        # A cluster this test started may outlive it (a module-scoped fixture's): its directory stays
+        # while it runs. A directory no cluster used goes, even while another test's cluster runs.
+        if not sessions or not (ray is not None and ray.is_initialized()):
             shutil.rmtree(ray_tmp, ignore_errors=True)
         ds_comm = sys.modules.get("deepspeed.comm.comm")
         ds_started = ds_before is None and getattr(ds_comm, "cdb", None) is not None
