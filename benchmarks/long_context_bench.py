@@ -124,9 +124,12 @@ def planned_seconds(plan: Plan, part: str) -> float:
 
 def next_length(tried: list[dict], lengths: tuple[int, ...], elapsed_s: float, budget_s: float) -> tuple[int | None, str]:
     """The next length to train, or None and why not: stop at the first failure (a longer sample
-    fails too), and before a length whose predicted wall time (the last one's wall, times the
-    length ratio squared, an upper bound: attention's share grows with the length) would end past
-    budget_s. `tried`: the results so far in order, each {"length", "ok", "wall_s"}."""
+    fails too), and before a length whose predicted wall time would end past budget_s. The
+    prediction: the last length's set-up (wall_s - fit_s: imports, data, DeepSpeed, compile; the
+    first one also builds FusedAdam) again, plus its training time fit_s times the length ratio
+    squared (an upper bound: attention's share grows with the length); without fit_s, the whole
+    wall times the ratio squared. `tried`: the results so far in order, each {"length", "ok",
+    "wall_s", optionally "fit_s"}."""
     if tried and not tried[-1]["ok"]:
         return None, f"stopped: {tried[-1]['length']} tokens failed"
     left = [n for n in lengths if n not in {t["length"] for t in tried}]
@@ -135,11 +138,13 @@ def next_length(tried: list[dict], lengths: tuple[int, ...], elapsed_s: float, b
     n = left[0]
     if tried:
         last = tried[-1]
-        predicted = last["wall_s"] * (n / last["length"]) ** 2
+        fit = last.get("fit_s") or last["wall_s"]
+        predicted = last["wall_s"] - fit + fit * (n / last["length"]) ** 2
         if elapsed_s + predicted > budget_s:
             return None, (f"stopped before {n} tokens: predicted {predicted:.0f} s (the {last['length']}-token run's "
-                          f"{last['wall_s']:.0f} s x {n / last['length']:.2f}^2) would end at "
-                          f"{elapsed_s + predicted:.0f} s, past --budget-s {budget_s:.0f}")
+                          f"set-up {last['wall_s'] - fit:.0f} s + its training {fit:.0f} s x "
+                          f"{n / last['length']:.2f}^2) would end at {elapsed_s + predicted:.0f} s, past --budget-s "
+                          f"{budget_s:.0f}")
     return n, ""
 
 
@@ -319,7 +324,11 @@ def train_one(args) -> dict:
             torch.cuda.synchronize()
             rec["engine_allocated_gib"] = torch.cuda.memory_allocated() / 2**30
             torch.cuda.reset_peak_memory_stats()
-        trainer.fit(on_step=on_step)
+        t_fit = time.perf_counter()
+        try:
+            trainer.fit(on_step=on_step)
+        finally:
+            rec["fit_s"] = time.perf_counter() - t_fit
         rec["ok"] = True
     except Exception as e:  # noqa: BLE001 - recorded; the parent goes on with its report
         # torch.compile (flex attention, the draft's forward) can wrap the OOM in its own error

@@ -575,7 +575,9 @@ def markdown(res: dict) -> str:
         (f"The disk under our shards reads {res['disk_read_gb_s']:.2f} GB/s sequentially with O_DIRECT "
          f"({s['tokens_per_step'] * res['extract']['bytes'] / res['extract']['num_tokens'] / res['disk_read_gb_s'] / 1e6:.0f}"
          " ms to read one step's shard bytes at that rate)." if res.get("disk_read_gb_s") else
-         "Disk read bandwidth: not measured."), "",
+         "Disk read bandwidth under our shards: not measured."), "",
+        (f"The disk under speculators' files reads {res['speculators']['disk_read_gb_s']:.2f} GB/s (O_DIRECT)."
+         if res["speculators"].get("disk_read_gb_s") else ""), "",
         (f"Our shards: {res['data_vs_ring']['data_bytes'] / 1e9:.2f} GB = {res['data_vs_ring']['data_over_ring']:.1f}x "
          f"our prefetch ring ({res['data_vs_ring']['ring_batches']} batches, "
          f"{res['data_vs_ring']['ring_bytes'] / 1e9:.2f} GB)." if res.get("data_vs_ring") else ""), "",
@@ -767,7 +769,12 @@ def run_theirs(s: BenchSettings, args, work: Path, flags: list[str], gpu: bool, 
         return theirs
     if gpu:
         _wait_gpu_released("speculators' training")
-    set_page_cache([str(p) for p in (work / "speculators_data").rglob("*") if p.is_file()], args.page_cache)
+    spec_files = sorted(str(p) for p in (work / "speculators_data").rglob("*") if p.is_file())
+    from benchmarks.common import direct_read_gb_s
+
+    # the disk under its files, O_DIRECT (page cache untouched), over the first DIRECT_READ_BYTES
+    theirs["disk_read_gb_s"] = direct_read_gb_s(spec_files, max_bytes=DIRECT_READ_BYTES)
+    set_page_cache(spec_files, args.page_cache)
     if args.drop_caches:
         from benchmarks.common import drop_all_caches
 

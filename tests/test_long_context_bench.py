@@ -33,6 +33,11 @@ def test_lengths_stop_before_one_predicted_to_end_past_the_budget():
     assert lcb.next_length(tried, LENGTHS, 30.0, 110.0) == (4096, "")
     n, why = lcb.next_length(tried, LENGTHS, 30.0, 109.0)
     assert n is None and "predicted 80 s" in why and "past --budget-s 109" in why
+    # with the training time known, only it scales: 15 s set-up + 5 s x 2^2 = 35 s
+    tried[-1]["fit_s"] = 5.0
+    assert lcb.next_length(tried, LENGTHS, 30.0, 65.0) == (4096, "")
+    n, why = lcb.next_length(tried, LENGTHS, 30.0, 64.0)
+    assert n is None and "predicted 35 s" in why
 
 
 @pytest.mark.parametrize("part", lcb.PARTS)
