@@ -114,13 +114,16 @@ def ray_shared(_shared_cluster):
 
 @pytest.mark.slow
 def test_vllm_hidden_states_equal_transformers_forward(tiny_target, ray_shared):
-    """Batch of 3 prompts of mixed lengths through the real vLLM CPU engine, in-memory sink."""
+    """Batch of 4 prompts of mixed lengths through the real vLLM CPU engine, in-memory sink; the
+    longest is exactly max_length (256) tokens, which vLLM 0.26 refuses unless the engine's
+    max_model_len leaves room for the prefill's one output token (compat.vllm_engine.prefill_max_model_len)."""
     import torch
 
-    tokens = tokens_table(LENGTHS)
+    lengths = (*LENGTHS, 256)
+    tokens = tokens_table(lengths)
     [(table, stats)] = _in_engine_process(ray_shared, tiny_target, ExtractConfig(backend="vllm"),
                                           ("extract", tokens))
-    assert stats.num_samples == 3 and stats.num_rejected == 0 and stats.num_tokens == sum(LENGTHS)
+    assert stats.num_samples == 4 and stats.num_rejected == 0 and stats.num_tokens == sum(lengths)
     # Row by row, token ids and loss masks are the input's, in order.
     assert table.column("sample_id").to_pylist() == tokens.column("sample_id").to_pylist()
     assert table.column("input_ids").to_pylist() == tokens.column("input_ids").to_pylist()
@@ -142,7 +145,12 @@ def test_vllm_hidden_states_equal_transformers_forward(tiny_target, ray_shared):
         per_token = (hs - ref).abs().amax(dim=(1, 2)) / ref.abs().amax(dim=(1, 2))
         shifted = (hs[1:] - ref[:-1]).abs().amax(dim=(1, 2)) / ref[:-1].abs().amax(dim=(1, 2))
         print(f"per-token rel err max {per_token.max().item():.4f}; shifted by one: min {shifted.min().item():.3f}")
-        assert torch.all(per_token < 0.15) and torch.all(shifted > 0.3)
+        assert torch.all(per_token < 0.15)
+        if len(ids) < 256:
+            assert torch.all(shifted > 0.3)
+        else:  # among 255 adjacent pairs of random tokens some are alike (min 0.22 measured): a shift would
+            # still put most positions far off, and every position is within 0.15 above
+            assert shifted.median() > 0.3
 
 
 @pytest.mark.slow
