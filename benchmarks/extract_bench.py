@@ -155,8 +155,8 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
     model_dir = write_shape(shape, work / f"model-{shape}")
     prompts = random_prompts(args.num_prompts, args.prompt_len, SHAPES[shape][5])
     tokens = sum(len(p) for p in prompts)
-    batched = max(16384, args.prompt_len)
     max_len = args.prompt_len + 8
+    batched = max(16384, max_len + 1)  # chunked prefill off: a step holds a sample and its one output token
     res: dict = {"shape": shape, "hidden_size": SHAPES[shape][0], "num_layers": SHAPES[shape][1],
                  "num_prompts": len(prompts), "prompt_len": args.prompt_len, "tokens": tokens}
 

@@ -164,8 +164,8 @@ def part_extract(plan: Plan, args, work: Path, gpu: bool) -> dict:
     longest = max(plan.lengths)
     model_dir = write_shape(plan.shape, work / "model", max_positions=longest + 16)
     vocab = SHAPES[plan.shape][5]
-    batched = max(16384, longest + 8)  # chunked prefill off: one batch holds the longest prompt
     max_len = longest + 8
+    batched = max(16384, max_len + 1)  # chunked prefill off: a step holds the longest prompt and its one output token
     ecfg = ExtractConfig(load_format="dummy", max_num_batched_tokens=batched, gpu_memory_utilization=0.8,
                          cpu_kvcache_space_gib=args.cpu_kv_gib)
     prompts = {n: random_prompts(max(1, plan.tokens_per_length // n), n, vocab, seed=i)
