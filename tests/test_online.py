@@ -6,8 +6,8 @@ session, a lost engine), the online order against the offline one, the draft voc
 prepared tokens against the one from the shards, the config switch.
 Slow tier (real Ray, the hf extraction backend, real DeepSpeed): the whole job online, every
 sample id counted per epoch (0 lost, 0 trained twice) and the bytes in flight under the bound
-with the engines waiting for the trainer; then faults injected with SIGKILL: a training worker,
-an engine replica, the driver.
+with the engines waiting for the trainer, while faults are injected with SIGKILL: an engine
+replica and a training worker in that job, the driver in another.
 """
 
 from __future__ import annotations
@@ -297,81 +297,26 @@ def check_trained_once_per_epoch(out: Path, num_workers: int) -> dict:
 
 
 @pytest.mark.slow
-def test_online_job_trains_every_sample_once_per_epoch_under_the_byte_bound(tiny_target, tmp_path):
-    """Two training ranks, one engine, 40 samples in 10 shards, a bound of about 3 shards per rank:
-    the job trains from tables it never writes, every sample once per epoch, the bytes waiting in
-    the object store stay under the bound, and requests wait for it (the engine for the trainer)."""
-    out = tmp_path / "out"
-    data = _conversations(tmp_path / "conversations.jsonl", 41)
-    bound = 3_000_000
-    job = subprocess.run(_online_args(out, data, tiny_target, "--set", "train.num_workers=2", "--set", "ray.num_cpus=3",
-                                      "--set", f"train.online.max_inflight_bytes={bound}"),
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
-    text = job.stdout + job.stderr
-    assert job.returncode == 0, text[-3000:]
-    report = json.loads((out / "report.json").read_text())
-    online = report["stages"]["train"]["online"]
-    assert report["stages"]["train"]["steps"] == TRAIN_STEPS and "extract" not in report["stages"]
-    assert not (out / "hidden_states").exists()  # nothing written
-    per_epoch = check_trained_once_per_epoch(out, 2)
-    assert 0 < online["peak_bytes_in_flight"] <= bound, online
-    assert online["num_budget_waits"] > 0 and online["num_lost"] == 0, online
-    assert online["num_shard_epochs"] >= online["num_shards"] * 2  # each rank asked for at least 2 epochs
-    assert "waiting for the trainer (bound reached)" in text and "trainer ranks waited" in text
-    print(f"\nonline: {len(per_epoch)} epochs, {sum(sum(c.values()) for c in per_epoch.values())} samples trained, "
-          f"peak {online['peak_bytes_in_flight']} bytes in flight (bound {bound}), "
-          f"{online['num_budget_waits']} requests waited for the bound, engine idle for the trainer "
-          f"{online['engine_idle_budget_s']} s")
-
-
-@pytest.mark.slow
-def test_online_training_worker_killed_resumes_and_gets_the_samples_after_its_checkpoint_again(tiny_target, tmp_path):
-    """SIGKILL of the Ray Train worker after a registered checkpoint: Ray Train restarts it from
-    that checkpoint; the rank asks the feed again for the shards holding the samples after it, and
-    every sample is trained once per epoch."""
-    import signal
-
-    out = tmp_path / "out"
-    job = _start_online(out, _conversations(tmp_path / "conversations.jsonl", 41), tiny_target,
-                        "--set", "ray.num_cpus=2", "--set", "train.online.max_inflight_bytes=2000000")
-    metrics = out / "train" / "metrics.jsonl"
-    try:
-        _wait_for_step(job, metrics, CKPT_EVERY + 2)
-        _wait_for_registered_checkpoint(job, out)
-        workers = [p for p in _descendants(job.pid) if p.name() == "ray::RayTrainWorker"]
-        assert len(workers) == 1, [p.name() for p in _descendants(job.pid)]
-        killed_after = _steps(metrics)[-1]
-        workers[0].send_signal(signal.SIGKILL)
-        text, _ = job.communicate(timeout=600)
-    finally:
-        _stop(job)
-    assert job.returncode == 0, text[-3000:]
-    summary = json.loads((out / "train" / "train_summary.json").read_text())
-    online = json.loads((out / "report.json").read_text())["stages"]["train"]["online"]
-    steps = _steps(metrics)
-    restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
-    resumed_at = steps[restart] - 1
-    assert resumed_at % CKPT_EVERY == 0 and CKPT_EVERY <= resumed_at <= killed_after
-    assert summary["steps"] == TRAIN_STEPS
-    check_trained_once_per_epoch(out, 1)
-    # the samples after the checkpoint: their shards extracted again, or served from a table still waiting
-    assert online["num_reextracted"] + online["num_reserved"] >= 1, online
-    print(f"\ntrain worker killed after step {killed_after}, resumed at {resumed_at + 1}; "
-          f"{online['num_reextracted']} shard extractions redone, {online['num_reserved']} re-served")
-
-
-@pytest.mark.slow
-def test_online_engine_killed_has_its_shard_redone_by_another_replica(tiny_target, tmp_path):
-    """SIGKILL of engine replica 0 (the one the feed fills first) while training runs: its
-    shard in flight is handed to the other replica, and every sample is trained once per epoch."""
+def test_online_job_trains_every_sample_once_per_epoch_under_the_byte_bound_through_faults(tiny_target, tmp_path):
+    """Two training ranks, two engine replicas, 40 samples in 10 shards, a bound of about 3 shards
+    per rank: the job trains from tables it never writes, the bytes waiting in the object store stay
+    under the bound, and requests wait for it (the engines for the trainer). Two faults on the way
+    (one job for both: each fault's check is its own assertion below):
+    - once training runs, engine replica 0 (the one the feed fills first) is SIGKILLed: its shards
+      in flight are handed to another replica;
+    - after a registered checkpoint, a Ray Train worker is SIGKILLed: Ray Train restarts the group
+      from that checkpoint, and the ranks ask the feed again for the shards holding the samples
+      after it.
+    Every sample is still trained once per epoch."""
     import re
     import signal
     import time
 
     out = tmp_path / "out"
+    bound = 3_000_000
     job = _start_online(out, _conversations(tmp_path / "conversations.jsonl", 41), tiny_target,
-                        "--set", "ray.num_cpus=3", "--set", "extract.num_replicas=2",
-                        "--set", "train.online.max_inflight_bytes=2000000")
+                        "--set", "train.num_workers=2", "--set", "extract.num_replicas=2", "--set", "ray.num_cpus=4",
+                        "--set", f"train.online.max_inflight_bytes={bound}")
     metrics = out / "train" / "metrics.jsonl"
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(job.stdout.readline, "")), daemon=True)
@@ -385,20 +330,45 @@ def test_online_engine_killed_has_its_shard_redone_by_another_replica(tiny_targe
         while job.poll() is None and len(_steps(metrics)) < 2:  # training has started: extraction goes on
             time.sleep(0.02)
         os.kill(pid, signal.SIGKILL)
+        _wait_for_step(job, metrics, CKPT_EVERY + 2)
+        _wait_for_registered_checkpoint(job, out)
+        workers = [p for p in _descendants(job.pid) if p.name() == "ray::RayTrainWorker"]
+        assert len(workers) == 2, [p.name() for p in _descendants(job.pid)]
+        killed_after = _steps(metrics)[-1]
+        workers[0].send_signal(signal.SIGKILL)
         job.wait(timeout=600)
         reader.join(timeout=60)
         text = "".join(lines)
     finally:
         _stop(job)
     assert job.returncode == 0, text[-3000:]
-    online = json.loads((out / "report.json").read_text())["stages"]["train"]["online"]
+    report = json.loads((out / "report.json").read_text())
+    online = report["stages"]["train"]["online"]
+    assert report["stages"]["train"]["steps"] == TRAIN_STEPS and "extract" not in report["stages"]
+    assert not (out / "hidden_states").exists()  # nothing written
+    per_epoch = check_trained_once_per_epoch(out, 2)
+    assert 0 < online["peak_bytes_in_flight"] <= bound, online
+    assert online["num_budget_waits"] > 0, online
+    assert "waiting for the trainer (bound reached)" in text and "trainer ranks waited" in text
+    # the killed engine replica: its shards lost and redone elsewhere
     assert online["num_lost"] >= 1, online
     replicas = {r["replica"]: r for r in online["replicas"]}
     assert not replicas[0]["alive"] and any(r["alive"] and r["shards"] for i, r in replicas.items() if i != 0)
     assert "lost on replica 0" in text
-    check_trained_once_per_epoch(out, 1)
-    print(f"\nengine replica 0 (pid {pid}) killed; {online['num_lost']} shard(s) lost and redone, "
-          f"replicas {[(i, r['alive'], len(r['shards'])) for i, r in replicas.items()]}")
+    # the killed training worker: resumed from a registered checkpoint; the samples after it came
+    # from shards extracted again, or from tables still waiting in the store
+    steps = _steps(metrics)
+    restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+    resumed_at = steps[restart] - 1
+    assert resumed_at % CKPT_EVERY == 0 and CKPT_EVERY <= resumed_at <= killed_after
+    assert online["num_reextracted"] + online["num_reserved"] >= 1, online
+    print(f"\nonline: {len(per_epoch)} epochs, {sum(sum(c.values()) for c in per_epoch.values())} samples trained, "
+          f"peak {online['peak_bytes_in_flight']} bytes in flight (bound {bound}), "
+          f"{online['num_budget_waits']} requests waited for the bound, engine idle for the trainer "
+          f"{online['engine_idle_budget_s']} s; engine replica 0 (pid {pid}) killed, {online['num_lost']} shard(s) "
+          f"lost and redone, replicas {[(i, r['alive'], len(r['shards'])) for i, r in replicas.items()]}; "
+          f"train worker killed after step {killed_after}, resumed at {resumed_at + 1}: "
+          f"{online['num_reextracted']} shard extractions redone, {online['num_reserved']} re-served")
 
 
 @pytest.mark.slow
