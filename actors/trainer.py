@@ -243,6 +243,35 @@ def plot_curves(metrics_path: Path, png_path: Path) -> Path | None:
     return png_path
 
 
+def finished_run_summary(cfg: TrainConfig, out: Path, draft_dir: Path) -> dict | None:
+    """The summary of a run in `out` that is done already: its latest registered checkpoint is the
+    final report (done) at exactly cfg.num_steps, that checkpoint is on disk, and the draft was
+    exported to draft_dir. None otherwise (a fresh run, one to resume, more steps asked, the draft
+    missing or to go elsewhere): then Ray Train runs and resumes as usual.
+
+    Read from Ray Train's checkpoint manager snapshot (<out>/ray_train/train/
+    checkpoint_manager_snapshot.json, Ray 2.60's layout: latest_checkpoint_result with
+    checkpoint_dir_name and the reported metrics), the record a Ray Train resume restores itself.
+    tests/test_e2e.py's rerun test fails if that layout moves (the skip line would be missing)."""
+    snap = out / "ray_train" / RUN_NAME / "checkpoint_manager_snapshot.json"
+    if not snap.exists():
+        return None
+    latest = json.loads(snap.read_text()).get("latest_checkpoint_result") or {}
+    m, name = latest.get("metrics") or {}, latest.get("checkpoint_dir_name")
+    if not (m.get("done") and m.get("steps") == cfg.num_steps and name):
+        return None
+    ckpt = out / "ray_train" / RUN_NAME / name
+    if not ckpt.is_dir() or Path(m.get("draft_dir", "")) != draft_dir or not (draft_dir / "config.json").exists():
+        return None
+    summary = {
+        "loss_first": m["loss_first"], "loss_last": m["loss_last"], "steps": m["steps"], "tokens": m["tokens"],
+        "tokens_this_run": 0, "tokens_per_s": 0.0, "train_seconds": 0.0, "checkpoint": str(ckpt),
+        "draft_dir": str(draft_dir), "resumed_from_step": m["steps"], "num_workers": cfg.num_workers, "skipped": True,
+    }
+    summary["curves_png"] = str(plot_curves(out / "metrics.jsonl", out / "curves.png"))
+    return summary
+
+
 def run_training(cfg: TrainConfig, data_files: list[str] | None, target_dir: str, out_dir: str,
                  draft_dir: str | None = None, *, use_gpu: bool | None = None, online: dict | None = None) -> dict:
     """Train a draft on cfg.num_workers Ray Train workers; resume if out_dir holds a checkpoint.
@@ -264,6 +293,11 @@ def run_training(cfg: TrainConfig, data_files: list[str] | None, target_dir: str
         raise ValueError("run_training got no hidden-states shard files; pass the extract stage's committed shards")
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    finished = finished_run_summary(cfg, out, Path(draft_dir).resolve() if draft_dir else out / "draft")
+    if finished is not None:  # a resubmitted finished job: no worker group to start
+        logger.info("train: already at step %d of %d, skipped", finished["steps"], cfg.num_steps)
+        (out / "train_summary.json").write_text(json.dumps(finished, indent=1))
+        return finished
     if use_gpu is None:
         use_gpu = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
     # Ray sets OMP_NUM_THREADS=1 for a 1-CPU worker, and then each batch is read and packed by one

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -120,7 +121,8 @@ AL_FLOOR = {1: 1.15, 3: 1.2}
 
 def test_rerun_resumes_without_redoing_extraction(demo_run, tmp_path):
     """Resubmitting skips committed shards (prepare reruns: it is cheap and deterministic), and
-    training, finished already, resumes at its last step and reports the run's losses."""
+    training, finished already (its last registered checkpoint at train.num_steps, the draft
+    exported), starts no Ray Train worker group and reports the run's losses."""
     out, _, _ = demo_run
     first = json.loads((out / "report.json").read_text())["stages"]["train"]
     proc = subprocess.run([sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml",
@@ -135,6 +137,9 @@ def test_rerun_resumes_without_redoing_extraction(demo_run, tmp_path):
     assert train["resumed_from_step"] == 20 and train["tokens_this_run"] == 0
     assert (train["loss_first"], train["loss_last"]) == (first["loss_first"], first["loss_last"])
     assert f"loss {first['loss_first']:.4f} -> {first['loss_last']:.4f}, all done at step 20" in proc.stdout
+    # finished already: no Ray Train worker group was started for it
+    assert "train: already at step 20 of 20, skipped" in proc.stdout + proc.stderr
+    assert train["skipped"] and Path(train["checkpoint"]).is_dir() and (out / "draft" / "config.json").exists()
 
 
 def _free_ports(n: int) -> list[int]:
