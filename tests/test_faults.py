@@ -11,11 +11,13 @@ its output checked by sample id and content: 0 lost, 0 duplicated.
   checkpoint in the same job (train.checkpoint.max_failures), and the loss curve goes on;
 - the driver killed (SIGKILL) during training, its cluster gone: the resubmitted job redoes no
   extraction and resumes training from the checkpoint.
+
+The job-as-a-subprocess machinery (start, wait, SIGKILL of the driver, the per-sample check) is
+tests/fault_jobs.py, shared with the GPU driver-kill test (tests/gpu/test_gpu_faults.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 import re
 import json
 import os
@@ -30,6 +32,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import REPO
+from tests.fault_jobs import check_every_sample_once, kill_all, kill_driver, shard_mtimes, start_job
+from tests.fault_jobs import conversations as _conversations
+from tests.fault_jobs import descendants as _descendants
+from tests.fault_jobs import stop as _stop
 
 
 @contextmanager
@@ -83,36 +89,6 @@ def _job(out: Path, conversations: Path, tiny_target: str, *extra: str) -> subpr
          "--set", "prepare.num_eval_prompts=1", "--set", "stages=[prepare, extract]", "--set", "doctor=false",
          "--set", "extract.backend=hf", "--set", "extract.samples_per_shard=4", "--set", "ray.num_cpus=2", *extra],
         cwd=REPO, capture_output=True, text=True, timeout=600)
-
-
-def _conversations(path: Path, n: int) -> Path:
-    lines = (REPO / "data" / "demo_conversations.jsonl").read_text().splitlines()[:n]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def check_every_sample_once(out: Path) -> dict:
-    """Every prepared sample is in the committed shards exactly once, with its own tokens (sha256
-    of input_ids, loss_mask) and hidden states of its length; returns {sample_id: sha256 of its
-    hidden-states bytes}."""
-    from eagle3.manifest import Manifest
-    from eagle3.shards import read_shards
-
-    tokens = pq.read_table(out / "prepared" / "tokens.parquet")
-    want = {sid: hashlib.sha256(json.dumps([ids, mask]).encode()).hexdigest() for sid, ids, mask in
-            zip(*(tokens.column(c).to_pylist() for c in ("sample_id", "input_ids", "loss_mask")))}
-    got = read_shards(Manifest(out / "hidden_states").committed_files(),
-                      columns=["sample_id", "input_ids", "loss_mask", "num_tokens", "hidden_states"])
-    ids = got.column("sample_id").to_pylist()
-    assert len(ids) == len(set(ids)), "duplicated samples"
-    assert set(ids) == set(want), f"lost {sorted(set(want) - set(ids))[:5]}, extra {sorted(set(ids) - set(want))[:5]}"
-    hashes = {}
-    for sid, ids_, mask, n, hs in zip(ids, *(got.column(c).to_pylist() for c in
-                                            ("input_ids", "loss_mask", "num_tokens", "hidden_states"))):
-        assert hashlib.sha256(json.dumps([ids_, mask]).encode()).hexdigest() == want[sid], sid
-        assert n == len(ids_) and len(hs) > 0 and len(hs) % n == 0, sid
-        hashes[sid] = hashlib.sha256(hs).hexdigest()
-    return hashes
 
 
 @pytest.mark.slow
@@ -217,13 +193,10 @@ TRAIN_STEPS, CKPT_EVERY = 16, 4
 
 
 def _start_job(out: Path, data: Path, tiny_target: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml", "--set", f"output_dir={out}",
-         "--set", f"target.model={tiny_target}", "--set", f"prepare.conversations={data}",
-         "--set", "prepare.num_eval_prompts=1", "--set", "stages=[prepare, extract, train]", "--set", "doctor=false",
-         "--set", "extract.backend=hf", "--set", "extract.samples_per_shard=16", "--set", "ray.num_cpus=2",
-         "--set", f"train.num_steps={TRAIN_STEPS}", "--set", f"train.checkpoint.checkpoint_every={CKPT_EVERY}"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return start_job("configs/demo.yaml", out, f"target.model={tiny_target}", f"prepare.conversations={data}",
+                     "prepare.num_eval_prompts=1", "stages=[prepare, extract, train]", "doctor=false",
+                     "extract.backend=hf", "extract.samples_per_shard=16", "ray.num_cpus=2",
+                     f"train.num_steps={TRAIN_STEPS}", f"train.checkpoint.checkpoint_every={CKPT_EVERY}")
 
 
 def _steps(metrics: Path) -> list[int]:
@@ -237,23 +210,6 @@ def _wait_for_step(job: subprocess.Popen, metrics: Path, step: int) -> None:
     while job.poll() is None and (not _steps(metrics) or _steps(metrics)[-1] < step):
         time.sleep(0.02)
     assert job.poll() is None, f"the job ended before step {step}: " + job.communicate()[0][-3000:]
-
-
-def _stop(job: subprocess.Popen) -> None:
-    """Kill a job that is still running, and the local cluster it started (its descendants only)."""
-    if job.poll() is None:
-        cluster = _descendants(job.pid)
-        job.kill()
-        job.wait(timeout=60)
-        for proc in cluster:
-            if proc.is_running():
-                proc.kill()
-
-
-def _descendants(pid: int) -> list:
-    import psutil
-
-    return psutil.Process(pid).children(recursive=True)
 
 
 def _checkpointed_steps(out: Path) -> list[int]:
@@ -324,7 +280,6 @@ def test_driver_killed_in_training_then_resubmitted_resumes_without_redoing_extr
     """SIGKILL of the driver after a checkpoint (its local cluster's processes are then stopped
     by the test, as a lost head would take them); the same job resubmitted skips prepare's and
     extract's committed outputs and resumes training from the checkpoint."""
-    import signal
     import time
 
     out = tmp_path / "out"
@@ -334,19 +289,14 @@ def test_driver_killed_in_training_then_resubmitted_resumes_without_redoing_extr
     try:
         _wait_for_step(job, metrics, CKPT_EVERY + 2)
         _wait_for_registered_checkpoint(job, out)
-        cluster = _descendants(job.pid)
-        job.send_signal(signal.SIGKILL)
-        job.wait(timeout=60)
-        for proc in cluster:  # only what this driver started
-            if proc.is_running():
-                proc.kill()
+        kill_all(kill_driver(job))  # only what this driver started
         time.sleep(1)
     finally:
         _stop(job)
     # What the resubmit restores: the checkpoints Ray Train had registered when the driver died.
     ckpts = _registered_steps(out)
     assert ckpts and ckpts[-1] < TRAIN_STEPS and set(ckpts) <= set(_checkpointed_steps(out)), ckpts
-    shards_before = {p.name: p.stat().st_mtime_ns for p in (out / "hidden_states" / "data").iterdir()}
+    shards_before = shard_mtimes(out)
     killed_after = _steps(metrics)[-1]
     job = _start_job(out, data, tiny_target)
     text, _ = job.communicate(timeout=600)
@@ -355,7 +305,7 @@ def test_driver_killed_in_training_then_resubmitted_resumes_without_redoing_extr
     num_shards = report["stages"]["extract"]["num_shards"]
     assert report["stages"]["extract"]["shards_skipped"] == num_shards
     assert re.search(r"extract: (\d+) of \1 shards already committed", text), text[-3000:]
-    assert {p.name: p.stat().st_mtime_ns for p in (out / "hidden_states" / "data").iterdir()} == shards_before
+    assert shard_mtimes(out) == shards_before
     summary = json.loads((out / "train" / "train_summary.json").read_text())
     assert summary["resumed_from_step"] == ckpts[-1] and summary["steps"] == TRAIN_STEPS
     steps = _steps(metrics)

@@ -49,6 +49,21 @@ def tier_dir(tmp_path_factory) -> Path:
     return Path(os.environ.get(SHARED_ENV) or tmp_path_factory.mktemp("gpu-tier"))
 
 
+@pytest.fixture(scope="module")
+def gpu_target(tier_dir):
+    """The tier's seeded 12-layer target (hidden 512, real random weights), built once per run of
+    the tier (its pretraining would otherwise run in each test's process)."""
+    import fcntl
+
+    from eagle3.tiny import build_tiny_target
+    from tests.conftest import DEMO
+
+    # size 2: hidden 512, 12 layers; seeded, real (random) weights, so both engines compute the same model.
+    with open(tier_dir / "gpu-target.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # build_tiny_target reuses a complete build (its stamp)
+        return str(build_tiny_target(tier_dir / "gpu-target", DEMO, size=2, seed=0))
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch

@@ -12,20 +12,6 @@ from eagle3.config import ExtractConfig
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def gpu_target(tier_dir):
-    """Built once per run of the tier (its pretraining would otherwise run in each test's process)."""
-    import fcntl
-
-    from eagle3.tiny import build_tiny_target
-    from tests.conftest import DEMO
-
-    # size 2: hidden 512, 12 layers; seeded, real (random) weights, so both engines compute the same model.
-    with open(tier_dir / "gpu-target.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # build_tiny_target reuses a complete build (its stamp)
-        return str(build_tiny_target(tier_dir / "gpu-target", DEMO, size=2, seed=0))
-
-
 def test_compat_probes_pass_on_this_vllm(gpu_target):
     from compat.probes import run_all
     from compat.versions import installed
