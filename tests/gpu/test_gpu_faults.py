@@ -6,12 +6,14 @@ test applies that command, and the GPU is free. The resubmitted job then complet
 exactly once (id and content hash), and the shards committed before the kill are not extracted
 again.
 
-The bound, 60 s: the driver started its local cluster (ray.init), whose raylet and GCS share its
-fate, and a Ray worker exits once its raylet's connection is gone: seconds. An engine process an
-actor started is expected to end with its owner; the CUDA driver then tears down a context of tens
-of GiB (seconds on an H200) before nvidia-smi stops listing the pid. 60 s is several times all of
-that, and less than a user waits before resubmitting (the 18 minutes of ../shared/background are
-an engine start timing out against a zombie's memory). A process still holding memory after 60 s
+The bound, 60 s: the driver started its local cluster (ray.init), and that cluster goes with it
+in seconds: the same flow on the CPU (hf backend) found the killed driver's GCS, raylet and
+ExtractorActor still running at the kill and gone 10 s later (its dashboard and runtime-env agents
+outlived that; they hold no GPU). An engine process an actor started is expected to end with its
+owner; the CUDA driver then tears down a context of tens of GiB (seconds on an H200) before
+nvidia-smi stops listing the pid. 60 s is several times all of that, and less than a user waits
+before resubmitting (the 18 minutes of ../shared/background are an engine start timing out
+against a zombie's memory). A process still holding memory after 60 s
 is such a zombie: the doctor must name it and say how to stop it. The bound only decides which of
 the issue's two acceptable outcomes the run shows; the test says which it saw
 ($OUT/gpu_driver_kill.txt, with the two jobs' logs).
