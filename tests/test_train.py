@@ -669,15 +669,19 @@ def test_input_wait_is_the_time_a_step_waits_for_its_batches(tiny):
     ready = [next(source) for _ in range(6)]  # each step takes 2 and stages the next step's first
 
     class Late:
+        """The batches, each `delay` late; its position in PackedBatches' form (the trainer
+        records each micro-batch's sample range from it)."""
+
         def __init__(self, batches, delay):
-            self.batches, self.delay = iter(batches), delay
+            self.batches, self.delay, self.taken = iter(batches), delay, 0
 
         def __next__(self):
             time.sleep(self.delay)
+            self.taken += 1
             return next(self.batches)
 
         def state_dict(self):
-            return {}
+            return {"epoch": 0, "samples_seen": self.taken}
 
     trainer.batches = DeviceBatches(Late(ready[:3], 0.3), trainer.device, trainer.batches.dtype)
     slow = trainer.train_step()
