@@ -153,6 +153,27 @@ def failure_reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
+def extraction_plan(ecfg, target_dir: str, tokens, tokens_source: str = "prepared"):
+    """(ShardPlan, captured layer ids, hidden size, output fingerprint) of extracting `tokens` (a
+    table with sample_id and num_tokens). One definition for the extract stage and online mode
+    (ray_jobs/online.py): online ranks compute their order from this plan, and online `keep`
+    shards must resume as offline ones. tokens_source names where the tokens came from
+    ('prepared', or 'regenerated'); it is part of the fingerprint, so a resume never mixes the two."""
+    from eagle3.extract import target_text_config
+    from eagle3.schema import stored_bytes_per_token
+
+    text_cfg = target_text_config(target_dir)
+    layer_ids = ecfg.layer_ids(text_cfg["num_hidden_layers"])
+    plan = ShardPlan.sized(tokens.column("num_tokens").to_pylist(), ecfg.samples_per_shard,
+                           stored_bytes_per_token(num_layers=len(layer_ids), hidden_size=text_cfg["hidden_size"],
+                                                  hs_dtype=ecfg.hs_dtype), ecfg.shard_bytes)
+    fingerprint = tokens_fingerprint(tokens.column("sample_id").to_pylist(), plan.samples_per_shard, layer_ids,
+                                     ecfg.hs_dtype, ecfg.file_format)
+    if tokens_source != "prepared":  # absent for prepared tokens: outputs written before this key resume
+        fingerprint["tokens_source"] = tokens_source
+    return plan, layer_ids, text_cfg["hidden_size"], fingerprint
+
+
 def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str, *, progress: bool = True,
                 tokens_source: str = "prepared") -> dict:
     """Extract hidden states of every sample of tokens_path into out_dir's shards; returns the summary.
@@ -164,23 +185,14 @@ def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str,
 
     from actors.extractor import ExtractorActor, max_concurrency
     from actors.writer import warm_writer, write_shard
-    from eagle3.extract import target_text_config
-    from eagle3.schema import check_schema, stored_bytes_per_token
+    from eagle3.schema import check_schema
 
     ecfg = cfg.extract
     t_start = time.perf_counter()
     tokens = pq.read_table(tokens_path)
     check_schema(tokens.schema, "tokens")
-    text_cfg = target_text_config(target_dir)
-    layer_ids = ecfg.layer_ids(text_cfg["num_hidden_layers"])
-    plan = ShardPlan.sized(tokens.column("num_tokens").to_pylist(), ecfg.samples_per_shard,
-                           stored_bytes_per_token(num_layers=len(layer_ids), hidden_size=text_cfg["hidden_size"],
-                                                  hs_dtype=ecfg.hs_dtype), ecfg.shard_bytes)
+    plan, layer_ids, _, fingerprint = extraction_plan(ecfg, target_dir, tokens, tokens_source)
     manifest = Manifest(Path(out_dir), ecfg.file_format)
-    fingerprint = tokens_fingerprint(tokens.column("sample_id").to_pylist(), plan.samples_per_shard, layer_ids,
-                                     ecfg.hs_dtype, ecfg.file_format)
-    if tokens_source != "prepared":  # absent for prepared tokens: outputs written before this key resume
-        fingerprint["tokens_source"] = tokens_source
     manifest.open(fingerprint)
     committed = manifest.committed()
     sched = ShardScheduler(plan.num_shards, committed, max_inflight_per_replica=ecfg.max_inflight_shards)

@@ -51,23 +51,13 @@ def run_online(cfg: JobConfig, tokens_path: str, target_dir: str, out: Path, *,
 
     from actors.online_feed import OnlineFeed
     from actors.trainer import run_training
-    from eagle3.extract import target_text_config
-    from eagle3.manifest import ShardPlan, tokens_fingerprint
-    from eagle3.schema import check_schema, stored_bytes_per_token
-    from ray_jobs.extract import replica_layout
+    from eagle3.schema import check_schema
+    from ray_jobs.extract import extraction_plan, replica_layout
 
     ecfg = cfg.extract
     tokens = pq.read_table(tokens_path, columns=["sample_id", "num_tokens"])
     check_schema(pq.read_schema(tokens_path), "tokens")
-    text_cfg = target_text_config(target_dir)
-    layer_ids = ecfg.layer_ids(text_cfg["num_hidden_layers"])
-    plan = ShardPlan.sized(tokens.column("num_tokens").to_pylist(), ecfg.samples_per_shard,
-                           stored_bytes_per_token(num_layers=len(layer_ids), hidden_size=text_cfg["hidden_size"],
-                                                  hs_dtype=ecfg.hs_dtype), ecfg.shard_bytes)
-    fingerprint = tokens_fingerprint(tokens.column("sample_id").to_pylist(), plan.samples_per_shard, layer_ids,
-                                     ecfg.hs_dtype, ecfg.file_format)
-    if tokens_source != "prepared":
-        fingerprint["tokens_source"] = tokens_source
+    plan, layer_ids, hidden_size, fingerprint = extraction_plan(ecfg, target_dir, tokens, tokens_source)
     n = online_replicas(cfg, int(ray.cluster_resources().get("GPU", 0)))
     bundle, n = replica_layout(dataclasses.replace(ecfg, num_replicas=n), plan.num_shards,
                                engine=ecfg.backend == "vllm")
@@ -78,7 +68,7 @@ def run_online(cfg: JobConfig, tokens_path: str, target_dir: str, out: Path, *,
     ray.get(feed.start.remote(n, bundle))
     online = {"feed": feed, "tokens_path": str(Path(tokens_path).resolve()),
               "samples_per_shard": plan.samples_per_shard,
-              "layout": (layer_ids, text_cfg["hidden_size"], ecfg.hs_dtype)}
+              "layout": (layer_ids, hidden_size, ecfg.hs_dtype)}
     finished = False
     try:
         summary = run_training(cfg.train, None, target_dir, str(out / "train"), str(out / "draft"), online=online)
