@@ -301,9 +301,16 @@ def train_one(args) -> dict:
     gpu = torch.cuda.is_available()
     rec: dict = {"length": n, "ok": False, "gpu": gpu}
     t0 = time.perf_counter()
+    trail = progress_path(args.result)
+
+    def reached(phase: str, **extra) -> None:  # read by part_train if this process is cut off
+        with open(trail, "a") as f:
+            f.write(json.dumps({"phase": phase, "s": round(time.perf_counter() - t0, 2), **extra}) + "\n")
+
     files = write_synthetic_shards(Path(args.work_dir) / f"shards-{n}", length=n, num_samples=plan.train_samples,
                                    layer_ids=layer_ids, hidden=hidden, vocab=vocab)
     rec["data_s"] = time.perf_counter() - t0
+    reached("data written")
     cfg = TrainConfig(num_workers=1, num_steps=plan.train_steps, seed=0,
                       optimizer=OptimizerConfig(lr=3e-4, warmup_steps=1, weight_decay=0.01, grad_clip=1.0),
                       draft=DraftConfig(ttt_steps=3, ttt_step_loss_decay=1.0, num_draft_layers=1, loss="kl_div",
@@ -316,6 +323,7 @@ def train_one(args) -> dict:
     def on_step(m: dict) -> None:
         records.append({"t": time.time(), "step": m["step"], "tokens": m["tokens"], "loss": m["loss"],
                         "input_wait_ms": m["input_wait_s"] * 1e3})
+        reached("step", step=m["step"])
 
     try:
         trainer = Eagle3Trainer(cfg, args.target_dir, files)
@@ -324,6 +332,7 @@ def train_one(args) -> dict:
             torch.cuda.synchronize()
             rec["engine_allocated_gib"] = torch.cuda.memory_allocated() / 2**30
             torch.cuda.reset_peak_memory_stats()
+        reached("engine built")
         t_fit = time.perf_counter()
         try:
             trainer.fit(on_step=on_step)
@@ -354,6 +363,23 @@ def train_one(args) -> dict:
     return rec
 
 
+def progress_path(result) -> Path:
+    """Where a length's process appends what it has reached (phase, seconds since it started)."""
+    return Path(f"{result}.progress.jsonl")
+
+
+def last_reached(trail: Path) -> str:
+    """What a cut-off length's process had reached, in words, from its progress trail."""
+    events = [json.loads(line) for line in trail.read_text().splitlines() if line.strip()] if trail.exists() else []
+    if not events:
+        return "before writing its data"
+    last = events[-1]
+    steps = [e for e in events if e["phase"] == "step"]
+    if steps:
+        return f"after step {steps[-1]['step']} at {steps[-1]['s']:.0f} s (step 1 ended at {steps[0]['s']:.0f} s)"
+    return f"after '{last['phase']}' at {last['s']:.0f} s, before its first step ended"
+
+
 def part_train(plan: Plan, args, work: Path) -> dict:
     from benchmarks.shapes import SHAPES
 
@@ -380,8 +406,8 @@ def part_train(plan: Plan, args, work: Path) -> dict:
             rc, tail = "timeout", str(e)[-3000:]
         wall = time.perf_counter() - t
         rec = json.loads(result.read_text()) if result.exists() else {
-            "length": n, "ok": False, "error": f"the subprocess ended (exit {rc}) without a result; its last output:\n"
-                                               f"{tail}"}
+            "length": n, "ok": False, "error": f"the subprocess ended (exit {rc}) without a result, "
+                                               f"{last_reached(progress_path(result))}; its last output:\n{tail}"}
         rec.update({"wall_s": wall, "rc": rc})
         if not rec["ok"]:
             rec["log_tail"] = tail

@@ -7,6 +7,8 @@ vLLM.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -110,3 +112,15 @@ def test_command_line_lengths_and_budget_replace_the_plans():
     assert plan.train_lengths == (65536, 131072) and plan.budget_s == 300 and plan.lengths == (8192, 16384, 32768)
     with pytest.raises(ValueError, match="--lengths='8k'"):
         lcb.resolve_plan(lcb.parse_args(["--part", "extract", "--lengths", "8k"]))
+
+
+def test_a_cut_off_length_reports_the_last_phase_it_reached(tmp_path):
+    trail = lcb.progress_path(tmp_path / "train-16384.json")
+    assert lcb.last_reached(trail) == "before writing its data"
+    trail.write_text(json.dumps({"phase": "data written", "s": 3.2}) + "\n"
+                     + json.dumps({"phase": "engine built", "s": 35.4}) + "\n")
+    assert lcb.last_reached(trail) == "after 'engine built' at 35 s, before its first step ended"
+    with open(trail, "a") as f:
+        f.write(json.dumps({"phase": "step", "s": 150.0, "step": 1}) + "\n")
+        f.write(json.dumps({"phase": "step", "s": 151.2, "step": 2}) + "\n")
+    assert lcb.last_reached(trail) == "after step 2 at 151 s (step 1 ended at 150 s)"
