@@ -41,6 +41,7 @@ RUN_NAME = "train"
 
 def train_loop_per_worker(config: dict) -> None:
     """Body of every Ray Train worker; `config` is built by run_training."""
+    t_start = time.perf_counter()
     import ray.train
 
     from eagle3 import deepspeed_backend
@@ -107,6 +108,8 @@ def train_loop_per_worker(config: dict) -> None:
         **last, "done": True, "steps": trainer.global_step, "loss_first": trainer.loss_first,
         "loss_last": trainer.loss_last, "tokens": trainer.tokens_seen, "tokens_this_run": trainer.run_tokens,
         "tokens_per_s": trainer.tokens_per_s, "train_seconds": train_seconds,
+        "first_step_s": trainer.first_step_seconds, "steady_tokens_per_s": trainer.steady_tokens_per_s,
+        "setup_s": t0 - t_start,
         "resumed_from_step": trainer.resumed_from_step, "draft_dir": config["draft_dir"],
     })
 
@@ -265,7 +268,8 @@ def finished_run_summary(cfg: TrainConfig, out: Path, draft_dir: Path) -> dict |
         return None
     summary = {
         "loss_first": m["loss_first"], "loss_last": m["loss_last"], "steps": m["steps"], "tokens": m["tokens"],
-        "tokens_this_run": 0, "tokens_per_s": 0.0, "train_seconds": 0.0, "checkpoint": str(ckpt),
+        "tokens_this_run": 0, "tokens_per_s": 0.0, "train_seconds": 0.0, "first_step_s": None,
+        "steady_tokens_per_s": None, "setup_s": None, "checkpoint": str(ckpt),
         "draft_dir": str(draft_dir), "resumed_from_step": m["steps"], "num_workers": cfg.num_workers, "skipped": True,
     }
     summary["curves_png"] = str(plot_curves(out / "metrics.jsonl", out / "curves.png"))
@@ -279,7 +283,11 @@ def run_training(cfg: TrainConfig, data_files: list[str] | None, target_dir: str
     feed actor's handle, tokens_path, samples_per_shard, layout (layer_ids, hidden_size, hs_dtype)).
 
     Returns a summary: loss_first (step 1 of the whole run, kept across resumes), loss_last,
-    steps, tokens (all ranks, whole run), tokens_per_s (this call), checkpoint (latest
+    steps, tokens (all ranks, whole run), tokens_per_s and train_seconds (this call's steps, rank
+    0's wall time in fit: the first step, with the draft's torch.compile on CUDA, checkpoints and
+    logging included), first_step_s and steady_tokens_per_s (that first step apart: None with
+    fewer than 2 steps), setup_s (rank 0, from the worker's start to its first step: draft,
+    DeepSpeed engine, input pipeline, resume), checkpoint (latest
     checkpoint directory, taken after the last step), draft_dir (the speculators-format export,
     eagle3.export; default <out_dir>/draft),
     resumed_from_step (None for a fresh run), num_workers. Also written to
@@ -331,6 +339,8 @@ def run_training(cfg: TrainConfig, data_files: list[str] | None, target_dir: str
     summary = {
         "loss_first": m["loss_first"], "loss_last": m["loss_last"], "steps": m["steps"], "tokens": m["tokens"],
         "tokens_this_run": m["tokens_this_run"], "tokens_per_s": m["tokens_per_s"], "train_seconds": m["train_seconds"],
+        "first_step_s": m.get("first_step_s"), "steady_tokens_per_s": m.get("steady_tokens_per_s"),
+        "setup_s": m.get("setup_s"),
         "checkpoint": result.checkpoint.path if result.checkpoint is not None else None,
         "draft_dir": m["draft_dir"], "resumed_from_step": m["resumed_from_step"], "num_workers": cfg.num_workers,
     }

@@ -184,6 +184,8 @@ def format_summary(report: dict) -> str:
             return "-" if v is None else f"{v:.4f}"
         done = (f"{t.get('tokens_per_s', 0):.0f} tokens/s" if t.get("tokens_this_run", 1)
                 else f"all done at step {t.get('resumed_from_step')} already, nothing trained in this run")
+        if t.get("tokens_this_run", 1) and t.get("steady_tokens_per_s"):  # the first step compiles on CUDA
+            done += f" ({t['steady_tokens_per_s']:.0f} after a first step of {t['first_step_s']:.1f}s)"
         lines.append(f"  train/           {t.get('steps')} steps, loss {loss(t.get('loss_first'))} -> "
                      f"{loss(t.get('loss_last'))}, {done}")
         lines.append(f"  draft/           speculators-format EAGLE-3 draft: {report.get('draft')}")

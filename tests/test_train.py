@@ -691,6 +691,44 @@ def test_input_wait_is_the_time_a_step_waits_for_its_batches(tiny):
     assert fast["input_wait_s"] < 0.3  # less than one late batch: the step's own compute is not counted
 
 
+@pytest.mark.slow  # starts DeepSpeed
+def test_first_step_is_timed_apart_from_the_steady_rate(tiny):
+    """tokens_per_s is over the run's whole time in fit, its first step included (on CUDA that
+    step compiles the draft's forward); first_step_seconds is that step's time, with a first batch
+    1 s late in it, and steady_tokens_per_s the rate over the other steps; None after one step."""
+    import time
+
+    from eagle3.data.staging import DeviceBatches
+
+    target, files, _, _ = tiny
+    cfg = small_cfg(num_steps=4, data={"prefetch_batches": 0})
+    trainer = _trainer(target, files, cfg)
+    source = trainer.batches.source
+    ready = [next(source) for _ in range(5)]  # 4 steps and the batch staged after the last
+
+    class FirstLate:
+        def __init__(self, batches):
+            self.batches, self.taken = iter(batches), 0
+
+        def __next__(self):
+            if self.taken == 0:
+                time.sleep(1.0)
+            self.taken += 1
+            return next(self.batches)
+
+        def state_dict(self):
+            return {"epoch": 0, "samples_seen": self.taken}
+
+    trainer.batches = DeviceBatches(FirstLate(ready), trainer.device, trainer.batches.dtype)
+    assert trainer.steady_tokens_per_s is None
+    history = trainer.fit()
+    assert [m["step"] for m in history] == [1, 2, 3, 4]
+    assert trainer.first_step_seconds >= 1.0 and trainer.first_step_tokens == history[0]["tokens"]
+    assert trainer.tokens_per_s == trainer.run_tokens / trainer.run_seconds
+    rest = sum(m["tokens"] for m in history[1:])
+    assert trainer.steady_tokens_per_s == pytest.approx(rest / (trainer.run_seconds - trainer.first_step_seconds))
+
+
 def test_device_batches_stage_one_ahead_and_checkpoint_the_returned_position(tiny):
     """A staged batch is taken from the source but not counted: state_dict() is the position
     after the last batch returned, and loading a position drops the staged batch."""
