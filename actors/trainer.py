@@ -59,6 +59,12 @@ def train_loop_per_worker(config: dict) -> None:
         dataset = OnlineDataset(online["feed"], online["tokens_path"], online["samples_per_shard"], online["layout"],
                                 seed=cfg.seed, rank=rank, world_size=world_size,
                                 shuffle_buffer_size=cfg.data.shuffle_buffer_size)
+    if config.get("gpu_memory_fraction") is not None:
+        import torch
+
+        # train.online.gpu_split shared: this rank's GPU also holds an engine replica; stay within our share
+        # (Ray Train made this worker's GPU the current device).
+        torch.cuda.set_per_process_memory_fraction(config["gpu_memory_fraction"])
     trainer = Eagle3Trainer(cfg, config["target_dir"], config["data_files"], rank=rank, world_size=world_size,
                             dataset=dataset)
     trainer.attach_engine(deepspeed_backend.initialize(trainer.model, cfg, world_size, use_gpu=config["use_gpu"]))
@@ -276,8 +282,19 @@ def finished_run_summary(cfg: TrainConfig, out: Path, draft_dir: Path) -> dict |
     return summary
 
 
+def scaling_config(num_workers: int, use_gpu: bool, gpus_per_worker: float = 1.0):
+    """Ray Train's ScalingConfig: a whole GPU per worker, or with gpus_per_worker < 1 (online
+    mode's shared GPUs, ray_jobs.online.split_gpus) that share of one, as Ray's fractional resource."""
+    from ray.train import ScalingConfig
+
+    if use_gpu and gpus_per_worker < 1:
+        return ScalingConfig(num_workers=num_workers, use_gpu=True, resources_per_worker={"GPU": gpus_per_worker})
+    return ScalingConfig(num_workers=num_workers, use_gpu=use_gpu)
+
+
 def run_training(cfg: TrainConfig, data_files: list[str] | None, target_dir: str, out_dir: str,
-                 draft_dir: str | None = None, *, use_gpu: bool | None = None, online: dict | None = None) -> dict:
+                 draft_dir: str | None = None, *, use_gpu: bool | None = None, online: dict | None = None,
+                 gpus_per_worker: float = 1.0) -> dict:
     """Train a draft on cfg.num_workers Ray Train workers; resume if out_dir holds a checkpoint.
     The data: committed shard files, or with data_files None, `online` (ray_jobs/online.py: the
     feed actor's handle, tokens_path, samples_per_shard, layout (layer_ids, hidden_size, hs_dtype)).
@@ -291,10 +308,12 @@ def run_training(cfg: TrainConfig, data_files: list[str] | None, target_dir: str
     checkpoint directory, taken after the last step), draft_dir (the speculators-format export,
     eagle3.export; default <out_dir>/draft),
     resumed_from_step (None for a fresh run), num_workers. Also written to
-    <out_dir>/train_summary.json. use_gpu None: when the Ray cluster has GPUs.
+    <out_dir>/train_summary.json. use_gpu None: when the Ray cluster has GPUs. gpus_per_worker < 1:
+    each worker takes that share of one GPU (Ray resource and torch memory cap), the rest of it
+    being an engine replica's (online mode's train.online.gpu_split shared).
     """
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     if not data_files and online is None:
@@ -322,8 +341,9 @@ def run_training(cfg: TrainConfig, data_files: list[str] | None, target_dir: str
                            "data_files": None if online else [str(Path(f).resolve()) for f in data_files],
                            "target_dir": str(Path(target_dir).resolve()),
                            "draft_dir": str(Path(draft_dir).resolve() if draft_dir else out / "draft"),
-                           "use_gpu": use_gpu, "metrics_path": str(out / "metrics.jsonl")},
-        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=use_gpu),
+                           "use_gpu": use_gpu, "metrics_path": str(out / "metrics.jsonl"),
+                           "gpu_memory_fraction": gpus_per_worker if use_gpu and gpus_per_worker < 1 else None},
+        scaling_config=scaling_config(cfg.num_workers, use_gpu, gpus_per_worker),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         run_config=RunConfig(
             name=RUN_NAME, storage_path=str(out / "ray_train"),

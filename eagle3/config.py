@@ -157,7 +157,9 @@ class ExtractConfig:
     max_num_seqs: int = 256
     """vLLM's limit on sequences in one step."""
     gpu_memory_utilization: float = 0.85
-    """Fraction of each GPU's memory vLLM may take (weights, activations, KV cache), in (0, 1]."""
+    """Fraction of each GPU's memory vLLM may take (weights, activations, KV cache), in (0, 1].
+    Online mode with train.online.gpu_split shared: at most 1 - train.online.trainer_gpu_fraction
+    (0.7 by default), so that the training worker on the same GPU has its share."""
     enforce_eager: bool = True
     """Skip CUDA graph / torch.compile warm-up: extraction is prefill-only, so graphs buy little."""
     block_size: int | None = None
@@ -373,6 +375,8 @@ class JobConfig:
         if "regenerate" in self.stages and not self.regenerate.enabled:
             _fail("job", "stages", list(self.stages), "lists regenerate but regenerate.enabled is false; set "
                   "regenerate.enabled: true (extract then trains on the regenerated responses), or drop the stage")
+        if "train" in self.stages and t.source == "online" and t.online.gpu_split == "shared":
+            check_gpu_sharing(e, t)  # 'auto' becomes 'shared' only on a cluster: checked there (ray_jobs.online)
         if "eval" in self.stages and ev.enabled and ev.num_prompts > p.num_eval_prompts:
             _fail("eval", "num_prompts", ev.num_prompts,
                   f"only prepare.num_eval_prompts={p.num_eval_prompts} prompts are held out for eval; raise "
@@ -380,6 +384,23 @@ class JobConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def check_gpu_sharing(e: ExtractConfig, t: TrainConfig) -> None:
+    """Online mode, engine and trainer sharing each GPU (train.online.gpu_split): what fits on one
+    GPU, checked before any engine starts. ValueError naming the fields otherwise."""
+    per = e.tensor_parallel_size * e.pipeline_parallel_size
+    if per > 1:
+        # Ray's fractional GPU resources are shares of one GPU: a replica over several GPUs cannot take a share.
+        _fail("train", "online.gpu_split", "shared", f"needs engine replicas of one GPU, found "
+              f"extract.tensor_parallel_size * pipeline_parallel_size = {e.tensor_parallel_size} * "
+              f"{e.pipeline_parallel_size}; use 1 * 1, or gpu_split: separate on a cluster with GPUs for both")
+    frac = t.online.trainer_gpu_fraction
+    if e.gpu_memory_utilization + frac > 1 + 1e-9:
+        _fail("extract", "gpu_memory_utilization", e.gpu_memory_utilization,
+              f"leaves the training worker sharing its GPU (train.online.gpu_split: shared) less than "
+              f"train.online.trainer_gpu_fraction={frac}: the two must sum to <= 1; set "
+              f"extract.gpu_memory_utilization <= {1 - frac:.2f} or lower trainer_gpu_fraction")
 
 
 def _sections(cls) -> dict[str, type]:

@@ -29,6 +29,7 @@ DraftAttnImpl = Literal["sdpa", "eager", "simple_flex_attention"]
 ZeroStage = Literal[0, 1, 2, 3]
 Source = Literal["offline", "online"]
 OnlineEpochs = Literal["reextract", "keep"]
+GpuSplit = Literal["auto", "separate", "shared"]
 
 
 def _fail(name: str, value: Any, fix: str) -> None:
@@ -221,9 +222,40 @@ class OnlineConfig:
     log_every_s: float = 10.0
     """How often the job log gets a line of who waits for whom (bytes in flight, engine idle
     time and why, trainer ranks' wait for engines); the same figures are Ray gauges."""
+    gpu_split: GpuSplit = "auto"
+    """How engines and trainer divide a GPU cluster's GPUs (ray_jobs.online.split_gpus).
+    'separate': whole GPUs each: every training worker one, every engine replica
+    extract.tensor_parallel_size * pipeline_parallel_size, extract.num_replicas or as many as the GPUs
+    training leaves. 'shared': every GPU holds one engine replica (Ray resource 1 -
+    trainer_gpu_fraction, vLLM memory extract.gpu_memory_utilization) and room for one training worker
+    (trainer_gpu_fraction), as TorchSpec colocates them; needs one-GPU replicas and at most one
+    training worker per GPU. 'auto' (default): 'separate' when the cluster has GPUs for
+    train.num_workers and at least one replica, else 'shared'. Why: with whole GPUs neither side
+    waits on the other's memory or kernels, and the feed's log says which side to grow; sharing is
+    the only way online mode runs where GPUs are too few (one GPU), and its memory check (see
+    trainer_gpu_fraction) still stops the job before any model loads when
+    extract.gpu_memory_utilization leaves the trainer no room. Ignored (with a warning for
+    'shared') where the engines use no GPU: a CPU cluster, extract.backend hf."""
+    trainer_gpu_fraction: float = 0.3
+    """gpu_split shared: the share of one GPU each training worker takes, in (0, 0.5): its Ray GPU
+    resource (Ray Train resources_per_worker) and the cap on its memory (torch's
+    set_per_process_memory_fraction: beyond it the trainer fails with an out-of-memory error of its
+    own instead of starving the engine). The engine replica beside it takes the rest of the GPU in
+    Ray's accounting, and extract.gpu_memory_utilization + this must be <= 1 (checked at load for
+    'shared', before the engines start for 'auto'). Below 0.5 so that an engine replica (more than
+    half a GPU) sits on every GPU and Ray's accounting leaves room for one training worker per GPU,
+    never two (NCCL refuses two ranks on one GPU). Default 0.3, an estimate not measured on a GPU
+    yet: an 8B target's EAGLE-3 draft (one layer, 32K draft vocabulary, ~0.4B trainable parameters)
+    holds ~7 GB of weights, gradients and fp32 AdamW state plus the activations of 8K-token
+    micro-batches, under 0.3 of an 80 GB GPU; the 0.7 left holds vLLM's copy of the target's
+    weights (16 GB) and a KV cache for prefill-only extraction. Each process's CUDA context and
+    NCCL buffers are outside both shares: on a full GPU, leave vLLM a little less than the rest."""
 
     def __post_init__(self):
         check_types(self, "train.online")
+        if not 0 < self.trainer_gpu_fraction < 0.5:
+            _fail("online.trainer_gpu_fraction", self.trainer_gpu_fraction,
+                  "must be in (0, 0.5): the share of one GPU each training worker takes next to an engine replica")
         if self.max_inflight_bytes < 1:
             _fail("online.max_inflight_bytes", self.max_inflight_bytes, "must be >= 1 byte (e.g. 4294967296 = 4 GiB)")
         if not self.log_every_s > 0:

@@ -5,10 +5,14 @@ states go from the engines to the training ranks through the Ray object store, n
 
 Places the engine replicas first (actors/online_feed.OnlineFeed starts them on their own
 placement groups), then the Ray Train (DeepSpeed) worker group on the resources left, and waits
-for training; the feed stops with it. Replicas: extract.num_replicas, or by default on a GPU
-cluster the GPUs training leaves, (GPUs - train.num_workers) // GPUs per replica; on a CPU
-cluster one. The shard plan is the extract stage's (same samples per shard), so a rank's order
-is the offline order of the same shards. A resubmitted job resumes training from its last
+for training; the feed stops with it. How the GPUs are divided is train.online.gpu_split
+(split_gpus): 'separate', whole GPUs each (replicas: extract.num_replicas, or the GPUs training
+leaves, (GPUs - train.num_workers) // GPUs per replica), or 'shared', one replica on every GPU
+taking 1 - train.online.trainer_gpu_fraction of it in its placement-group bundle and the training
+workers trainer_gpu_fraction each (Ray Train resources_per_worker): Ray's fractional GPU
+resources do the placing. 'auto' picks separate where it fits. On a CPU cluster one replica.
+The shard plan is the extract stage's (same samples per shard), so a rank's order is the offline
+order of the same shards. A resubmitted job resumes training from its last
 checkpoint and asks the engines for the samples after it (train.online.epochs: keep, also
 reuses the shards committed under hidden_states/).
 What crosses this process: configs, counts, one actor handle. Imports neither torch, vllm nor deepspeed.
@@ -19,27 +23,74 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3.config import JobConfig
+from eagle3.config import JobConfig, check_gpu_sharing
 
 log = logging.getLogger("eagle3.online")
 
 
-def online_replicas(cfg: JobConfig, cluster_gpus: int) -> int:
-    """How many engine replicas run next to training (see the module docstring)."""
-    e = cfg.extract
-    if e.num_replicas is not None:
-        return e.num_replicas
+@dataclass(frozen=True)
+class GpuSplit:
+    """How online mode divides the cluster (split_gpus): the replicas' count and Ray GPU resource,
+    each training worker's Ray GPU resource."""
+
+    mode: str
+    """'separate' (whole GPUs each), 'shared' (each GPU: one replica and room for one training
+    worker) or 'none' (the engines use no GPU: a CPU cluster or the hf backend)."""
+    num_replicas: int
+    engine_gpus: float
+    """Ray GPU resource of one engine replica (0: on CPUs)."""
+    trainer_gpus: float
+    """Ray GPU resource of one training worker (0: on CPUs)."""
+
+    @property
+    def engine_bundle(self) -> dict:
+        """The placement-group bundle of one replica (ray_jobs.extract.ReplicaPool)."""
+        return {"CPU": 1, "GPU": self.engine_gpus} if self.engine_gpus else {"CPU": 1}
+
+
+def split_gpus(cfg: JobConfig, cluster_gpus: int) -> GpuSplit:
+    """The split of train.online.gpu_split on a cluster of cluster_gpus GPUs (its docstring says
+    why 'auto' decides as it does). Raises ValueError naming the fields when the split cannot be
+    placed or the engine's memory leaves the trainer no room: before any engine starts."""
+    e, t = cfg.extract, cfg.train
+    mode = t.online.gpu_split
     if not cluster_gpus or e.backend != "vllm":
-        return 1
+        if mode == "shared":
+            log.warning("train.online.gpu_split=shared is ignored: the engines use no GPU (%s)",
+                        "the cluster has none" if not cluster_gpus else f"extract.backend={e.backend}")
+        return GpuSplit("none", e.num_replicas or 1, 0.0, 1.0 if cluster_gpus else 0.0)
     per = e.tensor_parallel_size * e.pipeline_parallel_size
-    n = (cluster_gpus - cfg.train.num_workers) // per
-    if n < 1:
-        raise ValueError(f"train.source=online: the cluster has {cluster_gpus} GPUs, train.num_workers="
-                         f"{cfg.train.num_workers} take {cfg.train.num_workers} and an engine replica needs {per}; "
-                         "lower train.num_workers, or use train.source=offline (engine and trainer in turn)")
-    return n
+    if mode == "auto":
+        mode = "separate" if cluster_gpus >= t.num_workers + per else "shared"
+        if mode == "shared":
+            log.info("online: the cluster's %d GPU(s) cannot hold train.num_workers=%d and a replica of %d GPU(s) "
+                     "apart: engine and trainer share each GPU (train.online.gpu_split: auto)",
+                     cluster_gpus, t.num_workers, per)
+    where = f"train.online.gpu_split={t.online.gpu_split!r} ({mode} on {cluster_gpus} GPUs)"
+    if mode == "separate":
+        n = e.num_replicas or (cluster_gpus - t.num_workers) // per
+        if n < 1 or n * per + t.num_workers > cluster_gpus:
+            raise ValueError(f"{where}: the cluster has {cluster_gpus} GPUs, train.num_workers={t.num_workers} take "
+                             f"{t.num_workers} and {max(n, 1)} engine replica(s) need {per} each; lower "
+                             "train.num_workers or extract.num_replicas, set train.online.gpu_split: shared (engine "
+                             "and trainer on the same GPUs), or use train.source=offline (engine and trainer in turn)")
+        return GpuSplit("separate", n, float(per), 1.0)
+    try:
+        check_gpu_sharing(e, t)
+    except ValueError as err:
+        raise ValueError(f"{err} [{where}]") from None
+    if t.num_workers > cluster_gpus:
+        raise ValueError(f"{where}: train.num_workers={t.num_workers} is more than the {cluster_gpus} GPUs; sharing "
+                         "places at most one training worker per GPU (NCCL refuses two ranks on one GPU): lower it")
+    if e.num_replicas not in (None, cluster_gpus):
+        # A GPU without its replica would have room for two training workers in Ray's accounting.
+        raise ValueError(f"{where}: extract.num_replicas={e.num_replicas}: sharing places one engine replica on "
+                         f"every GPU; set it to null or {cluster_gpus}")
+    frac = t.online.trainer_gpu_fraction
+    return GpuSplit("shared", cluster_gpus, round(1 - frac, 4), frac)
 
 
 def run_online(cfg: JobConfig, tokens_path: str, target_dir: str, out: Path, *,
@@ -52,15 +103,18 @@ def run_online(cfg: JobConfig, tokens_path: str, target_dir: str, out: Path, *,
     from actors.online_feed import OnlineFeed
     from actors.trainer import run_training
     from eagle3.schema import check_schema
-    from ray_jobs.extract import extraction_plan, replica_layout
+    from ray_jobs.extract import extraction_plan
 
     ecfg = cfg.extract
     tokens = pq.read_table(tokens_path, columns=["sample_id", "num_tokens"])
     check_schema(pq.read_schema(tokens_path), "tokens")
     plan, layer_ids, hidden_size, fingerprint = extraction_plan(ecfg, target_dir, tokens, tokens_source)
-    n = online_replicas(cfg, int(ray.cluster_resources().get("GPU", 0)))
-    bundle, n = replica_layout(dataclasses.replace(ecfg, num_replicas=n), plan.num_shards,
-                               engine=ecfg.backend == "vllm")
+    split = split_gpus(cfg, int(ray.cluster_resources().get("GPU", 0)))
+    bundle = split.engine_bundle
+    # Shared: one replica on every GPU whatever the shard count (split_gpus says why); else no more than shards.
+    n = split.num_replicas if split.mode == "shared" else min(split.num_replicas, max(1, plan.num_shards))
+    log.info("online: GPU split %s: %d engine replica(s) of %s, %d training worker(s) of %s GPU", split.mode, n,
+             bundle, cfg.train.num_workers, split.trainer_gpus)
     feed = ray.remote(OnlineFeed).options(num_cpus=0, max_concurrency=16 + 4 * cfg.train.num_workers).remote(
         str(Path(tokens_path).resolve()), target_dir, cfg, plan.samples_per_shard, cfg.train.num_workers,
         str(out / "hidden_states"), fingerprint)
@@ -71,7 +125,8 @@ def run_online(cfg: JobConfig, tokens_path: str, target_dir: str, out: Path, *,
               "layout": (layer_ids, hidden_size, ecfg.hs_dtype)}
     finished = False
     try:
-        summary = run_training(cfg.train, None, target_dir, str(out / "train"), str(out / "draft"), online=online)
+        summary = run_training(cfg.train, None, target_dir, str(out / "train"), str(out / "draft"), online=online,
+                               gpus_per_worker=split.trainer_gpus or 1.0)
         finished = True
     finally:
         try:
@@ -83,6 +138,7 @@ def run_online(cfg: JobConfig, tokens_path: str, target_dir: str, out: Path, *,
             feed_summary = None
         ray.kill(feed)
     summary["online"] = {**feed_summary, "seconds": round(time.perf_counter() - t0, 2),
-                         "samples_per_shard": plan.samples_per_shard, "num_shards": plan.num_shards}
+                         "samples_per_shard": plan.samples_per_shard, "num_shards": plan.num_shards,
+                         "gpu_split": {**dataclasses.asdict(split), "engine_bundle": bundle, "num_replicas": n}}
     log.info("online: done; %s", {k: v for k, v in summary["online"].items() if k != "replicas"})
     return summary

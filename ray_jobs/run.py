@@ -78,6 +78,12 @@ def run(cfg: JobConfig) -> dict:
         report["seconds"][name] = round(time.perf_counter() - t, 2)
         return result
 
+    if cfg.train.source == "online" and "train" in cfg.stages:
+        import ray
+
+        from ray_jobs.online import split_gpus
+
+        split_gpus(cfg, int(ray.cluster_resources().get("GPU", 0)))  # a split that cannot work fails before any model loads
     target_dir = timed("target", resolve_target, cfg, out)
     if cfg.doctor:
         from ray_jobs.doctor import run_doctor

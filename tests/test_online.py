@@ -225,13 +225,82 @@ def test_online_config_switch_is_checked():
 
 def test_online_replicas_leave_the_gpus_training_needs():
     from eagle3.config import load_job_config
-    from ray_jobs.online import online_replicas
+    from ray_jobs.online import GpuSplit, split_gpus
 
     cfg = load_job_config(None, {"train.source": "online", "train.num_workers": 1})
-    assert online_replicas(cfg, 0) == 1 and online_replicas(cfg, 2) == 1 and online_replicas(cfg, 8) == 7
-    assert online_replicas(load_job_config(None, {"train.num_workers": 1, "extract.num_replicas": 3}), 8) == 3
+    assert split_gpus(cfg, 0) == GpuSplit("none", 1, 0.0, 0.0)  # a CPU cluster: one replica on a CPU
+    assert split_gpus(cfg, 2) == GpuSplit("separate", 1, 1.0, 1.0) and split_gpus(cfg, 8).num_replicas == 7
+    assert split_gpus(load_job_config(None, {"train.num_workers": 1, "extract.num_replicas": 3}), 8).num_replicas == 3
+    separate = load_job_config(None, {"train.source": "online", "train.online.gpu_split": "separate"})
     with pytest.raises(ValueError, match=r"has 1 GPUs, train.num_workers=1"):
-        online_replicas(cfg, 1)
+        split_gpus(separate, 1)
+    # whole GPUs asked for beyond the cluster: refused before placement waits for them
+    with pytest.raises(ValueError, match=r"has 3 GPUs, train.num_workers=1 take 1 and 3 engine replica\(s\) need 1"):
+        split_gpus(load_job_config(None, {"train.source": "online", "extract.num_replicas": 3}), 3)
+
+
+def _online(**overrides):
+    from eagle3.config import load_job_config
+
+    return load_job_config(None, {"train.source": "online", **overrides})
+
+
+def test_gpu_split_auto_shares_each_gpu_only_where_engine_and_trainer_cannot_have_their_own():
+    from ray_jobs.online import GpuSplit, split_gpus
+
+    # one GPU: engine and trainer share it, 0.7 and 0.3 of it in Ray's accounting
+    fits = {"extract.gpu_memory_utilization": 0.6}
+    one = split_gpus(_online(**fits), 1)
+    assert one == GpuSplit("shared", 1, 0.7, 0.3) and one.engine_bundle == {"CPU": 1, "GPU": 0.7}
+    # two workers and a replica need 3 GPUs apart: on 3 separate, on 2 each GPU holds a replica and a worker
+    assert split_gpus(_online(**fits, **{"train.num_workers": 2}), 3) == GpuSplit("separate", 1, 1.0, 1.0)
+    assert split_gpus(_online(**fits, **{"train.num_workers": 2}), 2) == GpuSplit("shared", 2, 0.7, 0.3)
+    # a replica over 2 GPUs beside a worker needs 3 GPUs; on 2 it cannot take a share of one
+    with pytest.raises(ValueError, match=r"train.online.gpu_split='shared': needs engine replicas of one GPU, "
+                                         r"found extract.tensor_parallel_size \* pipeline_parallel_size = 2 \* 1"):
+        split_gpus(_online(**fits, **{"extract.tensor_parallel_size": 2}), 2)
+    assert split_gpus(_online(**{"extract.tensor_parallel_size": 2}), 3) == GpuSplit("separate", 1, 2.0, 1.0)
+    # the hf backend's engines run on CPUs: training takes the GPU whole, nothing is shared
+    assert split_gpus(_online(**{"extract.backend": "hf"}), 1) == GpuSplit("none", 1, 0.0, 1.0)
+
+
+def test_gpu_split_auto_refuses_an_engine_memory_share_that_leaves_the_trainer_no_room():
+    from ray_jobs.online import split_gpus
+
+    # the default 0.85 is the engine's share when it has the GPU to itself; beside a trainer it is too much
+    with pytest.raises(ValueError, match=r"extract.gpu_memory_utilization=0.85: leaves the training worker .* less than "
+                                         r"train.online.trainer_gpu_fraction=0.3: .* set extract.gpu_memory_utilization "
+                                         r"<= 0.70 .*\[train.online.gpu_split='auto' \(shared on 1 GPUs\)\]"):
+        split_gpus(_online(), 1)
+    cfg = _online(**{"extract.gpu_memory_utilization": 0.8, "train.online.trainer_gpu_fraction": 0.2})
+    assert split_gpus(cfg, 1).engine_gpus == 0.8  # exactly the whole GPU
+    assert split_gpus(_online(), 2).mode == "separate"  # with a GPU each, 0.85 is fine
+
+
+def test_gpu_split_shared_is_checked_at_load_and_placed_one_replica_and_one_worker_per_gpu():
+    from ray_jobs.online import GpuSplit, split_gpus
+
+    shared = {"train.online.gpu_split": "shared", "extract.gpu_memory_utilization": 0.6}
+    assert split_gpus(_online(**shared), 8) == GpuSplit("shared", 8, 0.7, 0.3)  # shared even where separate fits
+    # what one GPU cannot hold fails at load, before any cluster or model
+    with pytest.raises(ValueError, match=r"config extract.gpu_memory_utilization=0.85: .*sum to <= 1"):
+        _online(**{"train.online.gpu_split": "shared"})
+    with pytest.raises(ValueError, match=r"config extract.gpu_memory_utilization=0.71: .*<= 0.70"):
+        _online(**{**shared, "extract.gpu_memory_utilization": 0.71})  # just over
+    with pytest.raises(ValueError, match=r"config train.online.gpu_split='shared': needs engine replicas of one GPU"):
+        _online(**shared, **{"extract.pipeline_parallel_size": 2})
+    _online(**{"train.online.gpu_split": "shared", "train.source": "offline"})  # offline: the split is not used
+    with pytest.raises(ValueError, match=r"train.online.trainer_gpu_fraction=0.5: must be in \(0, 0.5\)"):
+        _online(**shared, **{"train.online.trainer_gpu_fraction": 0.5})
+    with pytest.raises(ValueError, match=r"train.online.gpu_split='half': not one of 'auto', 'separate', 'shared'"):
+        _online(**{"train.online.gpu_split": "half"})
+    # what needs the cluster's size fails before the engines start
+    with pytest.raises(ValueError, match=r"train.num_workers=3 is more than the 2 GPUs"):
+        split_gpus(_online(**shared, **{"train.num_workers": 3}), 2)
+    with pytest.raises(ValueError, match=r"extract.num_replicas=1: sharing places one engine replica on every GPU; "
+                                         r"set it to null or 2"):
+        split_gpus(_online(**shared, **{"extract.num_replicas": 1}), 2)
+    assert split_gpus(_online(**shared), 0).mode == "none"  # a CPU cluster: ignored, with a warning
 
 
 def test_online_driver_imports_no_heavy_packages():
@@ -240,6 +309,76 @@ def test_online_driver_imports_no_heavy_packages():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "", f"the online driver's imports pulled in: {out.stdout.strip()}"
+
+
+# ---------------------------------------------------------------------------------------------
+# the shared split placed by Ray on a cluster that declares one GPU (this machine has none)
+
+@pytest.mark.slow
+def test_shared_split_places_an_engine_replica_and_the_training_worker_group_on_the_one_gpu(tmp_path):
+    """train.online.gpu_split auto on a cluster of one GPU (declared: Ray schedules it, nothing
+    runs on it): the replica bundle split_gpus gives, placed by the online feed's ReplicaPool, and
+    the Ray Train worker group of actors.trainer.scaling_config are both placed on GPU 0, 0.7 and
+    0.3 of it, leaving nothing. Placement only: with a GPU in Ray's accounting the trainer would
+    start NCCL and CUDA, which this machine has not (the job itself is for the GPU tier)."""
+    import ray
+    from ray.train import RunConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from actors.trainer import scaling_config
+    from eagle3.schedule import ShardScheduler
+    from ray_jobs.cluster import job_runtime_env
+    from ray_jobs.extract import ReplicaPool
+    from ray_jobs.online import split_gpus
+
+    # Defined here: Ray pickles them by value (the workers cannot import this test module by name).
+    class _GpuProbe:
+        """Stands in for the engine replica where only placement is under test: a real Ray actor on
+        the replica's bundle, started by the same ReplicaPool, reporting what Ray gave it."""
+
+        def __init__(self, replica: int):
+            self.replica = replica
+
+        def info(self) -> dict:
+            import socket
+
+            import ray
+
+            ctx = ray.get_runtime_context()
+            return {"replica": self.replica, "host": socket.gethostname(), "node_id": ctx.get_node_id(),
+                    "startup_s": 0.0, "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+                    "gpu": ctx.get_assigned_resources().get("GPU")}
+
+    def _report_gpu(config: dict) -> None:
+        """A Ray Train worker's body: what Ray gave it, and the cluster's GPU left while it runs."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        Path(config["out"]).write_text(json.dumps({
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "gpu": ctx.get_assigned_resources().get("GPU"),
+            "gpu_free": ray.available_resources().get("GPU", 0.0), "cuda_visible_devices": os.environ.get(
+                "CUDA_VISIBLE_DEVICES")}))
+
+    cfg = _online(**{"extract.gpu_memory_utilization": 0.6})
+    ray.init(num_cpus=2, num_gpus=1, runtime_env=job_runtime_env(), include_dashboard=True)
+    try:
+        split = split_gpus(cfg, int(ray.cluster_resources()["GPU"]))
+        pool = ReplicaPool(ShardScheduler(1, max_inflight_per_replica=1), _GpuProbe, lambda i: ((i,), {}),
+                           split.engine_bundle, max_concurrency=1, what="probe replica")
+        [replica] = pool.start(split.num_replicas, 30.0)
+        engine = ray.get(replica.actor.info.remote())
+        TorchTrainer(_report_gpu, train_loop_config={"out": str(tmp_path / "worker.json")},
+                     scaling_config=scaling_config(cfg.train.num_workers, True, split.trainer_gpus),
+                     torch_config=TorchConfig(backend="gloo"),
+                     run_config=RunConfig(name="probe", storage_path=str(tmp_path / "ray_train"))).fit()
+        worker = json.loads((tmp_path / "worker.json").read_text())
+    finally:
+        ray.shutdown()
+    assert (split.mode, split.num_replicas) == ("shared", 1)
+    assert engine["gpu_ids"] == ["0"] and engine["gpu"] == pytest.approx(0.7)
+    assert worker["gpu_ids"] == ["0"] and worker["gpu"] == pytest.approx(0.3) and worker["cuda_visible_devices"] == "0"
+    assert worker["gpu_free"] == pytest.approx(0.0)  # the two take the whole GPU between them
+    print(f"\nshared GPU: engine replica {engine}, training worker {worker}")
 
 
 # ---------------------------------------------------------------------------------------------
