@@ -49,7 +49,13 @@ def tiny_target() -> str:
     TEST_CACHE.mkdir(parents=True, exist_ok=True)
     with open(TEST_CACHE / f"{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a complete build (its stamp written last) is reused as is
-        return str(build_tiny_target(out, DEMO, size=1, seed=0))
+        # Built from a copy of the conversations kept beside it: the build's stamp names the
+        # conversations' path, so building from this checkout's data/ would rebuild (~40 s) in
+        # every other checkout of the repository (each worktree, each fresh clone) on this machine.
+        conversations = TEST_CACHE / f"{out.name}.conversations.jsonl"
+        if not conversations.exists() or conversations.read_bytes() != DEMO.read_bytes():
+            conversations.write_bytes(DEMO.read_bytes())
+        return str(build_tiny_target(out, conversations, size=1, seed=0))
 
 
 @pytest.fixture
