@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import socket
+import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -49,17 +53,155 @@ def tiny_target() -> str:
     TEST_CACHE.mkdir(parents=True, exist_ok=True)
     with open(TEST_CACHE / f"{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a complete build (its stamp written last) is reused as is
-        return str(build_tiny_target(out, DEMO, size=1, seed=0))
+        # Built from a copy of the conversations kept beside it: the build's stamp names the
+        # conversations' path, so building from this checkout's data/ would rebuild (~40 s) in
+        # every other checkout of the repository (each worktree, each fresh clone) on this machine.
+        conversations = TEST_CACHE / f"{out.name}.conversations.jsonl"
+        if not conversations.exists() or conversations.read_bytes() != DEMO.read_bytes():
+            conversations.write_bytes(DEMO.read_bytes())
+        return str(build_tiny_target(out, conversations, size=1, seed=0))
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` TCP ports free on the loopback now (for a Ray head's ports)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def start_ray_head(temp_dir: str, log, env: dict | None = None, num_cpus: int = 2) -> tuple[subprocess.Popen, dict]:
+    """`ray start --head --block` with a temp dir and ports of its own, in a process group of its
+    own (stop it with stop_ray_head: `ray stop` would stop every Ray cluster on the machine).
+    Returns the process and its {"gcs": host:port, "dashboard": http address}."""
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    gcs, dashboard, client, node_manager, object_manager, agent, agent_grpc, metrics, runtime_env = free_ports(9)
+    head = subprocess.Popen(
+        [ray_bin, "start", "--head", "--block", f"--num-cpus={num_cpus}", f"--temp-dir={temp_dir}", f"--port={gcs}",
+         "--include-dashboard=true", f"--dashboard-port={dashboard}", f"--ray-client-server-port={client}",
+         f"--node-manager-port={node_manager}", f"--object-manager-port={object_manager}",
+         f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
+         f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={runtime_env}"],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return head, {"gcs": f"127.0.0.1:{gcs}", "dashboard": f"http://127.0.0.1:{dashboard}"}
+
+
+def processes_of(temp_dir: str) -> list:
+    """The running processes whose command line names `temp_dir` (a Ray head's own)."""
+    import psutil
+
+    return [p for p in psutil.process_iter(["cmdline"]) if temp_dir in " ".join(p.info["cmdline"] or [])]
+
+
+def stop_ray_head(head: subprocess.Popen, temp_dir: str) -> list:
+    """Stop a head started by start_ray_head: `ray start --block` stops the processes it started
+    when signalled; its process group is its own, so whatever is left in it can be killed without
+    touching others. Returns the processes of its temp dir still running then (killed, listed for
+    the caller to assert on)."""
+    head.send_signal(signal.SIGTERM)
+    try:
+        head.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(head.pid, signal.SIGKILL)
+        head.wait(timeout=30)
+    left = processes_of(temp_dir)
+    for proc in left:  # this cluster's own processes (its temp dir is in their command lines)
+        proc.kill()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    return left
+
+
+# The shared cluster's head: a local cluster started as a job starts one (init_ray), held until
+# this process's stdin closes.
+_SHARED_HEAD = """
+import sys
+
+import ray
+
+from ray_jobs.cluster import init_ray
+
+init_ray(num_cpus=2)
+print("GCS " + ray.get_runtime_context().gcs_address, flush=True)
+sys.stdin.read()
+ray.shutdown()
+"""
+
+
+@pytest.fixture(scope="session")
+def shared_ray() -> str:
+    """One real Ray cluster (a local one as a job starts it: 2 CPUs, dashboard and job server on
+    loopback) shared by the slow tests that only use a cluster; its GCS address (a job joins it with
+    `--set ray.address=<it>`, this process with ray_local). Starting and stopping a cluster costs
+    ~6-10 s on 2 cores, each time; joining one ~1 s. Each test leaves it as it found it: a driver's
+    actors, tasks and placement groups go with the driver (a job that ends, or ray.shutdown(), which
+    only disconnects a driver that joined). Tests that SIGKILL a job's driver or its cluster's
+    processes, remove nodes, or look at a cluster's own processes or logs start a cluster of their
+    own; no test stops this one. Token authentication as Ray 2.60 sets it up for a local cluster,
+    with a token of this session's (RAY_AUTH_MODE/RAY_AUTH_TOKEN in this process's environment,
+    inherited by the jobs: a driver that joins must hold it). Stopped at the end of the session."""
+    import ray
+
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=os.urandom(16).hex())
+    _refresh_ray_auth()
+    temp_dir = tempfile.mkdtemp(prefix="e3shared-")  # short: Ray's socket paths stay under 107 characters
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=temp_dir, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
+    head = subprocess.Popen([sys.executable, "-c", _SHARED_HEAD], cwd=REPO, env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        lines = []
+        for line in head.stdout:
+            lines.append(line)
+            if line.startswith("GCS "):
+                break
+        assert lines and lines[-1].startswith("GCS "), "the shared cluster did not start:\n" + "".join(lines)[-3000:]
+        address = lines[-1].split()[1]
+        threading.Thread(target=head.stdout.read, daemon=True).start()  # drained: a full pipe would stop it
+        yield address
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        head.stdin.close()
+        try:
+            head.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait(timeout=30)
+        for proc in processes_of(temp_dir):  # this cluster's own processes (its temp dir is in their command lines)
+            proc.kill()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        _refresh_ray_auth()
+
+
+def _refresh_ray_auth() -> None:
+    """Make this process's Ray read RAY_AUTH_MODE / RAY_AUTH_TOKEN again (it caches both)."""
+    try:
+        from ray._raylet import AuthenticationTokenLoader, Config
+    except ImportError:
+        return
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 @pytest.fixture
-def ray_local():
-    """A real local Ray cluster for one test (2 CPUs), shut down after it."""
+def ray_local(shared_ray):
+    """This process joined to the session's shared cluster (shared_ray) as a job's driver joins
+    one (init_ray(address=...): the job's runtime env), disconnected after the test."""
     import ray
 
     from ray_jobs.cluster import init_ray
 
-    init_ray(num_cpus=2)
+    init_ray(address=shared_ray)
     yield ray
     ray.shutdown()
 

@@ -30,9 +30,9 @@ def _env() -> dict:
     return env
 
 
-def _doctor(tmp_path: Path, target: str, *args: str) -> tuple[subprocess.CompletedProcess, float, Path]:
-    # address "local": a cluster of its own, even when other Ray clusters run on this machine.
-    cfg = {"output_dir": str(tmp_path / "out"), "target": {"model": target}, "ray": {"address": "local"}}
+def _doctor(tmp_path: Path, target: str, address: str, *args: str) -> tuple[subprocess.CompletedProcess, float, Path]:
+    # ray.address: the session's shared cluster (conftest's shared_ray), one node.
+    cfg = {"output_dir": str(tmp_path / "out"), "target": {"model": target}, "ray": {"address": address}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
     report = tmp_path / "doctor.json"
     t0 = time.perf_counter()
@@ -107,8 +107,8 @@ def test_dry_run_multimodal_wrapper_kimi_k25(tmp_path):
 # --- the full doctor -----------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_doctor_passes_on_tiny_target(tiny_target, tmp_path):
-    out, seconds, report = _doctor(tmp_path, tiny_target)
+def test_doctor_passes_on_tiny_target(tiny_target, tmp_path, shared_ray):
+    out, seconds, report = _doctor(tmp_path, tiny_target, shared_ray)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     table = out.stdout
     for name in ("version vllm", "version speculators", "version torch", "seam vllm hidden-states connector",
@@ -127,11 +127,11 @@ def test_doctor_passes_on_tiny_target(tiny_target, tmp_path):
     assert rows["target architecture"]["detail"] == "LlamaForCausalLM: implements SupportsEagle3"
 
 
-@pytest.mark.slow  # starts Ray
-def test_doctor_fails_fast_on_architecture_without_eagle3(tiny_target, tmp_path):
+@pytest.mark.slow  # uses Ray
+def test_doctor_fails_fast_on_architecture_without_eagle3(tiny_target, tmp_path, shared_ray):
     """Mixtral is served by vLLM but cannot give aux hidden states (no SupportsEagle3)."""
     target = model_configs.write_mixtral_target(tmp_path / "mixtral", tokenizer_from=tiny_target)
-    out, seconds, report = _doctor(tmp_path, target, "--no-dry-run")
+    out, seconds, report = _doctor(tmp_path, target, shared_ray, "--no-dry-run")
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     assert "  FAIL  target architecture" in out.stdout and "MixtralForCausalLM: does NOT implement SupportsEagle3" in out.stdout
     assert "        -> vLLM cannot capture aux hidden states of this architecture" in out.stdout
@@ -141,11 +141,11 @@ def test_doctor_fails_fast_on_architecture_without_eagle3(tiny_target, tmp_path)
     assert seconds < FAIL_FAST_S, f"{seconds:.0f}s"
 
 
-@pytest.mark.slow  # starts Ray
-def test_doctor_fails_fast_on_remote_code_without_trust(tiny_target, tmp_path):
+@pytest.mark.slow  # uses Ray
+def test_doctor_fails_fast_on_remote_code_without_trust(tiny_target, tmp_path, shared_ray):
     """A target that ships its own code (auto_map) while target.trust_remote_code is off (the default)."""
     target = model_configs.write_remote_code_target(tmp_path / "remote", tiny_target)
-    out, seconds, report = _doctor(tmp_path, target, "--no-dry-run")
+    out, seconds, report = _doctor(tmp_path, target, shared_ray, "--no-dry-run")
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     assert "  FAIL  trust_remote_code" in out.stdout
     assert "        -> read that code, then set target.trust_remote_code: true" in out.stdout

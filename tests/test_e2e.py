@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,15 +17,15 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, start_ray_head, stop_ray_head
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory, tiny_target):
-    """The demo job, on a copy of the session's tiny target at the place the demo builds it
-    (output_dir/target): the same bytes (eagle3.tiny.build_tiny_target(size=1, seed=0) on the same
+def demo_run(tmp_path_factory, tiny_target, shared_ray):
+    """The demo job, on the session's shared Ray cluster (conftest's shared_ray), on a copy of the
+    session's tiny target at the place the demo builds it (output_dir/target): the same bytes (eagle3.tiny.build_tiny_target(size=1, seed=0) on the same
     conversations), without the ~40 s of pretraining a second time. Building the target inside a
     job (a Ray task) is covered by tests/test_e2e_qwen3.py."""
     out = tmp_path_factory.mktemp("e2e")
@@ -35,7 +33,7 @@ def demo_run(tmp_path_factory, tiny_target):
     t0 = time.time()
     proc = subprocess.run(
         [sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml", "--set", f"output_dir={out}",
-         "--set", f"target.model={out / 'target'}",
+         "--set", f"target.model={out / 'target'}", "--set", f"ray.address={shared_ray}",
          "--set", "eval.num_speculative_tokens=[1, 3]", "--set", "train.num_steps=20"],
         cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -119,7 +117,7 @@ def test_training_lowered_loss_and_vllm_served_the_draft(demo_run):
 AL_FLOOR = {1: 1.15, 3: 1.2}
 
 
-def test_rerun_resumes_without_redoing_extraction(demo_run, tmp_path):
+def test_rerun_resumes_without_redoing_extraction(demo_run, tmp_path, shared_ray):
     """Resubmitting skips committed shards (prepare reruns: it is cheap and deterministic), and
     training, finished already (its last registered checkpoint at train.num_steps, the draft
     exported), starts no Ray Train worker group and reports the run's losses."""
@@ -127,7 +125,7 @@ def test_rerun_resumes_without_redoing_extraction(demo_run, tmp_path):
     first = json.loads((out / "report.json").read_text())["stages"]["train"]
     proc = subprocess.run([sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml",
                            "--set", f"output_dir={out}", "--set", f"target.model={out / 'target'}",
-                           "--set", "stages=[prepare, extract, train]",
+                           "--set", "stages=[prepare, extract, train]", "--set", f"ray.address={shared_ray}",
                            "--set", "doctor=false", "--set", "train.num_steps=20"],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -142,17 +140,6 @@ def test_rerun_resumes_without_redoing_extraction(demo_run, tmp_path):
     assert train["skipped"] and Path(train["checkpoint"]).is_dir() and (out / "draft" / "config.json").exists()
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
-
-
 def test_same_driver_runs_under_ray_job_submit(tiny_target, tmp_path):
     """A head node of its own (its own temp dir and ports, `ray start --block` in a process group
     of its own), stopped by signalling that command: `ray stop` would stop every Ray cluster on
@@ -164,17 +151,10 @@ def test_same_driver_runs_under_ray_job_submit(tiny_target, tmp_path):
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=os.urandom(16).hex())
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     temp_dir = tempfile.mkdtemp(prefix="e3sub-")  # short: Ray's socket paths must stay under 107 characters
-    gcs, dashboard, client, node_manager, object_manager, agent, agent_grpc, metrics, runtime_env = _free_ports(9)
     log = open(tmp_path / "ray-start.log", "w")
-    head = subprocess.Popen(
-        [ray_bin, "start", "--head", "--block", "--num-cpus=2", f"--temp-dir={temp_dir}", f"--port={gcs}",
-         "--include-dashboard=true", f"--dashboard-port={dashboard}", f"--ray-client-server-port={client}",
-         f"--node-manager-port={node_manager}", f"--object-manager-port={object_manager}",
-         f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
-         f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={runtime_env}"],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    head, addresses = start_ray_head(temp_dir, log, env)
     try:
-        address = f"http://127.0.0.1:{dashboard}"
+        address = addresses["dashboard"]
         for _ in range(180):  # the head is up when its job server answers
             assert head.poll() is None, (tmp_path / "ray-start.log").read_text()[-3000:]
             if subprocess.run([ray_bin, "job", "list", "--address", address], capture_output=True, env=env,
@@ -192,23 +172,6 @@ def test_same_driver_runs_under_ray_job_submit(tiny_target, tmp_path):
         assert "succeeded" in sub.stdout
         assert pq.read_table(out / "prepared" / "tokens.parquet").num_rows == 232
     finally:
-        # `ray start --block` stops the processes it started when signalled; its process group
-        # is this test's alone, so whatever is left in it can be killed without touching others.
-        head.send_signal(signal.SIGTERM)
-        try:
-            head.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait(timeout=30)
+        left = stop_ray_head(head, temp_dir)
         log.close()
-        left = _processes_of(temp_dir)
-        for proc in left:  # this cluster's own processes (its temp dir is in their command lines)
-            proc.kill()
-        shutil.rmtree(temp_dir, ignore_errors=True)
     assert not left, f"still running after the head was stopped: {[p.info['cmdline'][:2] for p in left]}"
-
-
-def _processes_of(temp_dir: str) -> list:
-    import psutil
-
-    return [p for p in psutil.process_iter(["cmdline"]) if temp_dir in " ".join(p.info["cmdline"] or [])]

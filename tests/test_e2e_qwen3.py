@@ -18,7 +18,7 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.slow
 
 
-def test_whole_job_runs_on_a_qwen3_like_target(tmp_path):
+def test_whole_job_runs_on_a_qwen3_like_target(tmp_path, shared_ray):
     from transformers import AutoTokenizer
 
     out = tmp_path / "qwen3"
@@ -27,6 +27,7 @@ def test_whole_job_runs_on_a_qwen3_like_target(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml", "--set", f"output_dir={out}",
          "--set", "target.tiny_chat_template=qwen3", "--set", "target.tiny_pretrain_steps=0",
+         "--set", f"ray.address={shared_ray}",  # the session's shared cluster (conftest)
          "--set", "prepare.max_samples=60", "--set", "prepare.num_eval_prompts=4",
          "--set", "extract.backend=hf", "--set", "doctor=false", "--set", "train.num_steps=4",
          "--set", "eval.num_speculative_tokens=[1]", "--set", "eval.num_prompts=4", "--set", "eval.max_tokens=16"],

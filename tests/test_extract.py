@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import threading
 import time
 
@@ -83,32 +82,26 @@ def _in_engine_process(ray, tiny_target, cfg: ExtractConfig, *calls):
 
 
 @pytest.fixture(scope="module")
-def _shared_cluster():
-    """Shut down, at the end of the module, the cluster ray_shared started."""
-    import shutil
-
+def _joined():
+    """Disconnect this process, at the end of the module, from the cluster ray_shared joined."""
     import ray
 
-    started = {}
-    yield started
+    yield
     ray.shutdown()
-    if started.get("temp_dir"):
-        shutil.rmtree(started["temp_dir"], ignore_errors=True)
 
 
 @pytest.fixture
-def ray_shared(_shared_cluster):
-    """One local Ray cluster (2 CPUs, as conftest's ray_local) for the tests of this module that need
-    one, started by the first of them: each start and stop costs ~6 s. Each test leaves it as it
-    found it (its actors killed, its placement groups removed). test_shards_spread_over_nodes_...
-    comes after them: it shuts this cluster down to start its own."""
+def ray_shared(_joined, shared_ray):
+    """This process joined to the session's shared cluster (conftest's shared_ray) for the tests of
+    this module that need one, by the first of them, and left joined until the end of the module.
+    Each test leaves it as it found it (its actors killed, its placement groups removed).
+    test_shards_spread_over_nodes_... comes after them: it disconnects to start a cluster of its own."""
     import ray
 
     from ray_jobs.cluster import init_ray
 
     if not ray.is_initialized():
-        _shared_cluster["temp_dir"] = os.environ["RAY_TMPDIR"]  # the first test's (conftest)
-        init_ray(num_cpus=2)
+        init_ray(address=shared_ray)
     yield ray
 
 
@@ -279,7 +272,7 @@ def test_shards_spread_over_nodes_and_survive_node_removal(tiny_target, tmp_path
     from ray_jobs.cluster import init_ray
     from ray_jobs.extract import run_extract
 
-    ray.shutdown()  # this module's shared cluster (ray_shared), when up: this test joins one of its own
+    ray.shutdown()  # leaves the shared cluster (ray_shared), when joined: this test starts one of its own
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     workers = [cluster.add_node(num_cpus=1, resources={f"worker{i}": 1}) for i in range(2)]
     cluster.wait_for_nodes()

@@ -92,7 +92,9 @@ def _job(out: Path, conversations: Path, tiny_target: str, *extra: str) -> subpr
 
 
 @pytest.mark.slow
-def test_output_filesystem_full_mid_extraction_then_resubmit_completes(tiny_target, tmp_path):
+def test_output_filesystem_full_mid_extraction_then_resubmit_completes(tiny_target, tmp_path, shared_ray):
+    """Both runs on the session's shared cluster (conftest's shared_ray): the fault is the output
+    file system's, not the cluster's."""
     from eagle3.manifest import Manifest
 
     root = Path(tempfile.mkdtemp(prefix="e3full-"))
@@ -100,7 +102,7 @@ def test_output_filesystem_full_mid_extraction_then_resubmit_completes(tiny_targ
     data = _conversations(root / "conversations.jsonl", 24)
     try:
         with small_filesystem(out / "hidden_states", "1300k") as fs:
-            first = _job(out, data, tiny_target)
+            first = _job(out, data, tiny_target, "--set", f"ray.address={shared_ray}")
             text = first.stdout + first.stderr
             assert first.returncode != 0, text[-3000:]
             assert f"No space left on the file system of {fs / 'data'} writing shard-" in text, text[-3000:]
@@ -115,7 +117,7 @@ def test_output_filesystem_full_mid_extraction_then_resubmit_completes(tiny_targ
                     if manifest.data_path(shard).suffix == ".parquet" else \
                     pa.ipc.open_file(str(manifest.data_path(shard))).read_all().num_rows == record["num_samples"]
             _resize(fs, "64m")
-            second = _job(out, data, tiny_target)
+            second = _job(out, data, tiny_target, "--set", f"ray.address={shared_ray}")
             assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
             assert f"extract: {len(committed)} of {num_shards} shards already committed" in second.stdout + second.stderr
             check_every_sample_once(out)
@@ -192,11 +194,11 @@ def test_max_failures_is_checked():
 TRAIN_STEPS, CKPT_EVERY = 16, 4
 
 
-def _start_job(out: Path, data: Path, tiny_target: str) -> subprocess.Popen:
+def _start_job(out: Path, data: Path, tiny_target: str, *extra: str) -> subprocess.Popen:
     return start_job("configs/demo.yaml", out, f"target.model={tiny_target}", f"prepare.conversations={data}",
                      "prepare.num_eval_prompts=1", "stages=[prepare, extract, train]", "doctor=false",
                      "extract.backend=hf", "extract.samples_per_shard=16", "ray.num_cpus=2",
-                     f"train.num_steps={TRAIN_STEPS}", f"train.checkpoint.checkpoint_every={CKPT_EVERY}")
+                     f"train.num_steps={TRAIN_STEPS}", f"train.checkpoint.checkpoint_every={CKPT_EVERY}", *extra)
 
 
 def _steps(metrics: Path) -> list[int]:
@@ -276,10 +278,12 @@ def test_training_worker_killed_restarts_from_its_checkpoint_within_the_job(tiny
 
 
 @pytest.mark.slow
-def test_driver_killed_in_training_then_resubmitted_resumes_without_redoing_extraction(tiny_target, tmp_path):
+def test_driver_killed_in_training_then_resubmitted_resumes_without_redoing_extraction(tiny_target, tmp_path,
+                                                                                       shared_ray):
     """SIGKILL of the driver after a checkpoint (its local cluster's processes are then stopped
-    by the test, as a lost head would take them); the same job resubmitted skips prepare's and
-    extract's committed outputs and resumes training from the checkpoint."""
+    by the test, as a lost head would take them); the same job resubmitted, to another cluster
+    (the session's shared one, conftest's shared_ray), skips prepare's and extract's committed
+    outputs and resumes training from the checkpoint."""
     import time
 
     out = tmp_path / "out"
@@ -298,7 +302,7 @@ def test_driver_killed_in_training_then_resubmitted_resumes_without_redoing_extr
     assert ckpts and ckpts[-1] < TRAIN_STEPS and set(ckpts) <= set(_checkpointed_steps(out)), ckpts
     shards_before = shard_mtimes(out)
     killed_after = _steps(metrics)[-1]
-    job = _start_job(out, data, tiny_target)
+    job = _start_job(out, data, tiny_target, f"ray.address={shared_ray}")
     text, _ = job.communicate(timeout=600)
     assert job.returncode == 0, text[-3000:]
     report = json.loads((out / "report.json").read_text())

@@ -511,9 +511,10 @@ def test_online_job_trains_every_sample_once_per_epoch_under_the_byte_bound_thro
 
 
 @pytest.mark.slow
-def test_online_driver_killed_then_resubmitted_resumes_and_keeps_shards(tiny_target, tmp_path):
+def test_online_driver_killed_then_resubmitted_resumes_and_keeps_shards(tiny_target, tmp_path, shared_ray):
     """train.online.epochs: keep. SIGKILL of the driver after a registered checkpoint, its
-    cluster's processes stopped; the resubmitted job resumes training from that checkpoint,
+    cluster's processes stopped; the job resubmitted to another cluster (the session's shared
+    one, conftest's shared_ray) resumes training from that checkpoint,
     reads back the shards committed in the background instead of extracting them, and every
     sample is trained once per epoch."""
     import signal
@@ -541,7 +542,7 @@ def test_online_driver_killed_then_resubmitted_resumes_and_keeps_shards(tiny_tar
     ckpt = _registered_steps(out)[-1]
     committed = Manifest(out / "hidden_states").committed()
     assert committed, "no shard was committed in the background before the kill"
-    job = _start_online(out, data, tiny_target, *extra)
+    job = _start_online(out, data, tiny_target, *extra, "--set", f"ray.address={shared_ray}")
     text, _ = job.communicate(timeout=600)
     assert job.returncode == 0, text[-3000:]
     summary = json.loads((out / "train" / "train_summary.json").read_text())
