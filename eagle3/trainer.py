@@ -243,10 +243,11 @@ class Eagle3Trainer:
             m = self.train_step()
             history.append(m)
             if self.global_step == start + 1:
+                step_s = time.perf_counter() - t_step
                 if self.first_step_seconds is None:
-                    self.first_step_seconds, self.first_step_tokens = time.perf_counter() - t_step, m["tokens"]
+                    self.first_step_seconds, self.first_step_tokens = step_s, m["tokens"]
                 logger.info("rank %d step %d: loss %.4f (first step of this run, %.1f s)", self.rank, m["step"],
-                            m["loss"], time.perf_counter() - t_step)
+                            m["loss"], step_s)
             if checkpoint_dir is not None and self.checkpoint_due():
                 self.save_checkpoint(checkpoint_dir)
             if on_step is not None:

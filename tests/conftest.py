@@ -97,12 +97,14 @@ def processes_of(temp_dir: str) -> list:
     return [p for p in psutil.process_iter(["cmdline"]) if temp_dir in " ".join(p.info["cmdline"] or [])]
 
 
-def stop_ray_head(head: subprocess.Popen, temp_dir: str) -> list:
+def stop_ray_head(head: subprocess.Popen, temp_dir: str, *, signal_it: bool = True) -> list:
     """Stop a head started by start_ray_head: `ray start --block` stops the processes it started
-    when signalled; its process group is its own, so whatever is left in it can be killed without
-    touching others. Returns the processes of its temp dir still running then (killed, listed for
-    the caller to assert on)."""
-    head.send_signal(signal.SIGTERM)
+    when signalled (signal_it; the shared cluster's head stops when its stdin closes instead); its
+    process group is its own, so whatever is left in it can be killed without touching others.
+    Returns the processes of its temp dir still running then (killed, listed for the caller to
+    assert on)."""
+    if signal_it:
+        head.send_signal(signal.SIGTERM)
     try:
         head.wait(timeout=120)
     except subprocess.TimeoutExpired:
@@ -167,14 +169,7 @@ def shared_ray() -> str:
         if ray.is_initialized():
             ray.shutdown()
         head.stdin.close()
-        try:
-            head.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait(timeout=30)
-        for proc in processes_of(temp_dir):  # this cluster's own processes (its temp dir is in their command lines)
-            proc.kill()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        stop_ray_head(head, temp_dir, signal_it=False)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

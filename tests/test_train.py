@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -653,13 +654,28 @@ def test_deepspeed_training_reduces_loss(trained):
                                                              "zero_to_fp32.py", "zero_to_torch.py"]
 
 
+class LateBatches:
+    """A batch source for DeviceBatches: the given batches, each `delay` s late (the first `first`
+    s late, if given), with its position in PackedBatches' form (the trainer records each
+    micro-batch's sample range from it)."""
+
+    def __init__(self, batches, delay: float, *, first: float | None = None):
+        self.batches, self.delay, self.first, self.taken = iter(batches), delay, first, 0
+
+    def __next__(self):
+        time.sleep(self.first if self.taken == 0 and self.first is not None else self.delay)
+        self.taken += 1
+        return next(self.batches)
+
+    def state_dict(self):
+        return {"epoch": 0, "samples_seen": self.taken}
+
+
 @pytest.mark.slow  # starts DeepSpeed
 def test_input_wait_is_the_time_a_step_waits_for_its_batches(tiny):
     """input_wait_s counts the time train_step is blocked on its batch source, and nothing else:
     a source 0.3 s late per batch shows as >= 0.3 s a micro-batch (2 here), a ready one as less
     than one late batch."""
-    import time
-
     from eagle3.data.staging import DeviceBatches
 
     target, files, _, _ = tiny
@@ -668,24 +684,9 @@ def test_input_wait_is_the_time_a_step_waits_for_its_batches(tiny):
     source = trainer.batches.source
     ready = [next(source) for _ in range(6)]  # each step takes 2 and stages the next step's first
 
-    class Late:
-        """The batches, each `delay` late; its position in PackedBatches' form (the trainer
-        records each micro-batch's sample range from it)."""
-
-        def __init__(self, batches, delay):
-            self.batches, self.delay, self.taken = iter(batches), delay, 0
-
-        def __next__(self):
-            time.sleep(self.delay)
-            self.taken += 1
-            return next(self.batches)
-
-        def state_dict(self):
-            return {"epoch": 0, "samples_seen": self.taken}
-
-    trainer.batches = DeviceBatches(Late(ready[:3], 0.3), trainer.device, trainer.batches.dtype)
+    trainer.batches = DeviceBatches(LateBatches(ready[:3], 0.3), trainer.device, trainer.batches.dtype)
     slow = trainer.train_step()
-    trainer.batches = DeviceBatches(Late(ready[3:], 0.0), trainer.device, trainer.batches.dtype)
+    trainer.batches = DeviceBatches(LateBatches(ready[3:], 0.0), trainer.device, trainer.batches.dtype)
     fast = trainer.train_step()
     assert slow["input_wait_s"] >= 0.6
     assert fast["input_wait_s"] < 0.3  # less than one late batch: the step's own compute is not counted
@@ -696,8 +697,6 @@ def test_first_step_is_timed_apart_from_the_steady_rate(tiny):
     """tokens_per_s is over the run's whole time in fit, its first step included (on CUDA that
     step compiles the draft's forward); first_step_seconds is that step's time, with a first batch
     1 s late in it, and steady_tokens_per_s the rate over the other steps; None after one step."""
-    import time
-
     from eagle3.data.staging import DeviceBatches
 
     target, files, _, _ = tiny
@@ -706,25 +705,12 @@ def test_first_step_is_timed_apart_from_the_steady_rate(tiny):
     source = trainer.batches.source
     ready = [next(source) for _ in range(5)]  # 4 steps and the batch staged after the last
 
-    class FirstLate:
-        def __init__(self, batches):
-            self.batches, self.taken = iter(batches), 0
-
-        def __next__(self):
-            if self.taken == 0:
-                time.sleep(1.0)
-            self.taken += 1
-            return next(self.batches)
-
-        def state_dict(self):
-            return {"epoch": 0, "samples_seen": self.taken}
-
-    trainer.batches = DeviceBatches(FirstLate(ready), trainer.device, trainer.batches.dtype)
+    trainer.batches = DeviceBatches(LateBatches(ready, 0.0, first=1.0), trainer.device, trainer.batches.dtype)
     assert trainer.steady_tokens_per_s is None
     history = trainer.fit()
     assert [m["step"] for m in history] == [1, 2, 3, 4]
     assert trainer.first_step_seconds >= 1.0 and trainer.first_step_tokens == history[0]["tokens"]
-    assert trainer.tokens_per_s == trainer.run_tokens / trainer.run_seconds
+    assert trainer.tokens_per_s < trainer.steady_tokens_per_s  # the whole-run rate carries the late first batch
     rest = sum(m["tokens"] for m in history[1:])
     assert trainer.steady_tokens_per_s == pytest.approx(rest / (trainer.run_seconds - trainer.first_step_seconds))
 

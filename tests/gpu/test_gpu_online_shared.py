@@ -19,13 +19,8 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.gpu
 
 
-def _compute_apps() -> set[int]:
-    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
-                         capture_output=True, text=True, timeout=30)
-    return {int(x) for x in out.stdout.split() if x.strip().isdigit()}
-
-
 def test_gpu_online_job_shares_the_gpu_and_trains_every_sample_once(gpu_target, tmp_path):
+    from eagle3.gpu_processes import query
     from tests.fault_jobs import conversations
     from tests.test_online import _online_args, check_trained_once_per_epoch
 
@@ -40,7 +35,7 @@ def test_gpu_online_job_shares_the_gpu_and_trains_every_sample_once(gpu_target, 
         deadline = time.monotonic() + int(os.environ.get("GPU_JOB_TIMEOUT_S", "900"))
         try:
             while job.poll() is None and time.monotonic() < deadline:
-                seen.append(_compute_apps())
+                seen.append({p.pid for p in query()[1]})
                 time.sleep(0.5)
         finally:
             if job.poll() is None:
