@@ -302,6 +302,11 @@ def train_one(args) -> dict:
     rec: dict = {"length": n, "ok": False, "gpu": gpu}
     t0 = time.perf_counter()
     trail = progress_path(args.result)
+    if args.stack_every:  # where a length runs long: every thread's stack, every N s, beside the trail
+        import faulthandler
+
+        stacks = open(f"{args.result}.stacks.txt", "w")  # noqa: SIM115 - open for the process's life
+        faulthandler.dump_traceback_later(args.stack_every, repeat=True, file=stacks)
 
     def reached(phase: str, **extra) -> None:  # read by part_train if this process is cut off
         with open(trail, "a") as f:
@@ -396,6 +401,8 @@ def part_train(plan: Plan, args, work: Path) -> dict:
         result = work / f"train-{n}.json"
         cmd = [sys.executable, "-m", "benchmarks.long_context_bench", "--plan", args.plan, "--train-one", str(n),
                "--target-dir", target, "--work-dir", str(work), "--result", str(result)]
+        if args.stack_every:
+            cmd += ["--stack-every", str(args.stack_every)]
         logger.info("training at %d tokens: %s", n, " ".join(cmd))
         t = time.perf_counter()
         try:
@@ -475,6 +482,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--cpu-kv-gib", type=int, default=2)
     ap.add_argument("--disk-dir", default=tempfile.gettempdir(), help="where part extract's shards go (removed)")
     ap.add_argument("--work-dir", default=None)
+    ap.add_argument("--stack-every", type=float, default=None,
+                    help="part train: each length's process writes every thread's stack every N s to "
+                         "<work>/train-L.json.stacks.txt (where a length runs long, what it is doing)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
     # internal: one training length in this process (part train starts these)
