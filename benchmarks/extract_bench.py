@@ -270,7 +270,9 @@ def disk_extract(model_dir: str, tokens_path: Path, out: Path, work: Path, *, ma
     from ray_jobs.extract import run_extract
 
     shutil.rmtree(out, ignore_errors=True)
-    cfg = load_job_config(None, {"output_dir": str(work), "prepare.max_length": max_len,
+    # The extraction stage alone: a max_len past the default train.data.micro_batch_tokens (long
+    # context) is no training limit here (JobConfig checks micro_batch_tokens only when training runs).
+    cfg = load_job_config(None, {"output_dir": str(work), "stages": ["extract"], "prepare.max_length": max_len,
                                  "extract.load_format": "dummy", "extract.hs_dtype": hs_dtype,
                                  "extract.samples_per_shard": samples_per_shard, "extract.num_replicas": 1,
                                  "extract.max_num_batched_tokens": batched,
