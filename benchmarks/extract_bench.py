@@ -259,26 +259,34 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
     return res
 
 
+def disk_extract_config(work: Path, *, max_len: int, hs_dtype: str, samples_per_shard: int, batched: int,
+                        cpu_kv_gib: int, block_size: int | None):
+    """disk_extract's job config: the extract stage alone, so a max_len past the default
+    train.data.micro_batch_tokens (long context) is no training limit here (JobConfig checks
+    micro_batch_tokens only when training runs; session 10's 8K-32K run failed on it)."""
+    from eagle3.config import load_job_config
+
+    return load_job_config(None, {"output_dir": str(work), "stages": ["extract"], "prepare.max_length": max_len,
+                                  "extract.load_format": "dummy", "extract.hs_dtype": hs_dtype,
+                                  "extract.samples_per_shard": samples_per_shard, "extract.num_replicas": 1,
+                                  "extract.max_num_batched_tokens": batched,
+                                  "extract.gpu_memory_utilization": 0.8,
+                                  "extract.cpu_kvcache_space_gib": cpu_kv_gib,
+                                  "extract.block_size": block_size})
+
+
 def disk_extract(model_dir: str, tokens_path: Path, out: Path, work: Path, *, max_len: int, hs_dtype: str,
                  samples_per_shard: int, batched: int, cpu_kv_gib: int, block_size: int | None) -> dict:
     """(3): the product's run_extract loop (dummy weights, one replica) from a tokens file into
     Arrow shards in `out` (emptied before, removed after). Returns tok_s (whole loop, engine start
     excluded), steady_tok_s (common.steady_tok_s), writer_task_gb_s (each shard's, sorted),
     samples_per_shard, bytes, bytes_per_token, write_gb_s, num_samples, shard_file_bytes (sorted)."""
-    from eagle3.config import load_job_config
     from eagle3.manifest import Manifest
     from ray_jobs.extract import run_extract
 
     shutil.rmtree(out, ignore_errors=True)
-    # The extraction stage alone: a max_len past the default train.data.micro_batch_tokens (long
-    # context) is no training limit here (JobConfig checks micro_batch_tokens only when training runs).
-    cfg = load_job_config(None, {"output_dir": str(work), "stages": ["extract"], "prepare.max_length": max_len,
-                                 "extract.load_format": "dummy", "extract.hs_dtype": hs_dtype,
-                                 "extract.samples_per_shard": samples_per_shard, "extract.num_replicas": 1,
-                                 "extract.max_num_batched_tokens": batched,
-                                 "extract.gpu_memory_utilization": 0.8,
-                                 "extract.cpu_kvcache_space_gib": cpu_kv_gib,
-                                 "extract.block_size": block_size})
+    cfg = disk_extract_config(work, max_len=max_len, hs_dtype=hs_dtype, samples_per_shard=samples_per_shard,
+                              batched=batched, cpu_kv_gib=cpu_kv_gib, block_size=block_size)
     try:
         summary = run_extract(cfg, str(tokens_path), model_dir, str(out), progress=False)
         records = list(Manifest(out, cfg.extract.file_format).committed().values())

@@ -302,9 +302,13 @@ def train_one(args) -> dict:
     rec: dict = {"length": n, "ok": False, "gpu": gpu}
     t0 = time.perf_counter()
     trail = progress_path(args.result)
-    if args.stack_every:  # where a length runs long: every thread's stack, every N s, beside the trail
-        import faulthandler
+    import faulthandler
 
+    # A crash (session 10's 16K run died of SIGSEGV before its first step ended): every thread's
+    # Python stack at the signal, in a file of its own, read back by part_train into the record.
+    crash = open(crash_path(args.result), "w")  # noqa: SIM115 - open for the process's life
+    faulthandler.enable(file=crash, all_threads=True)
+    if args.stack_every:  # where a length runs long: every thread's stack, every N s, beside the trail
         stacks = open(f"{args.result}.stacks.txt", "w")  # noqa: SIM115 - open for the process's life
         faulthandler.dump_traceback_later(args.stack_every, repeat=True, file=stacks)
 
@@ -319,7 +323,8 @@ def train_one(args) -> dict:
     cfg = TrainConfig(num_workers=1, num_steps=plan.train_steps, seed=0,
                       optimizer=OptimizerConfig(lr=3e-4, warmup_steps=1, weight_decay=0.01, grad_clip=1.0),
                       draft=DraftConfig(ttt_steps=3, ttt_step_loss_decay=1.0, num_draft_layers=1, loss="kl_div",
-                                        draft_attn_impl="simple_flex_attention" if gpu else "sdpa"),
+                                        draft_attn_impl=args.draft_attn_impl if args.draft_attn_impl != "auto"
+                                        else "simple_flex_attention" if gpu else "sdpa"),
                       data=DataConfig(micro_batch_tokens=n, shuffle_buffer_size=1),
                       checkpoint=CheckpointConfig(checkpoint_every=plan.train_steps, num_checkpoints_to_keep=1))
     rec["train_config"] = asdict(cfg)
@@ -368,6 +373,11 @@ def train_one(args) -> dict:
     return rec
 
 
+def crash_path(result) -> Path:
+    """Where a length's process writes every thread's stack if it dies of a signal (faulthandler)."""
+    return Path(f"{result}.crash.txt")
+
+
 def progress_path(result) -> Path:
     """Where a length's process appends what it has reached (phase, seconds since it started)."""
     return Path(f"{result}.progress.jsonl")
@@ -403,6 +413,7 @@ def part_train(plan: Plan, args, work: Path) -> dict:
                "--target-dir", target, "--work-dir", str(work), "--result", str(result)]
         if args.stack_every:
             cmd += ["--stack-every", str(args.stack_every)]
+        cmd += ["--draft-attn-impl", args.draft_attn_impl]
         logger.info("training at %d tokens: %s", n, " ".join(cmd))
         t = time.perf_counter()
         try:
@@ -416,6 +427,9 @@ def part_train(plan: Plan, args, work: Path) -> dict:
             "length": n, "ok": False, "error": f"the subprocess ended (exit {rc}) without a result, "
                                                f"{last_reached(progress_path(result))}; its last output:\n{tail}"}
         rec.update({"wall_s": wall, "rc": rc})
+        crashed = crash_path(result)
+        if crashed.exists() and crashed.stat().st_size:  # the stacks at the fatal signal, crashing thread first
+            rec["crash_stacks"] = crashed.read_text()[:6000]
         if not rec["ok"]:
             rec["log_tail"] = tail
         tried.append(rec)
@@ -458,6 +472,12 @@ def markdown_train(res: dict) -> str:
                      f"{_gib(r.get('peak_reserved_gib'))} | {_gib(r.get('peak_rss_gib'))} | "
                      f"{'-' if wait is None else f'{wait:.1f}'} | "
                      f"{r['wall_s']:.0f} |")
+    attn = next((r["train_config"]["draft"]["draft_attn_impl"] for r in tr["rows"] if "train_config" in r), "?")
+    lines += ["", f"Draft attention: {attn}."]
+    for r in tr["rows"]:
+        if r.get("crash_stacks"):  # faulthandler's dump at the fatal signal: the crashing thread first
+            lines += ["", f"{r['length']:,} tokens, the process's stacks at the signal (first 40 lines):", "", "```",
+                      *r["crash_stacks"].splitlines()[:40], "```"]
     lines += ["", f"Longest sample trained: **{tr['longest_trained']}** tokens. Stop: {tr['stop']}.", "",
               "Phases (s): " + ", ".join(f"{k} {v:.1f}" for k, v in tr["phases_s"].items()), ""]
     return "\n".join(lines)
@@ -485,6 +505,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--stack-every", type=float, default=None,
                     help="part train: each length's process writes every thread's stack every N s to "
                          "<work>/train-L.json.stacks.txt (where a length runs long, what it is doing)")
+    ap.add_argument("--draft-attn-impl", choices=("auto", "simple_flex_attention", "sdpa", "eager"), default="auto",
+                    help="part train: the draft's attention (auto: flex attention on GPU, sdpa on CPU)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
     # internal: one training length in this process (part train starts these)

@@ -124,3 +124,14 @@ def test_a_cut_off_length_reports_the_last_phase_it_reached(tmp_path):
         f.write(json.dumps({"phase": "step", "s": 150.0, "step": 1}) + "\n")
         f.write(json.dumps({"phase": "step", "s": 151.2, "step": 2}) + "\n")
     assert lcb.last_reached(trail) == "after step 2 at 151 s (step 1 ended at 150 s)"
+
+
+def test_extraction_config_takes_samples_longer_than_the_training_default(tmp_path):
+    # session 10: part extract at 8K-32K stopped at JobConfig's micro_batch_tokens check before any engine
+    from benchmarks.extract_bench import disk_extract_config
+
+    cfg = disk_extract_config(tmp_path, max_len=32776, hs_dtype="bfloat16", samples_per_shard=64, batched=32777,
+                              cpu_kv_gib=2, block_size=None)
+    assert cfg.prepare.max_length == 32776 and cfg.stages == ("extract",)
+    assert cfg.train.data.micro_batch_tokens < 32776  # the training limit it no longer trips on
+
