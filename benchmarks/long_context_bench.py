@@ -290,7 +290,8 @@ def train_one(args) -> dict:
     from benchmarks.train_bench import steady_state
     from eagle3 import deepspeed_backend
     from eagle3.config import ExtractConfig
-    from eagle3.train_config import CheckpointConfig, DataConfig, DraftConfig, OptimizerConfig, TrainConfig
+    from eagle3.train_config import (CheckpointConfig, DataConfig, DraftConfig, OptimizerConfig, TrainConfig,
+                                     resolve_draft_attn_impl)
     from eagle3.trainer import Eagle3Trainer
 
     plan, n = resolve_plan(args), args.train_one
@@ -323,8 +324,8 @@ def train_one(args) -> dict:
     cfg = TrainConfig(num_workers=1, num_steps=plan.train_steps, seed=0,
                       optimizer=OptimizerConfig(lr=3e-4, warmup_steps=1, weight_decay=0.01, grad_clip=1.0),
                       draft=DraftConfig(ttt_steps=3, ttt_step_loss_decay=1.0, num_draft_layers=1, loss="kl_div",
-                                        draft_attn_impl=args.draft_attn_impl if args.draft_attn_impl != "auto"
-                                        else "simple_flex_attention" if gpu else "sdpa"),
+                                        draft_attn_impl=resolve_draft_attn_impl(
+                                            None if args.draft_attn_impl == "auto" else args.draft_attn_impl, n, gpu)),
                       data=DataConfig(micro_batch_tokens=n, shuffle_buffer_size=1),
                       checkpoint=CheckpointConfig(checkpoint_every=plan.train_steps, num_checkpoints_to_keep=1))
     rec["train_config"] = asdict(cfg)
@@ -506,7 +507,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="part train: each length's process writes every thread's stack every N s to "
                          "<work>/train-L.json.stacks.txt (where a length runs long, what it is doing)")
     ap.add_argument("--draft-attn-impl", choices=("auto", "simple_flex_attention", "sdpa", "eager"), default="auto",
-                    help="part train: the draft's attention (auto: flex attention on GPU, sdpa on CPU)")
+                    help="part train: the draft's attention (auto: the trainer's own choice per length, "
+                         "eagle3.train_config.resolve_draft_attn_impl)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
     # internal: one training length in this process (part train starts these)

@@ -97,9 +97,10 @@ class DraftConfig:
     vllm-project/vllm#46488, older ones ignore it silently (lower acceptance)."""
     draft_attn_impl: DraftAttnImpl | None = None
     """Draft attention in training: sdpa, eager, or simple_flex_attention (speculators' default:
-    compiled flex attention with block masks). None: flex attention on GPU, sdpa on CPU. sdpa
-    builds dense [T, ttt_steps * T] masks, so its cost per token grows with
-    train.data.micro_batch_tokens."""
+    compiled flex attention with block masks). None: resolve_draft_attn_impl's choice, from the
+    measured lengths: flex attention on GPU up to FLEX_ATTN_MAX_TOKENS of
+    train.data.micro_batch_tokens, sdpa above it and on CPU. sdpa builds dense [T, ttt_steps * T]
+    masks, so its cost per token and its memory grow with micro_batch_tokens."""
 
     def __post_init__(self):
         check_types(self, "train.draft")
@@ -111,6 +112,23 @@ class DraftConfig:
             _fail("draft.num_draft_layers", self.num_draft_layers, "must be >= 1")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             _fail("draft.draft_vocab_size", self.draft_vocab_size, "must be >= 1 or null (min(32000, target vocab))")
+
+
+FLEX_ATTN_MAX_TOKENS = 8192
+"""The longest packed sequence flex attention was measured to train on one H200 (torch 2.11,
+speculators 0.9, the 8B shape): 8,192 tokens at 63,954 tokens/s. At 16,384 the first step's
+compile (inductor/Triton: one kernel's ptxas alone ran over a minute) did not end in 229 s, and in
+another run the process died of SIGSEGV there; sdpa trained 16,384, 32,768 and 49,152 tokens
+(benchmarks/results/long-context-train-h200-8b-*.md)."""
+
+
+def resolve_draft_attn_impl(impl: DraftAttnImpl | None, micro_batch_tokens: int, cuda: bool) -> DraftAttnImpl:
+    """The draft attention a run uses: `impl` when set, otherwise flex attention on a GPU for
+    packed sequences up to FLEX_ATTN_MAX_TOKENS and sdpa above it or without a GPU (flex
+    attention's CPU path is not what the CPU tier tests)."""
+    if impl is not None:
+        return impl
+    return "simple_flex_attention" if cuda and micro_batch_tokens <= FLEX_ATTN_MAX_TOKENS else "sdpa"
 
 
 @dataclass(frozen=True)

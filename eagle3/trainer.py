@@ -35,7 +35,7 @@ from eagle3.data.pipeline import input_pipeline
 from eagle3.data.rows import HiddenStatesDataset
 from eagle3.data.staging import DeviceBatches
 from eagle3.data.vocab import draft_vocab_mapping_from_counts
-from eagle3.train_config import TrainConfig
+from eagle3.train_config import FLEX_ATTN_MAX_TOKENS, TrainConfig, resolve_draft_attn_impl
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,12 @@ class Eagle3Trainer:
         d2t, t2d = draft_vocab_mapping_from_counts(lambda: self.dataset.token_frequencies(self.target_vocab_size),
                                                    self.draft_vocab_size, self.target_vocab_size)
         torch.manual_seed(cfg.seed)  # same initial draft on every rank
-        attn = cfg.draft.draft_attn_impl or ("simple_flex_attention" if torch.cuda.is_available() else "sdpa")
+        attn = resolve_draft_attn_impl(cfg.draft.draft_attn_impl, cfg.data.micro_batch_tokens, torch.cuda.is_available())
+        if attn == "simple_flex_attention" and cfg.data.micro_batch_tokens > FLEX_ATTN_MAX_TOKENS:
+            logger.warning("train.draft.draft_attn_impl=simple_flex_attention with train.data.micro_batch_tokens=%d: "
+                           "flex attention's first-step compile was not seen to end past %d tokens on an H200 "
+                           "(eagle3.train_config.FLEX_ATTN_MAX_TOKENS); sdpa trained up to 49,152",
+                           cfg.data.micro_batch_tokens, FLEX_ATTN_MAX_TOKENS)
         self.model = Eagle3DraftModel.from_training_args(
             draft_layer_config(self.target_dir, cfg.draft.num_draft_layers),
             t2d=t2d, d2t=d2t,

@@ -172,7 +172,17 @@ def test_train_config_validation_names_field_value_and_fix():
     with pytest.raises(ValueError, match=r"train\.optimizer=\{'lr': 0\.1\}: expected OptimizerConfig, found dict"):
         TrainConfig(optimizer={"lr": 0.1})  # in Python, a section is its dataclass (a file's mapping is built into one)
     draft = TrainConfig().draft
-    assert draft.ttt_steps == 3 and draft.draft_attn_impl is None  # None: flex on GPU, sdpa on CPU
+    assert draft.ttt_steps == 3 and draft.draft_attn_impl is None  # None: resolve_draft_attn_impl's choice
+
+
+def test_default_draft_attention_leaves_flex_past_the_length_it_was_measured_to_compile_at():
+    from eagle3.train_config import FLEX_ATTN_MAX_TOKENS, resolve_draft_attn_impl
+
+    assert FLEX_ATTN_MAX_TOKENS == 8192  # long-context-train-h200-8b-short.md: flex trained 8,192; 16,384 did not compile
+    assert resolve_draft_attn_impl(None, 8192, cuda=True) == "simple_flex_attention"
+    assert resolve_draft_attn_impl(None, 16384, cuda=True) == "sdpa"  # trained to 49,152 (-sdpa-48k.md)
+    assert resolve_draft_attn_impl(None, 1024, cuda=False) == "sdpa"
+    assert resolve_draft_attn_impl("simple_flex_attention", 32768, cuda=True) == "simple_flex_attention"  # asked for
 
 
 def test_loss_names_are_speculators_eager_losses():
