@@ -36,8 +36,9 @@ new node may get a replacement replica if it is up within the loop's replacement
 
 Outputs: <out>/two-node-<cpu|gpu>.json and .md (machine, mode, commit, per-run wall times, shards
 per node, sample-id counts, each check's pass/fail), the jobs' logs beside them. Exit status 1
-when a check fails. Both nodes are stopped at the end, whatever happened. On a loaded 2-core
-machine the CPU mode takes some 10-15 minutes (benchmarks/results/two-node-cpu.md).
+when a check fails. Both nodes are stopped at the end, whatever happened. The CPU mode takes
+minutes on 2 cores (benchmarks/results/two-node-cpu.md has a run's figures); the GPU mode has
+defaults for 2 x H200 and has not run on them yet.
 """
 
 from __future__ import annotations
