@@ -68,6 +68,7 @@ def train_loop_per_worker(config: dict) -> None:
     trainer = Eagle3Trainer(cfg, config["target_dir"], config["data_files"], rank=rank, world_size=world_size,
                             dataset=dataset)
     trainer.attach_engine(deepspeed_backend.initialize(trainer.model, cfg, world_size, use_gpu=config["use_gpu"]))
+    workers = worker_placement(rank, world_size)
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as ckpt_dir:
@@ -116,8 +117,30 @@ def train_loop_per_worker(config: dict) -> None:
         "tokens_per_s": trainer.tokens_per_s, "train_seconds": train_seconds,
         "first_step_s": trainer.first_step_seconds, "steady_tokens_per_s": trainer.steady_tokens_per_s,
         "setup_s": t0 - t_start,
-        "resumed_from_step": trainer.resumed_from_step, "draft_dir": config["draft_dir"],
+        "resumed_from_step": trainer.resumed_from_step, "draft_dir": config["draft_dir"], "workers": workers,
     })
+
+
+def worker_placement(rank: int, world_size: int) -> list[dict]:
+    """Every rank's node, host, process and device, gathered over the training process group
+    (so across nodes, through NCCL on GPUs): the record that says where training ran
+    (benchmarks/two_node.py checks one worker per node). Collective: every rank calls it."""
+    import os
+    import socket
+
+    import ray
+    import torch
+    import torch.distributed as dist
+
+    mine = {"rank": rank, "node_id": ray.get_runtime_context().get_node_id(), "host": socket.gethostname(),
+            "pid": os.getpid(), "backend": dist.get_backend() if dist.is_initialized() else None,
+            "device": str(torch.cuda.get_device_name()) if torch.cuda.is_available() else "cpu",
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    if world_size == 1 or not dist.is_initialized():
+        return [mine]
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, mine)
+    return sorted(gathered, key=lambda w: w["rank"])
 
 
 class _SampleIds:
@@ -307,7 +330,8 @@ def run_training(cfg: TrainConfig, data_files: list[str] | None, target_dir: str
     DeepSpeed engine, input pipeline, resume), checkpoint (latest
     checkpoint directory, taken after the last step), draft_dir (the speculators-format export,
     eagle3.export; default <out_dir>/draft),
-    resumed_from_step (None for a fresh run), num_workers. Also written to
+    resumed_from_step (None for a fresh run), num_workers, workers (each rank's node_id, host, pid, backend
+    and device: actors.trainer.worker_placement). Also written to
     <out_dir>/train_summary.json. use_gpu None: when the Ray cluster has GPUs. gpus_per_worker < 1:
     each worker takes that share of one GPU (Ray resource and torch memory cap), the rest of it
     being an engine replica's (online mode's train.online.gpu_split shared).
@@ -363,6 +387,7 @@ def run_training(cfg: TrainConfig, data_files: list[str] | None, target_dir: str
         "setup_s": m.get("setup_s"),
         "checkpoint": result.checkpoint.path if result.checkpoint is not None else None,
         "draft_dir": m["draft_dir"], "resumed_from_step": m["resumed_from_step"], "num_workers": cfg.num_workers,
+        "workers": m.get("workers"),
     }
     summary["curves_png"] = str(plot_curves(out / "metrics.jsonl", out / "curves.png"))
     (out / "train_summary.json").write_text(json.dumps(summary, indent=1))
