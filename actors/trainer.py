@@ -32,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from compat.ray_train import read_snapshot
 from eagle3.train_config import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -281,18 +282,15 @@ def finished_run_summary(cfg: TrainConfig, out: Path, draft_dir: Path) -> dict |
     exported to draft_dir. None otherwise (a fresh run, one to resume, more steps asked, the draft
     missing or to go elsewhere): then Ray Train runs and resumes as usual.
 
-    Read from Ray Train's checkpoint manager snapshot (<out>/ray_train/train/
-    checkpoint_manager_snapshot.json, Ray 2.60's layout: latest_checkpoint_result with
-    checkpoint_dir_name and the reported metrics), the record a Ray Train resume restores itself.
-    tests/test_e2e.py's rerun test fails if that layout moves (the skip line would be missing)."""
-    snap = out / "ray_train" / RUN_NAME / "checkpoint_manager_snapshot.json"
-    if not snap.exists():
+    Read from Ray Train's checkpoint manager snapshot, the record a Ray Train resume restores
+    itself; compat/ray_train.py owns its layout (and its test fails if that moves)."""
+    snap = read_snapshot(out / "ray_train", RUN_NAME)
+    latest = snap.latest if snap is not None else None
+    if latest is None:
         return None
-    latest = json.loads(snap.read_text()).get("latest_checkpoint_result") or {}
-    m, name = latest.get("metrics") or {}, latest.get("checkpoint_dir_name")
-    if not (m.get("done") and m.get("steps") == cfg.num_steps and name):
+    m, ckpt = latest.metrics, latest.path
+    if not (m.get("done") and m.get("steps") == cfg.num_steps):
         return None
-    ckpt = out / "ray_train" / RUN_NAME / name
     if not ckpt.is_dir() or Path(m.get("draft_dir", "")) != draft_dir or not (draft_dir / "config.json").exists():
         return None
     summary = {

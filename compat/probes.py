@@ -128,7 +128,10 @@ def probe_remote_code(target_dir: str, trust_remote_code: bool):
 
 
 def run_all(target_dir: str | None, trust_remote_code: bool) -> list[tuple]:
-    probes = [probe_connector, probe_engine_args, probe_spec_decode_metrics, probe_draft_config_keys]
+    from compat.ray_train import probe_ray_train_layout
+
+    probes = [probe_connector, probe_engine_args, probe_spec_decode_metrics, probe_draft_config_keys,
+              probe_ray_train_layout]
     rows = []
     for p in probes:
         rows.append(_guarded(p))

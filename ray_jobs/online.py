@@ -93,9 +93,10 @@ def split_gpus(cfg: JobConfig, cluster_gpus: int) -> GpuSplit:
     return GpuSplit("shared", cluster_gpus, round(1 - frac, 4), frac)
 
 
-def run_online(cfg: JobConfig, tokens_path: str, target_dir: str, out: Path, *,
+def run_online(cfg: JobConfig, tokens_path: str, target_dir: str, out: Path, split: GpuSplit, *,
                tokens_source: str = "prepared") -> dict:
-    """Extract and train at once; returns the training summary with an `online` section (the
+    """Extract and train at once on the cluster divided as `split` says (split_gpus, which the job
+    calls once, before any model loads); returns the training summary with an `online` section (the
     feed's: extractions, lost and redone shards, peak bytes in flight, who waited how long)."""
     import pyarrow.parquet as pq
     import ray
@@ -109,7 +110,6 @@ def run_online(cfg: JobConfig, tokens_path: str, target_dir: str, out: Path, *,
     tokens = pq.read_table(tokens_path, columns=["sample_id", "num_tokens"])
     check_schema(pq.read_schema(tokens_path), "tokens")
     plan, layer_ids, hidden_size, fingerprint = extraction_plan(ecfg, target_dir, tokens, tokens_source)
-    split = split_gpus(cfg, int(ray.cluster_resources().get("GPU", 0)))
     bundle = split.engine_bundle
     # Shared: one replica on every GPU whatever the shard count (split_gpus says why); else no more than shards.
     n = split.num_replicas if split.mode == "shared" else min(split.num_replicas, max(1, plan.num_shards))

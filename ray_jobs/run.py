@@ -78,12 +78,14 @@ def run(cfg: JobConfig) -> dict:
         report["seconds"][name] = round(time.perf_counter() - t, 2)
         return result
 
+    split = None
     if cfg.train.source == "online" and "train" in cfg.stages:
         import ray
 
         from ray_jobs.online import split_gpus
 
-        split_gpus(cfg, int(ray.cluster_resources().get("GPU", 0)))  # a split that cannot work fails before any model loads
+        # Once per job, here: a split that cannot work fails before any model loads; run_online places by it.
+        split = split_gpus(cfg, int(ray.cluster_resources().get("GPU", 0)))
     target_dir = timed("target", resolve_target, cfg, out)
     if cfg.doctor:
         from ray_jobs.doctor import run_doctor
@@ -113,7 +115,7 @@ def run(cfg: JobConfig) -> dict:
         # store (ray_jobs/online.py); no extract stage, no shards unless train.online.epochs is keep.
         from ray_jobs.online import run_online
 
-        summary = timed("train", run_online, cfg, str(tokens_path), target_dir, out, tokens_source=tokens_source)
+        summary = timed("train", run_online, cfg, str(tokens_path), target_dir, out, split, tokens_source=tokens_source)
         write_provenance(out / "train", cfg.to_dict(), "train", {"summary": summary})
         write_provenance(out / "draft", cfg.to_dict(), "export", {"trained_from": str(tokens_path), "source": "online"})
         report["stages"]["train"] = summary

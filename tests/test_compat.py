@@ -1,4 +1,4 @@
-"""One test per version seam with vLLM and speculators (compat/README.md keeps the inventory).
+"""One test per version seam with vLLM, speculators and Ray Train (compat/README.md keeps the inventory).
 
 Each test asserts on the installed packages and fails when its seam moves: the docstring
 says which versions it was written against and what to do when it fails. Where vLLM 0.26
@@ -624,3 +624,56 @@ def test_prefill_max_model_len_leaves_room_for_the_one_output_token():
     assert prefill_max_model_len(2048, 4096) == 2049
     assert prefill_max_model_len(2048, None) == 2049
     assert prefill_max_model_len(2048, 2048) == 2048  # samples of 2048 are rejects with a reason
+
+
+# --- Ray Train run storage ---------------------------------------------------------------------
+
+def test_ray_train_storage_layout_probe():
+    """Ray 2.60: compat/ray_train.py reads Ray Train's checkpoint manager snapshot without Ray
+    (a finished run is not started again; the fault tests watch registered checkpoints). Fails when
+    the snapshot's file name or fields, or where Ray puts it and its checkpoints, move: update
+    compat/ray_train.py from the Ray source named in its docstring. The real run is below."""
+    from compat.ray_train import probe_ray_train_layout
+
+    name, ok, detail, fix = probe_ray_train_layout()
+    assert ok, f"{detail}; {fix}"
+    assert name == "seam ray train storage layout"
+
+
+@pytest.mark.slow  # a Ray Train run on the session's shared cluster
+def test_ray_train_snapshot_reads_back_what_a_run_reported(ray_local, tmp_path):
+    """Ray 2.60: a one-worker TorchTrainer reports three checkpoints (keeping two); the snapshot
+    as compat.ray_train reads it names the checkpoints and metrics fit() returned and Ray's own
+    reader (`ray.train.Result.from_path`) restores. Fails when Ray Train stores its runs
+    elsewhere or otherwise: update compat/ray_train.py."""
+    from ray.train import Checkpoint, CheckpointConfig, Result, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from compat.ray_train import read_snapshot, run_dir
+
+    def report_three(config: dict) -> None:
+        import tempfile
+
+        import ray.train
+
+        for step in (1, 2, 3):
+            with tempfile.TemporaryDirectory() as tmp:
+                Path(tmp, "state.json").write_text(json.dumps({"step": step}))
+                ray.train.report({"step": step, "done": step == 3}, checkpoint=Checkpoint.from_directory(tmp))
+
+    storage = tmp_path / "storage"
+    assert read_snapshot(storage, "seam") is None  # before the run: nothing registered
+    result = TorchTrainer(report_three, scaling_config=ScalingConfig(num_workers=1),
+                          run_config=RunConfig(name="seam", storage_path=str(storage),
+                                               checkpoint_config=CheckpointConfig(num_to_keep=2))).fit()
+    snap = read_snapshot(storage, "seam")
+    assert snap.latest.path == Path(result.checkpoint.path) and snap.latest.path.parent == run_dir(storage, "seam")
+    assert snap.latest.metrics == result.metrics == {"step": 3, "done": True}
+    assert json.loads((snap.latest.path / "state.json").read_text()) == {"step": 3}
+    assert [c.metrics["step"] for c in snap.checkpoints] == [2, 3]  # num_to_keep=2: step 1's went
+    assert [json.loads((c.path / "state.json").read_text())["step"] for c in snap.checkpoints] == [2, 3]
+    restored = Result.from_path(run_dir(storage, "seam"))
+    assert (Path(restored.checkpoint.path), restored.metrics) == (snap.latest.path, snap.latest.metrics)
+    assert [(Path(c.path), m) for c, m in restored.best_checkpoints] == [(c.path, c.metrics) for c in snap.checkpoints]
+    print(f"\nRay Train snapshot: latest {snap.latest.path.name} {snap.latest.metrics}, kept "
+          f"{[c.path.name for c in snap.checkpoints]}")

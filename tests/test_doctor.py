@@ -113,7 +113,8 @@ def test_doctor_passes_on_tiny_target(tiny_target, tmp_path, shared_ray):
     table = out.stdout
     for name in ("version vllm", "version speculators", "version torch", "seam vllm hidden-states connector",
                  "seam vllm engine args + step + metrics", "seam vllm spec-decode metric names",
-                 "seam speculators draft config -> vLLM eagle3", "target architecture", "trust_remote_code",
+                 "seam speculators draft config -> vLLM eagle3", "seam ray train storage layout",
+                 "target architecture", "trust_remote_code",
                  "gpu hygiene", "disk space", "dry run"):
         assert f"  PASS  {name}" in table, f"no PASS row for {name!r} in\n{table}"
     assert "FAIL" not in table and "doctor: all checks passed on 1 node(s)" in table

@@ -31,6 +31,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from actors.trainer import RUN_NAME
+from compat.ray_train import read_snapshot
 from tests.conftest import REPO
 from tests.fault_jobs import check_every_sample_once, kill_all, kill_driver, shard_mtimes, start_job
 from tests.fault_jobs import conversations as _conversations
@@ -223,12 +225,11 @@ def _registered_steps(out: Path) -> list[int]:
     A checkpoint is on disk once the worker has reported it, but counts for a restart or a resume
     only once the controller has polled that report: a worker killed in between restarts from the
     checkpoint before it (seen: a kill two steps after step 4's report restarted from step 0)."""
-    snap = out / "train" / "ray_train" / "train" / "checkpoint_manager_snapshot.json"
     try:
-        results = json.loads(snap.read_text())["checkpoint_results"]
-    except (FileNotFoundError, json.JSONDecodeError, KeyError):  # not written yet, or mid-rewrite
+        snap = read_snapshot(out / "train" / "ray_train", RUN_NAME)
+    except (FileNotFoundError, json.JSONDecodeError):  # mid-rewrite
         return []
-    return sorted(r["metrics"]["step"] for r in results if "step" in r.get("metrics", {}))
+    return sorted(c.metrics["step"] for c in snap.checkpoints if "step" in c.metrics) if snap is not None else []
 
 
 def _wait_for_registered_checkpoint(job: subprocess.Popen, out: Path) -> None:

@@ -516,7 +516,8 @@ def test_online_driver_killed_then_resubmitted_resumes_and_keeps_shards(tiny_tar
     cluster's processes stopped; the job resubmitted to another cluster (the session's shared
     one, conftest's shared_ray) resumes training from that checkpoint,
     reads back the shards committed in the background instead of extracting them, and every
-    sample is trained once per epoch."""
+    sample is trained once per epoch. The job plans its GPU split once: gpu_split shared, ignored
+    on this CPU cluster, warns once in the resubmitted job's output (not again in run_online)."""
     import signal
     import time
 
@@ -524,7 +525,8 @@ def test_online_driver_killed_then_resubmitted_resumes_and_keeps_shards(tiny_tar
 
     out = tmp_path / "out"
     data = _conversations(tmp_path / "conversations.jsonl", 41)
-    extra = ("--set", "ray.num_cpus=2", "--set", "train.online.epochs=keep")
+    extra = ("--set", "ray.num_cpus=2", "--set", "train.online.epochs=keep", "--set", "train.online.gpu_split=shared",
+             "--set", "extract.gpu_memory_utilization=0.6")
     job = _start_online(out, data, tiny_target, *extra)
     metrics = out / "train" / "metrics.jsonl"
     try:
@@ -545,6 +547,7 @@ def test_online_driver_killed_then_resubmitted_resumes_and_keeps_shards(tiny_tar
     job = _start_online(out, data, tiny_target, *extra, "--set", f"ray.address={shared_ray}")
     text, _ = job.communicate(timeout=600)
     assert job.returncode == 0, text[-3000:]
+    assert text.count("train.online.gpu_split=shared is ignored: the engines use no GPU") == 1, text[-3000:]
     summary = json.loads((out / "train" / "train_summary.json").read_text())
     online = json.loads((out / "report.json").read_text())["stages"]["train"]["online"]
     assert summary["resumed_from_step"] == ckpt and summary["steps"] == TRAIN_STEPS
