@@ -859,31 +859,27 @@ def test_zero3_engine_export_gathers_partitioned_weights(tiny, tmp_path):
 
 
 @pytest.mark.slow
-def test_ray_train_two_workers_checkpoint_resume_export(tiny, tmp_path):
-    import ray
-
+def test_ray_train_two_workers_checkpoint_resume_export(tiny, tmp_path, ray_local):
+    """On the session's shared cluster (conftest's ray_local; it had a cluster of its own, ~6-10 s
+    to start and stop): nothing here kills or inspects the cluster's processes."""
     from actors.trainer import run_training
 
     target, files, _, _ = tiny
     out = tmp_path / "run"
     cfg = small_cfg(num_workers=2, num_steps=4, checkpoint={"checkpoint_every": 2})
-    ray.init(num_cpus=2)
-    try:
-        first = run_training(cfg, files, str(target), str(out))
-        print(f"\nRay Train, 2 workers: {first}")
-        assert first["steps"] == 4 and first["resumed_from_step"] is None
-        assert first["loss_last"] < first["loss_first"]
-        ckpt = Path(first["checkpoint"])
-        assert sorted(p.name for p in (ckpt / "step_00000004").iterdir()) == [
-            "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-            "zero_pp_rank_1_mp_rank_00_optim_states.pt"]  # both ranks' shards merged by Ray Train
-        assert (Path(first["draft_dir"]) / "model.safetensors").exists()
-        assert json.loads((out / "train_summary.json").read_text()) == first
-        # Same out_dir, more steps: Ray Train restores its checkpoint manager, workers resume at 4.
-        second = run_training(replace(cfg, num_steps=6), files, str(target), str(out))
-        print(f"Ray Train resumed: {second}")
-        assert second["resumed_from_step"] == 4 and second["steps"] == 6
-        assert second["loss_first"] == first["loss_first"] and second["tokens"] > first["tokens"]
-        assert Path(second["checkpoint"], "step_00000006").is_dir()
-    finally:
-        ray.shutdown()
+    first = run_training(cfg, files, str(target), str(out))
+    print(f"\nRay Train, 2 workers: {first}")
+    assert first["steps"] == 4 and first["resumed_from_step"] is None
+    assert first["loss_last"] < first["loss_first"]
+    ckpt = Path(first["checkpoint"])
+    assert sorted(p.name for p in (ckpt / "step_00000004").iterdir()) == [
+        "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt"]  # both ranks' shards merged by Ray Train
+    assert (Path(first["draft_dir"]) / "model.safetensors").exists()
+    assert json.loads((out / "train_summary.json").read_text()) == first
+    # Same out_dir, more steps: Ray Train restores its checkpoint manager, workers resume at 4.
+    second = run_training(replace(cfg, num_steps=6), files, str(target), str(out))
+    print(f"Ray Train resumed: {second}")
+    assert second["resumed_from_step"] == 4 and second["steps"] == 6
+    assert second["loss_first"] == first["loss_first"] and second["tokens"] > first["tokens"]
+    assert Path(second["checkpoint"], "step_00000006").is_dir()
