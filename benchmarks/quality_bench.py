@@ -337,13 +337,14 @@ def speculators_settings(plan: Plan, files: list[str], gpu: bool, out: Path):
 
     from benchmarks.train_bench import BenchSettings
     from eagle3.shards import read_shards
+    from eagle3.train_config import resolve_draft_attn_impl
 
     lengths = np.asarray(read_shards(files, ["num_tokens"]).column("num_tokens").to_numpy(), dtype=np.int64)
     n = len(lengths)
     s = BenchSettings(shape="sharegpt", prompt_len=int(lengths.mean()), micro_batch_tokens=plan.micro_batch_tokens,
                       num_steps=plan.num_steps, skip_steps=1, samples_per_step=0, num_train_prompts=n - 1,
                       num_val_prompts=1, lr=plan.lr, warmup_steps=plan.warmup_steps, seed=0,
-                      draft_attn_impl="simple_flex_attention" if gpu else "sdpa")
+                      draft_attn_impl=resolve_draft_attn_impl(None, plan.micro_batch_tokens, gpu))
     train_rows = int(n * s.train_data_ratio)
     sampler = MultipackDistributedBatchSamplerV2(batch_max_length=plan.micro_batch_tokens,
                                                  lengths=lengths[:train_rows], num_replicas=1, rank=0, seed=0)

@@ -612,8 +612,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup-steps", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--draft-attn-impl", choices=("auto", "sdpa", "simple_flex_attention", "eager"), default="auto",
-                    help="draft attention in both trainers; auto: simple_flex_attention with a GPU (both trainers' "
-                         "default there), sdpa without")
+                    help="draft attention in both trainers; auto: our trainer's default for the step's token budget "
+                         "(eagle3.train_config.resolve_draft_attn_impl: flex attention on a GPU up to 8,192 "
+                         "tokens, sdpa above or without one)")
     ap.add_argument("--extract-backend", choices=("vllm", "hf"), default="vllm")
     ap.add_argument("--hs-dtype", choices=("bfloat16", "float8_e4m3fn"), default="bfloat16",
                     help="how our shards store hidden states; speculators' files hold them in bf16 either way "
@@ -855,8 +856,10 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     gpu = start_ray(our_step_log)
     phases["ray_init"] = time.perf_counter() - t
-    if s.draft_attn_impl == "auto":
-        s = replace(s, draft_attn_impl="simple_flex_attention" if gpu else "sdpa")
+    if s.draft_attn_impl == "auto":  # the trainer's own default for this token budget, given to both trainers
+        from eagle3.train_config import resolve_draft_attn_impl
+
+        s = replace(s, draft_attn_impl=resolve_draft_attn_impl(None, s.micro_batch_tokens, gpu))
     res["settings"]["draft_attn_impl"] = s.draft_attn_impl
 
     # 1. target

@@ -49,13 +49,14 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+
+from ray_jobs.cluster import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONVERSATIONS = REPO / "data" / "demo_conversations.jsonl"
@@ -296,17 +297,6 @@ def kill_checks(kill: dict, fig: dict, out_dir: Path) -> list[dict]:
 
 
 # ---- the cluster -----------------------------------------------------------------------------------------------
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
 
 class Node:
     """One `ray start --block` in a process group of its own (`ray stop` would stop every Ray

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 REPO_ROOT = str(Path(__file__).resolve().parents[1])
@@ -69,3 +70,16 @@ def node_of(pg) -> str:
 def _fmt(res: dict) -> str:
     keep = {k: v for k, v in res.items() if k in ("CPU", "GPU", "memory") or not k.startswith("node:")}
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(keep.items()) if k != "memory") + "}"
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` TCP ports free on the loopback now (for the ports of a Ray node started by hand:
+    tests/conftest.py's heads, benchmarks/two_node.py's head and worker)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,8 @@ import threading
 from pathlib import Path
 
 import pytest
+
+from ray_jobs.cluster import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "data" / "demo_conversations.jsonl"
@@ -60,18 +61,6 @@ def tiny_target() -> str:
         if not conversations.exists() or conversations.read_bytes() != DEMO.read_bytes():
             conversations.write_bytes(DEMO.read_bytes())
         return str(build_tiny_target(out, conversations, size=1, seed=0))
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` TCP ports free on the loopback now (for a Ray head's ports)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 def start_ray_head(temp_dir: str, log, env: dict | None = None, num_cpus: int = 2) -> tuple[subprocess.Popen, dict]:

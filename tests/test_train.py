@@ -178,7 +178,7 @@ def test_train_config_validation_names_field_value_and_fix():
 def test_default_draft_attention_leaves_flex_past_the_length_it_was_measured_to_compile_at():
     from eagle3.train_config import FLEX_ATTN_MAX_TOKENS, resolve_draft_attn_impl
 
-    assert FLEX_ATTN_MAX_TOKENS == 8192  # long-context-train-h200-8b-short.md: flex trained 8,192; 16,384 did not compile
+    assert FLEX_ATTN_MAX_TOKENS == 8192  # flex trained 8,192 (-short.md); 16,384 did not compile (-flex.md)
     assert resolve_draft_attn_impl(None, 8192, cuda=True) == "simple_flex_attention"
     assert resolve_draft_attn_impl(None, 16384, cuda=True) == "sdpa"  # trained to 49,152 (-sdpa-48k.md)
     assert resolve_draft_attn_impl(None, 1024, cuda=False) == "sdpa"
@@ -870,6 +870,7 @@ def test_ray_train_two_workers_checkpoint_resume_export(tiny, tmp_path, ray_loca
     first = run_training(cfg, files, str(target), str(out))
     print(f"\nRay Train, 2 workers: {first}")
     assert first["steps"] == 4 and first["resumed_from_step"] is None
+    assert [(w["rank"], w["backend"]) for w in first["workers"]] == [(0, "gloo"), (1, "gloo")]  # where each rank ran
     assert first["loss_last"] < first["loss_first"]
     ckpt = Path(first["checkpoint"])
     assert sorted(p.name for p in (ckpt / "step_00000004").iterdir()) == [
