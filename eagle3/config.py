@@ -47,6 +47,7 @@ class TargetConfig:
     tiny_size: int = 1
     """Size knob of the tiny demo model (1 = 8 layers, hidden 256), used when model is None."""
     tiny_seed: int = 0
+    """Seed of the tiny demo model's weights and tokenizer, used when model is None."""
     tiny_pretrain_steps: int = 100
     """Next-token steps on the conversations for the tiny target (~40 s on 2 cores), so its greedy
     text resembles them and acceptance length means something; 0 = random weights."""
@@ -130,7 +131,10 @@ class ExtractConfig:
     num_replicas: int | None = None
     """Engine replicas. None: as many as the cluster's GPUs allow (1 on a CPU-only cluster)."""
     tensor_parallel_size: int = 1
+    """GPUs per engine replica, inside one node (vLLM's tensor parallelism); a replica's GPUs are
+    one placement-group bundle each, packed on one node."""
     pipeline_parallel_size: int = 1
+    """Pipeline stages per engine replica (vLLM's); tensor_parallel_size * this GPUs a replica."""
     samples_per_shard: int = 256
     """Unit of work handed out to replicas and committed to the manifest (at most this many
     samples; shard_bytes may lower it)."""
@@ -302,6 +306,7 @@ class EvalConfig:
     max_tokens: int = 64
     """Tokens generated per prompt."""
     enabled: bool = True
+    """False: no eval engines start; the job ends with the exported draft."""
 
     def __post_init__(self):
         check_types(self, "eval")
@@ -337,6 +342,8 @@ class RayConfig:
 @dataclass(frozen=True)
 class JobConfig:
     output_dir: str = "runs/demo"
+    """Where every stage writes (target/, prepared/, hidden_states/, train/, draft/, eval.json, report.json);
+    a resubmitted job with the same output_dir resumes from what is committed there."""
     target: TargetConfig = field(default_factory=TargetConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)

@@ -209,7 +209,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", help="YAML/JSON job config; omitted: the built-in demo defaults")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config value, e.g. --set train.num_steps=50 (value parsed as YAML)")
+    ap.add_argument("--help-config", action="store_true",
+                    help="print every config key with its type, default and meaning (docs/config.md), then exit")
     args = ap.parse_args(argv)
+    if args.help_config:
+        from eagle3.config_reference import reference
+
+        print(reference(), end="")
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import yaml
 
