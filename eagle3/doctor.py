@@ -17,6 +17,7 @@ import subprocess
 import tempfile
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,7 +36,7 @@ class Check:
         return asdict(self)
 
 
-def check_versions(others: list[Check] = ()) -> list[Check]:
+def check_versions(others: Sequence[Check] = ()) -> list[Check]:
     """One row per package of the tested matrix. A version outside the range is judged by its seams
     (compat.versions.UNTESTED, issue 31): a warning naming the range when every probe tagged with
     the package (compat.probes.SEAMS) passed among `others` (this node's rows), and the dry run too
@@ -71,7 +72,7 @@ def check_versions(others: list[Check] = ()) -> list[Check]:
             " (the dry run did not run on this node)"
         rows.append(Check(f"version {name}", True, f"{detail}; untested, allowed because its seams passed: "
                           f"{', '.join(r.name.removeprefix('seam ') for r in judged)}{dry}",
-                          f"nothing to do; to call it tested, run make test on it and widen compat.versions.TESTED",
+                          "nothing to do; to call it tested, run make test on it and widen compat.versions.TESTED",
                           warn=True))
     return rows
 

@@ -216,7 +216,7 @@ def test_untested_vllm_whose_seams_pass_runs_with_a_warning(monkeypatch):
     ok, table = format_reports([{"node_ip": "10.0.0.1", "host": "h", "rows": [
         r.to_dict() for r in check_versions([*seams, dry]) + [*seams, dry]]}])
     assert ok and table.endswith("doctor: all checks passed on 1 node(s), 1 warning(s) (WARN rows)")
-    assert f"  WARN  version vllm" in table and "FAIL" not in table
+    assert "  WARN  version vllm" in table and "FAIL" not in table
 
     # A failed dry run decides it the other way: the version row fails and names it.
     dry = Check("dry run", False, "RuntimeError: ...", "the extraction path fails ...")
