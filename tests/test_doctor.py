@@ -263,6 +263,28 @@ def test_untested_speculators_and_deepspeed_are_hard_stops(monkeypatch):
     assert "first met when training starts" in rows["version deepspeed"].detail
 
 
+def test_node_report_lists_versions_first_judged_by_the_nodes_own_checks(monkeypatch, tmp_path):
+    """What each Ray task of the doctor runs (ray_jobs.doctor.node_report), called directly: no
+    Ray, no engine (dry run off), a Qwen3-MoE config as the target. The version rows come first,
+    and an untested vLLM is judged by this node's real probes, the target-architecture one too."""
+    from eagle3.config import load_job_config
+    from ray_jobs.doctor import format_reports, node_report
+
+    target = model_configs.write_qwen3_moe_target(tmp_path / "qwen3-moe")
+    cfg = load_job_config(None, {"output_dir": str(tmp_path / "out"), "target.model": target})
+    _fake_versions(monkeypatch, vllm="0.40.0")
+    rep = node_report(cfg, target, num_tokens=1000, with_dry_run=False)
+    names = [r["name"] for r in rep["rows"]]
+    assert names[:6] == [f"version {p}" for p in ("vllm", "speculators", "ray", "deepspeed", "torch", "transformers")]
+    assert "dry run" not in names and "target architecture" in names
+    vllm = rep["rows"][0]
+    assert vllm["ok"] and vllm["warn"], vllm
+    assert vllm["detail"].endswith("speculators draft config -> vLLM eagle3, target architecture "
+                                   "(the dry run did not run on this node)")
+    ok, table = format_reports([{**rep, "node_ip": "127.0.0.1"}])
+    assert ok and table.endswith("doctor: all checks passed on 1 node(s), 1 warning(s) (WARN rows)"), table
+
+
 def _moved_connector_module():
     """A real copy of vLLM's example_hidden_states_connector module whose connector class is a real
     copy of ExampleHiddenStatesConnector with `_submit_async_write` renamed (as an upstream rename
