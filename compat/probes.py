@@ -11,6 +11,21 @@ import inspect
 import json
 from pathlib import Path
 
+# Row name -> the packages whose version the probe's result speaks for (compat.versions.UNTESTED:
+# an untested version of a package runs only if every probe tagged with it passes).
+SEAMS: dict[str, tuple[str, ...]] = {}
+
+
+def seam(name: str, *packages: str):
+    """Register a probe: its row name (also when it raises) and the packages it checks."""
+
+    def register(fn):
+        SEAMS[name] = packages
+        fn.seam_name = name
+        return fn
+
+    return register
+
 # Attributes of ExampleHiddenStatesConnector that compat/hidden_states_connector.py relies on.
 CONNECTOR_ATTRS = ("_kv_cache", "_block_size", "_is_tp_rank_zero", "_req_copy_events", "_lock_fds", "_executor",
                    "use_lock", "_req_futures", "_kv_transfer_config")
@@ -24,6 +39,7 @@ DRAFT_KEYS = ("draft_vocab_size", "norm_before_residual", "eagle_aux_hidden_stat
               "norm_before_fc", "fc_norm", "norm_output")
 
 
+@seam("seam vllm hidden-states connector", "vllm")
 def probe_connector():
     from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as m
 
@@ -40,6 +56,7 @@ def probe_connector():
             "" if not missing else "update compat/hidden_states_connector.py for this vLLM (see compat/README.md)")
 
 
+@seam("seam vllm engine args + step + metrics", "vllm")
 def probe_engine_args():
     import dataclasses
 
@@ -57,6 +74,7 @@ def probe_engine_args():
             "" if not missing else "update compat/vllm_engine.py for this vLLM")
 
 
+@seam("seam vllm spec-decode metric names", "vllm")
 def probe_spec_decode_metrics():
     from vllm.v1.spec_decode import metrics
 
@@ -69,6 +87,7 @@ def probe_spec_decode_metrics():
             "" if not missing else "update SPEC_DECODE_COUNTERS in compat/vllm_engine.py")
 
 
+@seam("seam speculators draft config -> vLLM eagle3", "vllm")
 def probe_draft_config_keys():
     from vllm.transformers_utils.configs.speculators import algos
 
@@ -88,6 +107,7 @@ def _target_config(target_dir: str) -> dict:
     return json.loads((Path(target_dir) / "config.json").read_text())
 
 
+@seam("target architecture", "vllm", "transformers")
 def probe_target_arch(target_dir: str):
     """The target's architecture is registered in vLLM and implements the EAGLE-3 aux-layer
     interface (extract_hidden_states and eagle3 both need `set_aux_hidden_state_layers`).
@@ -145,5 +165,6 @@ def _guarded(fn, *args):
     try:
         return fn(*args)
     except Exception as e:  # noqa: BLE001 - a probe that cannot run is a failed check, with its cause
-        return (fn.__name__.replace("probe_", "seam "), False, f"probe raised {type(e).__name__}: {e}",
+        return (getattr(fn, "seam_name", fn.__name__.replace("probe_", "seam ")), False,
+                f"probe raised {type(e).__name__}: {e}",
                 "the seam moved: update the compat module named in compat/README.md")

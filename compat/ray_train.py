@@ -26,6 +26,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from compat.probes import seam
+
 SNAPSHOT_FILENAME = "checkpoint_manager_snapshot.json"
 # Fields of the snapshot (_CheckpointManagerState) and of each result (_TrainingResultState) read here.
 SNAPSHOT_FIELDS = ("checkpoint_results", "latest_checkpoint_result")
@@ -74,6 +76,7 @@ def read_snapshot(storage_path: str | Path, name: str) -> RunSnapshot | None:
     return RunSnapshot(record(state.get("latest_checkpoint_result")), [r for r in kept if r is not None])
 
 
+@seam("seam ray train storage layout", "ray")
 def probe_ray_train_layout():
     """Doctor probe: the installed Ray keeps the snapshot under the name and with the fields read
     here. Imports only (no cluster)."""

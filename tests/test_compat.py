@@ -105,7 +105,9 @@ def test_stock_connector_still_pins_host_memory():
     src = inspect.getsource(ExampleHiddenStatesConnector._submit_async_write)
     assert "pin_memory=True" in src
     if not torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="pin_memory"):
+        # A CPU-only torch names pin_memory; a CUDA build on a machine without a driver (upstream
+        # vLLM 0.33 imported on the CPU: benchmarks/results/vllm-0.33-seams.md) names the driver.
+        with pytest.raises(RuntimeError, match="pin_memory|Found no NVIDIA driver"):
             torch.empty(4, pin_memory=True)
 
 
@@ -647,6 +649,28 @@ def test_prefill_max_model_len_leaves_room_for_the_one_output_token():
     assert prefill_max_model_len(2048, 4096) == 2049
     assert prefill_max_model_len(2048, None) == 2049
     assert prefill_max_model_len(2048, 2048) == 2048  # samples of 2048 are rejects with a reason
+
+
+# --- untested versions (issue 31) -----------------------------------------------------------------
+
+def test_every_probe_is_registered_and_every_package_has_a_policy(tmp_path):
+    """The doctor judges an untested version by the probes tagged with its package
+    (compat.probes.SEAMS, compat.versions.UNTESTED). Fails when a probe's row name drifts from its
+    registration (an untested version would then be judged by no probe), when a package of the
+    matrix has no policy, or when a package decided by its seams has no probe reaching it."""
+    from compat.versions import TESTED, UNTESTED
+
+    rows = probes.run_all(None, False)
+    assert all(r[0] in probes.SEAMS for r in rows), [r[0] for r in rows if r[0] not in probes.SEAMS]
+    assert set(UNTESTED) == set(TESTED)
+    tagged = {p for packages in probes.SEAMS.values() for p in packages}
+    for name, policy in UNTESTED.items():
+        if policy.decided_by_seams:
+            assert set(policy.judged_with or (name,)) & tagged, f"{name}: no probe reaches it"
+    assert {n for n, p in UNTESTED.items() if not p.decided_by_seams} == {"speculators", "deepspeed"}
+    # A probe that raises keeps its registered row name (the doctor matches rows by it).
+    row = probes._guarded(probes.probe_target_arch, str(tmp_path / "no-such-target"))
+    assert row[:2] == ("target architecture", False) and "FileNotFoundError" in row[2]
 
 
 # --- Ray Train run storage ---------------------------------------------------------------------

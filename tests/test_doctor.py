@@ -171,16 +171,160 @@ def test_disk_check_fails_when_the_dataset_does_not_fit(tmp_path):
     assert fp8 < 0.51 * bf16
 
 
-def test_version_outside_tested_matrix_fails_with_fix(monkeypatch):
+# --- untested versions: judged by their seams (issue 31) -------------------------------------------
+# The version number is faked (compat.versions.installed); the probes are the real ones, run against
+# the installed packages, since the question is the policy: what the doctor does with what they find.
+
+def _fake_versions(monkeypatch, **fake: str):
     from packaging.version import Version
 
     from compat import versions
-    from eagle3.doctor import check_versions
 
-    assert all(r.ok for r in check_versions())
-    monkeypatch.setitem(versions.TESTED, "vllm", (Version("0.40"), Version("0.41")))
-    rows = {r.name: r for r in check_versions()}
-    bad = rows["version vllm"]
-    assert not bad.ok and f"vllm {versions.installed('vllm')} (OUTSIDE tested >=0.40,<0.41)" == bad.detail
-    assert "tested matrix" in bad.fix
-    assert [n for n, r in rows.items() if not r.ok] == ["version vllm"]
+    real = versions.installed
+    monkeypatch.setattr(versions, "installed", lambda name: Version(fake[name]) if name in fake else real(name))
+
+
+def _rows_by_name(rows) -> dict:
+    return {r.name: r for r in rows}
+
+
+def test_untested_vllm_whose_seams_pass_runs_with_a_warning(monkeypatch):
+    """An untested vLLM (faked 0.40.0; the real probes pass on the installed one) is a WARN row that
+    names the range and the seams that decided it; the doctor's verdict stays 'passed' (exit 0)."""
+    from compat.versions import TESTED
+    from eagle3.doctor import Check, check_seams, check_versions
+    from ray_jobs.doctor import format_reports
+
+    assert all(r.ok and not r.warn for r in check_versions())  # the installed stack is in the matrix
+    seams = check_seams(None, False)
+    assert all(r.ok for r in seams), [(r.name, r.detail) for r in seams if not r.ok]
+    _fake_versions(monkeypatch, vllm="0.40.0")
+    rows = _rows_by_name(check_versions(seams))
+    lo, hi = TESTED["vllm"]
+    row = rows["version vllm"]
+    assert row.ok and row.warn
+    assert row.detail == (f"vllm 0.40.0 (OUTSIDE tested >={lo},<{hi}); untested, allowed because its seams passed: "
+                          "vllm hidden-states connector, vllm engine args + step + metrics, vllm spec-decode metric "
+                          "names, speculators draft config -> vLLM eagle3 (the dry run did not run on this node)")
+    assert [n for n, r in rows.items() if not r.ok or r.warn] == ["version vllm"]
+
+    # With this node's dry run passed, it is named among the deciders; a node's table with the WARN
+    # row passes, and says how many warnings it has.
+    dry = Check("dry run", True, "['LlamaForCausalLM'] cut to 2 layers ...")
+    row = _rows_by_name(check_versions([*seams, dry]))["version vllm"]
+    assert row.ok and row.warn and row.detail.endswith("speculators draft config -> vLLM eagle3, dry run")
+    ok, table = format_reports([{"node_ip": "10.0.0.1", "host": "h", "rows": [
+        r.to_dict() for r in check_versions([*seams, dry]) + [*seams, dry]]}])
+    assert ok and table.endswith("doctor: all checks passed on 1 node(s), 1 warning(s) (WARN rows)")
+    assert "  WARN  version vllm" in table and "FAIL" not in table
+
+    # A failed dry run decides it the other way: the version row fails and names it.
+    dry = Check("dry run", False, "RuntimeError: ...", "the extraction path fails ...")
+    row = _rows_by_name(check_versions([*seams, dry]))["version vllm"]
+    assert not row.ok and row.detail.endswith("; untested, and its seams decide: failed: dry run")
+    assert row.fix.startswith(f"install vllm>={lo},<{hi}")
+    ok, table = format_reports([{"node_ip": "10.0.0.1", "host": "h", "rows": [
+        r.to_dict() for r in check_versions([*seams, dry]) + [*seams, dry]]}])
+    assert not ok and table.endswith("doctor: FAILED on 1 node(s)")
+
+
+def test_untested_torch_and_ray_are_judged_by_the_probes_that_reach_them(monkeypatch):
+    """torch by vLLM's probes (vLLM pins torch exactly) and the dry run; Ray by the Ray Train
+    storage-layout probe. Without any such row, an untested version is not waved through."""
+    from eagle3.doctor import check_seams, check_versions
+
+    seams = check_seams(None, False)
+    _fake_versions(monkeypatch, torch="2.99.0", ray="2.99.0")
+    rows = _rows_by_name(check_versions(seams))
+    assert rows["version torch"].ok and rows["version torch"].warn
+    assert "allowed because its seams passed: vllm hidden-states connector" in rows["version torch"].detail
+    assert rows["version ray"].ok and rows["version ray"].warn
+    assert rows["version ray"].detail.endswith("allowed because its seams passed: ray train storage layout")
+    bare = _rows_by_name(check_versions([]))
+    assert not bare["version ray"].ok and bare["version ray"].detail.endswith("its seams decide: no probe of it ran")
+
+
+def test_untested_speculators_and_deepspeed_are_hard_stops(monkeypatch):
+    """Nothing reaches speculators' export format or DeepSpeed's training seams in seconds: an
+    untested version of either fails, whatever the probes say, with the reason and the fix."""
+    from compat.versions import TESTED
+    from eagle3.doctor import check_seams, check_versions
+
+    seams = check_seams(None, False)
+    _fake_versions(monkeypatch, speculators="0.10.0", deepspeed="0.20.1")
+    rows = _rows_by_name(check_versions(seams))
+    assert [n for n, r in rows.items() if not r.ok] == ["version speculators", "version deepspeed"]
+    spec = rows["version speculators"]
+    lo, hi = TESTED["speculators"]
+    assert spec.detail.startswith(f"speculators 0.10.0 (OUTSIDE tested >={lo},<{hi}); untested speculators is a "
+                                  "hard stop: ") and "export format vLLM reads" in spec.detail
+    assert spec.fix.startswith(f"install speculators>={lo},<{hi} (README, 'Tested versions'), or run make test on "
+                               "speculators 0.10.0")
+    assert "first met when training starts" in rows["version deepspeed"].detail
+
+
+def test_node_report_lists_versions_first_judged_by_the_nodes_own_checks(monkeypatch, tmp_path):
+    """What each Ray task of the doctor runs (ray_jobs.doctor.node_report), called directly: no
+    Ray, no engine (dry run off), a Qwen3-MoE config as the target. The version rows come first,
+    and an untested vLLM is judged by this node's real probes, the target-architecture one too."""
+    from eagle3.config import load_job_config
+    from ray_jobs.doctor import format_reports, node_report
+
+    target = model_configs.write_qwen3_moe_target(tmp_path / "qwen3-moe")
+    cfg = load_job_config(None, {"output_dir": str(tmp_path / "out"), "target.model": target})
+    _fake_versions(monkeypatch, vllm="0.40.0")
+    rep = node_report(cfg, target, num_tokens=1000, with_dry_run=False)
+    names = [r["name"] for r in rep["rows"]]
+    assert names[:6] == [f"version {p}" for p in ("vllm", "speculators", "ray", "deepspeed", "torch", "transformers")]
+    assert "dry run" not in names and "target architecture" in names
+    vllm = rep["rows"][0]
+    assert vllm["ok"] and vllm["warn"], vllm
+    assert vllm["detail"].endswith("speculators draft config -> vLLM eagle3, target architecture "
+                                   "(the dry run did not run on this node)")
+    ok, table = format_reports([{**rep, "node_ip": "127.0.0.1"}])
+    assert ok and table.endswith("doctor: all checks passed on 1 node(s), 1 warning(s) (WARN rows)"), table
+
+
+def _moved_connector_module():
+    """A real copy of vLLM's example_hidden_states_connector module whose connector class is a real
+    copy of ExampleHiddenStatesConnector with `_submit_async_write` renamed (as an upstream rename
+    would leave it): what compat/hidden_states_connector.py overrides is gone."""
+    import types
+
+    from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as m
+
+    real = m.ExampleHiddenStatesConnector
+    ns = {k: v for k, v in vars(real).items() if k not in ("__dict__", "__weakref__")}
+    ns["_submit_write"] = ns.pop("_submit_async_write")
+    moved = types.ModuleType(m.__name__)
+    moved.__dict__.update(vars(m))
+    moved.ExampleHiddenStatesConnector = type(real)(real.__name__, real.__bases__, ns)
+    return m, moved
+
+
+@pytest.mark.parametrize("version", ["0.40.0", None])  # untested (faked), and the installed one
+def test_a_moved_seam_fails_in_seconds_naming_seam_version_and_fix(monkeypatch, version):
+    import vllm.distributed.kv_transfer.kv_connector.v1 as v1
+
+    from compat import versions
+    from eagle3.doctor import check_seams, check_versions
+
+    real, moved = _moved_connector_module()
+    monkeypatch.setitem(sys.modules, real.__name__, moved)
+    monkeypatch.setattr(v1, "example_hidden_states_connector", moved)
+    if version:
+        _fake_versions(monkeypatch, vllm=version)
+    t0 = time.perf_counter()
+    seams = check_seams(None, False)
+    rows = _rows_by_name(check_versions(seams) + seams)
+    seconds = time.perf_counter() - t0
+    seam = rows["seam vllm hidden-states connector"]
+    assert not seam.ok
+    assert seam.detail == f"[vllm {versions.installed('vllm')}] moved or gone: ['_submit_async_write']"
+    assert seam.fix == "update compat/hidden_states_connector.py for this vLLM (see compat/README.md)"
+    if version:  # untested and a seam moved: the version row fails too, naming the seam
+        assert [n for n, r in rows.items() if not r.ok] == ["version vllm", "seam vllm hidden-states connector"]
+        assert rows["version vllm"].detail.endswith("its seams decide: failed: seam vllm hidden-states connector")
+    else:  # a tested version: the seam row alone fails
+        assert [n for n, r in rows.items() if not r.ok] == ["seam vllm hidden-states connector"]
+    assert seconds < FAIL_FAST_S, f"{seconds:.0f}s"
