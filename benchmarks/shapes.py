@@ -1,5 +1,7 @@
 """Dummy-weight Llama shapes for benchmarks (config.json only: vLLM's load_format="dummy"
-gives random weights of that shape, which is right for throughput and wrong for accuracy)."""
+gives random weights of that shape, which is right for throughput and wrong for accuracy), and
+`build_shape_target`: a shape with seeded random weights saved and a small tokenizer, for
+benchmarks that run the whole job (prepare needs a tokenizer; the trainer reads the weights)."""
 
 from __future__ import annotations
 
@@ -27,4 +29,31 @@ def write_shape(name: str, out_dir: str | Path, max_positions: int = 8192) -> st
         "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu", "tie_word_embeddings": False,
         "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
     }, indent=1))
+    return str(out)
+
+
+def build_shape_target(shape: str, out_dir: str | Path, conversations: str | Path, seed: int = 0) -> str:
+    """`shape` with seeded random bf16 weights (the trainer reads the embeddings and lm_head from
+    the files, so vLLM's dummy weights are not enough) and a BPE tokenizer with the demo's chat
+    template trained on `conversations` (JSONL); its vocabulary is that tokenizer's (about 1,000),
+    not the shape's: prepare needs a tokenizer, and ids past it could not be decoded. Random
+    weights: right for throughput and plumbing, meaningless for acceptance. Reused when built
+    already with the same settings."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from eagle3.tiny import build_tokenizer, corpus_texts, llama_config
+
+    out = Path(out_dir)
+    stamp = out / "shape_target.json"
+    want = {"shape": shape, "seed": seed, "tokenizer_corpus": Path(conversations).name}
+    if stamp.exists() and json.loads(stamp.read_text()) == want:
+        return str(out)
+    hidden, layers, heads, kv, inter, _ = SHAPES[shape]
+    tok = build_tokenizer(corpus_texts(conversations), out)
+    cfg = llama_config(tok, max_position_embeddings=4096, hidden_size=hidden, intermediate_size=inter,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(out))
+    stamp.write_text(json.dumps(want))
     return str(out)

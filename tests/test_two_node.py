@@ -149,3 +149,77 @@ def test_kill_checks(tmp_path):
     alive = {"extract_replicas": [{"node_id": W1, "alive": True}]}
     assert [c["ok"] for c in tn.kill_checks(kill, alive, tmp_path)] == [True, False]
     assert [c["ok"] for c in tn.kill_checks({}, fig, tmp_path)] == [False, False]
+
+
+# ---- one GPU shared by both nodes (--share-gpu, issue 29) ---------------------------------------------------------
+
+def test_share_gpu_args_and_every_node_on_gpu0():
+    args = tn.parse_args(["--share-gpu"])
+    assert (args.mode, args.repeat, args.online) == ("gpu-shared", 24, False)
+    assert tn.parse_args(["--share-gpu", "--online"]).online
+    for bad in (["--cpu", "--share-gpu"], ["--online"]):
+        with pytest.raises(SystemExit):
+            tn.parse_args(bad)
+    # head 0, the worker 1, its replacement 2: all on GPU 0 when shared, 0 / 1 with two GPUs, none on CPU
+    assert [tn.node_gpu("gpu-shared", i) for i in range(3)] == [0, 0, 0]
+    assert [tn.node_gpu("gpu", i) for i in range(3)] == [0, 1, 1]
+    assert tn.node_gpu("cpu", 1) is None
+    cluster = tn.TwoNodeCluster("gpu-shared", Path("/tmp/unused"), Path("/tmp/unused"))  # starts nothing
+    envs = [cluster._env(i) for i in (0, 1)]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0", "0"]
+    assert all(e["NCCL_NVLS_ENABLE"] == "0" and e["RAY_AUTH_TOKEN"] == cluster.token for e in envs)
+    assert cluster.res["num_gpus"] == 1 and cluster.cli_env["CUDA_VISIBLE_DEVICES"] == ""
+    ports = {p: 20000 + i for i, p in enumerate(tn.HEAD_PORTS)}
+    head = tn.ray_start_command("ray", temp_dir="/t/h", ports=ports, **cluster.res)
+    assert "--num-gpus=1" in head and "--num-cpus=8" in head
+
+
+def test_share_gpu_job_configs_fit_one_device(tmp_path):
+    from eagle3.config import load_job_config
+    from ray_jobs.online import split_gpus
+
+    raw = tn.job_config("gpu-shared", output_dir=str(tmp_path / "o"), target_dir=str(tmp_path / "t"),
+                        conversations="c.jsonl", max_records=600)
+    cfg = load_job_config(None, dict(_flat(raw)))
+    assert (cfg.extract.num_replicas, cfg.extract.gpu_memory_utilization, cfg.train.num_workers) == (2, 0.4, 1)
+    assert cfg.train.source == "offline" and cfg.prepare.max_samples == 600 and cfg.eval.num_speculative_tokens == (3,)
+    assert 2 * cfg.extract.gpu_memory_utilization <= 0.8
+    online = tn.job_config("gpu-shared", output_dir=str(tmp_path / "o"), target_dir=str(tmp_path / "t"),
+                           conversations="c.jsonl", online_steps=150)
+    ocfg = load_job_config(None, dict(_flat(online)))
+    assert ocfg.train.source == "online" and ocfg.train.num_steps == 150 and ocfg.train.online.epochs == "keep"
+    assert ocfg.stages == ("prepare", "train", "export", "eval") and ocfg.train.checkpoint.checkpoint_every == 150
+    # two nodes declaring one GPU each: one engine on each (0.7), the one trainer 0.3 on one of them;
+    # vLLM's shares of the one device: two engines plus the trainer's cap
+    split = split_gpus(ocfg, 2)
+    assert (split.mode, split.num_replicas, split.engine_gpus, split.trainer_gpus) == ("shared", 2, 0.7, 0.3)
+    assert 2 * ocfg.extract.gpu_memory_utilization + ocfg.train.online.trainer_gpu_fraction <= 1.0
+    with pytest.raises(ValueError, match="gpu-shared"):
+        tn.job_config("gpu", output_dir="o", target_dir="t", conversations="c", online_steps=10)
+
+
+def test_steps_past_one_epoch():
+    assert tn.steps_past_one_epoch(40_960, 4096) == 13  # 10 micro-batches at least, 1.25x
+    assert tn.steps_past_one_epoch(100, 4096) == 2
+
+
+def test_check_run_one_training_worker_and_tables_across_raylets(tmp_path):
+    _fake_run(tmp_path, [(HEAD, ["s0", "s1"], []), (W1, ["s2", "s3"], [])], ["s0", "s1", "s2", "s3"],
+              workers=[(0, HEAD, "nccl")])
+    checks, fig = tn.check_run(tmp_path, head=HEAD, workers={W1}, backend="nccl", num_eval=1, num_train_workers=1)
+    assert _names_ok(checks) == {"shards from both nodes": True, "every sample id exactly once": True,
+                                 "training: 1 worker (one shared GPU: one NCCL rank)": True, "export and eval": True}
+    # two ranks where one was configured, and the online route: the worker's shard crossed to the head's trainer
+    report = json.loads((tmp_path / "report.json").read_text())
+    report["stages"]["train"]["workers"].append({"rank": 1, "node_id": W1, "backend": "nccl"})
+    report["stages"]["train"]["online"] = {"num_lost": 1, "replicas": [{"node_id": W1, "alive": False}]}
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    checks, fig = tn.check_run(tmp_path, head=HEAD, workers={W1}, backend="nccl", num_eval=1, num_train_workers=1)
+    ok = _names_ok(checks)
+    assert not ok["training: 1 worker (one shared GPU: one NCCL rank)"]
+    assert fig["tables_across_raylets"] == 0 and not ok["hidden states crossed raylets (object store)"]
+    report["stages"]["train"]["workers"] = [{"rank": 0, "node_id": HEAD, "backend": "nccl"}]
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    checks, fig = tn.check_run(tmp_path, head=HEAD, workers={W1}, backend="nccl", num_eval=1, num_train_workers=1)
+    assert fig["tables_across_raylets"] == 1 and all(_names_ok(checks).values()), checks
+    assert fig["extract_replicas"] == [{"node_id": W1, "alive": False}]  # run 2's kill check reads the feed's
