@@ -37,8 +37,9 @@ new node may get a replacement replica if it is up within the loop's replacement
 
 One GPU shared by the two nodes (`--share-gpu`, issue 29): head and worker each declare
 `--num-gpus 1` on CUDA_VISIBLE_DEVICES=0, so Ray places as on two GPUs while both engines live on
-the one device: each engine takes extract.gpu_memory_utilization 0.4 of it (0.8 for both, started
-at once; vLLM sizes its KV cache from what is free when it starts). Training: one worker, on
+the one device: each engine checks that extract.gpu_memory_utilization 0.4 of it is free at its
+start and sets its KV cache at extract.kv_cache_memory_bytes (8 GiB) rather than profiling free
+memory, which the other engine's concurrent start would change. Training: one worker, on
 either node (NCCL cannot put two ranks on one device, and Ray would place the second on the
 other node's "GPU", the same device): the training check becomes "1 worker, nccl"; everything
 else is checked as with two GPUs. In run 2 the replacement node declares the same GPU 0.
@@ -106,10 +107,13 @@ PRESETS = {
         "eval": {"num_speculative_tokens": [1, 3], "num_prompts": 16, "max_tokens": 64},
     }),
     # One H200 declared by both nodes (issue 29): the GPU preset's data and target, engines at 0.4 of
-    # the device each, one training worker (one device: one NCCL rank), fewer steps and one eval engine.
+    # the device each with an 8 GiB KV cache set rather than profiled (they start at once: see
+    # extract.kv_cache_memory_bytes), one training worker (one device: one NCCL rank), fewer steps
+    # and one eval engine.
     "gpu-shared": dict(num_cpus=8, num_gpus=1, object_store_gib=16.0, repeat=24, job_timeout_s=1500, job={
         "prepare": {"max_length": 1024, "num_eval_prompts": 16},
-        "extract": {"num_replicas": 2, "samples_per_shard": 32, "gpu_memory_utilization": 0.4},
+        "extract": {"num_replicas": 2, "samples_per_shard": 32, "gpu_memory_utilization": 0.4,
+                    "kv_cache_memory_bytes": 8 << 30},
         "train": {"num_workers": 1, "num_steps": 60,
                   "optimizer": {"lr": 0.001, "warmup_steps": 6, "bf16": True},
                   "data": {"micro_batch_tokens": 4096}, "checkpoint": {"checkpoint_every": 30}},

@@ -164,6 +164,15 @@ class ExtractConfig:
     """Fraction of each GPU's memory vLLM may take (weights, activations, KV cache), in (0, 1].
     Online mode with train.online.gpu_split shared: at most 1 - train.online.trainer_gpu_fraction
     (0.7 by default), so that the training worker on the same GPU has its share."""
+    kv_cache_memory_bytes: int | None = None
+    """GPU: each engine's KV cache size in bytes, set instead of profiled (vLLM's
+    kv_cache_memory_bytes; compat.vllm_engine). None (default): vLLM profiles the device's free
+    memory and takes gpu_memory_utilization of it. Set it when several engines start at once on one
+    GPU (two Ray nodes declaring the same device: benchmarks/two_node.py --share-gpu): profiling
+    reads device-wide free memory, which the other engine's start changes (vLLM 0.26 asserts when
+    it grows meanwhile, and counts the other's allocations as its own); vLLM then only checks that
+    gpu_memory_utilization of the device is free at its start. Prefill-only extraction needs little
+    cache: max_num_batched_tokens tokens' worth."""
     enforce_eager: bool = True
     """Skip CUDA graph / torch.compile warm-up: extraction is prefill-only, so graphs buy little."""
     block_size: int | None = None
@@ -222,6 +231,9 @@ class ExtractConfig:
                   "must be >= the longest sample (>= prepare.max_length), or null")
         if self.max_num_seqs < 1:
             _fail("extract", "max_num_seqs", self.max_num_seqs, "must be >= 1")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1 << 20:
+            _fail("extract", "kv_cache_memory_bytes", self.kv_cache_memory_bytes,
+                  "must be >= 1 MiB (e.g. 8589934592 for 8 GiB), or null to let vLLM profile")
         if self.cpu_kvcache_space_gib < 1:
             _fail("extract", "cpu_kvcache_space_gib", self.cpu_kvcache_space_gib, "must be >= 1 GiB")
         if not self.placement_timeout_s > 0:

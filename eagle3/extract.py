@@ -69,6 +69,7 @@ class VLLMBackend:
             pipeline_parallel_size=cfg.pipeline_parallel_size, max_num_seqs=cfg.max_num_seqs,
             gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
             load_format=cfg.load_format, trust_remote_code=trust_remote_code, block_size=cfg.block_size,
+            kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
         )
         self.engine = Engine(**kwargs)
         self.max_len = min(max_model_len - 1, self.max_num_batched_tokens)  # prompt + 1 output token

@@ -635,6 +635,12 @@ def test_kv_cache_memory_bytes_skips_profiling_seam():
     kw = eagle3_engine_kwargs(target="t", draft="d", num_speculative_tokens=2, max_model_len=256,
                               kv_cache_memory_bytes=1 << 30)
     assert EngineArgs(**{k: v for k, v in kw.items() if k != "model"}).kv_cache_memory_bytes == 1 << 30
+    # extraction engines too (extract.kv_cache_memory_bytes: two nodes' engines starting at once on one GPU)
+    from compat.vllm_engine import extraction_engine_kwargs
+
+    kw = extraction_engine_kwargs(model="t", layer_ids=[2, 4, 6], max_model_len=256, max_num_batched_tokens=256,
+                                  sink="shm", storage_path="/tmp/x", kv_cache_memory_bytes=1 << 30)
+    assert EngineArgs(**{k: v for k, v in kw.items() if k != "model"}).kv_cache_memory_bytes == 1 << 30
     src = inspect.getsource(Worker.determine_available_memory)
     early = src.index("if kv_cache_memory_bytes := self.cache_config.kv_cache_memory_bytes")
     assert early < src.index("Error in memory profiling"), "the worker profiles before it honours the set size"

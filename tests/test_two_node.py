@@ -183,7 +183,7 @@ def test_share_gpu_job_configs_fit_one_device(tmp_path):
     cfg = load_job_config(None, dict(_flat(raw)))
     assert (cfg.extract.num_replicas, cfg.extract.gpu_memory_utilization, cfg.train.num_workers) == (2, 0.4, 1)
     assert cfg.train.source == "offline" and cfg.prepare.max_samples == 600 and cfg.eval.num_speculative_tokens == (3,)
-    assert 2 * cfg.extract.gpu_memory_utilization <= 0.8
+    assert 2 * cfg.extract.gpu_memory_utilization <= 0.8 and cfg.extract.kv_cache_memory_bytes == 8 << 30
     online = tn.job_config("gpu-shared", output_dir=str(tmp_path / "o"), target_dir=str(tmp_path / "t"),
                            conversations="c.jsonl", online_steps=150)
     ocfg = load_job_config(None, dict(_flat(online)))

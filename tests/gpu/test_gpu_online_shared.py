@@ -2,7 +2,8 @@
 shared, issue 17): vLLM extraction and DeepSpeed bf16 training at once on one device, every sample
 trained once per epoch. The CPU tiers show the decision, its checks and Ray's placement on a
 declared GPU (tests/test_online.py); this is where vLLM's memory share and the trainer's cap meet
-on a real device."""
+on a real device. Its whole job log (and report) go to $OUT (else the test's temp dir):
+gpu_online_shared.log, gpu_online_shared-report.json."""
 
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ def test_gpu_online_job_shares_the_gpu_and_trains_every_sample_once(gpu_target, 
     text = (dest / "gpu_online_shared.log").read_text()
     assert job.returncode == 0, text[-3000:]
     report = json.loads((out / "report.json").read_text())
+    # the whole log and the report beside it, under $OUT: what a GPU run brings back to be committed
+    (dest / "gpu_online_shared-report.json").write_text(json.dumps(report, indent=1))
     split = report["stages"]["train"]["online"]["gpu_split"]
     assert split["mode"] == "shared" and split["engine_bundle"]["GPU"] == pytest.approx(0.7), split
     assert split["trainer_gpus"] == pytest.approx(0.3) and split["num_replicas"] >= 1, split
