@@ -56,9 +56,10 @@ eval k=3 on 32 held-out prompts x 128 tokens). At this size the starts weigh as 
 `--num-records 12000` makes extraction and steps ~3x longer (~1.5 min more). Without --target: the
 1B shape with random weights and the demo's tokenizer (benchmarks.shapes.build_shape_target),
 right for the timings only.
-On CPU, the plumbing (about 10 minutes on 2 cores, no figure to quote; the split is ignored there):
+On CPU, the plumbing (about 3 minutes on 2 cores, no figure to quote; the split is ignored there),
+on the demo's tiny target (`eagle3.tiny.build_tiny_target("/tmp/tiny", "data/demo_conversations.jsonl")`):
 
-    python -m benchmarks.online_bench --one-gpu --target runs/tiny-target --conversations \\
+    python -m benchmarks.online_bench --one-gpu --target /tmp/tiny --conversations \\
         data/demo_conversations.jsonl --num-records 120 --max-length 256 --micro-batch-tokens 512 \\
         --eval-prompts 4 --eval-max-tokens 16 --eval-k 1 --out /tmp/ob1
 """
@@ -549,7 +550,7 @@ def one_gpu_markdown(res: dict) -> str:
         f"seed {a['seed']}, 1 engine replica (gpu_memory_utilization {a['gpu_memory_utilization']}), 1 training "
         f"worker; online: train.online.gpu_split shared, trainer_gpu_fraction {a['trainer_gpu_fraction']} "
         f"(engine bundle {1 - a['trainer_gpu_fraction']:.2f} GPU); order {', '.join(a['order'])}; "
-        f"FusedAdam built before both: {res.get('warmup')}",
+        f"FusedAdam built before both: {res.get('warmup') or 'no (no GPU)'}",
         f"- logs: {off['log']} ({off['log_bytes']:,} bytes), {on['log']} ({on['log_bytes']:,} bytes)", "",
         "Wall = from the first prompt to the exported draft: offline the extract + train stages, online the train "
         "stage (engine and trainer starts included; prepare and eval not). Steady tokens/s: median of the per-step "
@@ -557,7 +558,9 @@ def one_gpu_markdown(res: dict) -> str:
         "| run | wall s | engine start s | extraction after start s | trainer set-up s | steps s | wall - starts s | "
         "steady tokens/s | hidden-state bytes on disk |",
         "|---|---|---|---|---|---|---|---|---|", *rows, "",
-        f"Online feed: {feed.get('num_extractions')} shard extractions ({feed.get('num_reextracted')} redone), peak "
+        f"Online feed: {feed.get('num_extractions')} shard extractions for {feed.get('num_shards')} shards an epoch "
+        f"(the shuffle window reads past an epoch's end: those extractions are of the next epoch; "
+        f"{feed.get('num_reextracted')} redone), peak "
         f"{feed.get('peak_bytes_in_flight') or 0:,} bytes in flight (bound {feed.get('max_inflight_bytes') or 0:,}); "
         f"engines waited {feed.get('engine_idle_budget_s')} s for the trainer (budget full) and "
         f"{feed.get('engine_idle_no_request_s')} s with nothing asked; the trainer waited {waits} s for the engines.",
