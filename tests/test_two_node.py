@@ -155,7 +155,7 @@ def test_kill_checks(tmp_path):
 
 def test_share_gpu_args_and_every_node_on_gpu0():
     args = tn.parse_args(["--share-gpu"])
-    assert (args.mode, args.repeat, args.online) == ("gpu-shared", 24, False)
+    assert (args.mode, args.repeat, args.online) == ("gpu-shared", 48, False)
     assert tn.parse_args(["--share-gpu", "--online"]).online
     for bad in (["--cpu", "--share-gpu"], ["--online"]):
         with pytest.raises(SystemExit):
