@@ -7,7 +7,7 @@ sampling and max_tokens, generated tokens/s of
   compat.vllm_engine.VLLMStepEngine, the replica's max_in_engine, shards of --samples-per-shard
   handed in as the driver hands them to a replica: ray_jobs.regenerate.INFLIGHT_PER_REPLICA at a
   time, the next when one is done, each rendered into training rows as the actor does);
-- `regenerate_unseeded`: the same scheduler without seeds;
+- `regenerate_unseeded`: the same scheduler without seeds (regenerate.seed null);
 and the ratios that answer the issue: regenerate/generate with seeds (target >= 0.9), and
 unseeded/seeded generate (do per-request seeds bound vLLM's generation?). vLLM draws each seeded
 request's noise with its own generator, one request after another in every sampling step
@@ -35,6 +35,7 @@ Writes <out>/regen[-<tag>].json and .md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 
@@ -89,8 +90,9 @@ def run_regenerate(llm, tok, samples: list[tuple[str, list[dict]]], sampling, *,
 
     llm.reset_prefix_cache()
     shards = [samples[i:i + samples_per_shard] for i in range(0, len(samples), samples_per_shard)]
+    sampling = sampling if seeded else dataclasses.replace(sampling, seed=None)  # regenerate.seed null
     sched = TurnScheduler(VLLMStepEngine(llm), tok, sampling, max_model_len=max_model_len, cut="end",
-                          max_in_engine=max_in_engine(max_num_seqs), seeded=seeded)
+                          max_in_engine=max_in_engine(max_num_seqs))
     t0 = time.perf_counter()
     handed = 0
     stats = []
@@ -159,8 +161,9 @@ def main(argv=None) -> int:
     base = {"temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": sampling.max_tokens}
     seeded = [{**base, "seed": turn_seed(sampling.seed, sid, 0)} for sid in ids]
     unseeded = [dict(base) for _ in ids]
+    kept = set(ids)
     samples = [(sid, [{"role": "user", "content": text}, {"role": "assistant", "content": ""}])
-               for sid, text in turns if sid in set(ids)]
+               for sid, text in turns if sid in kept]
     print(f"{len(prompts)} prompts ({sum(map(len, prompts))} tokens), sampling {sampling}", flush=True)
 
     t0 = time.perf_counter()

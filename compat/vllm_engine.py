@@ -156,8 +156,8 @@ def generation_engine_kwargs(*, model: str, max_model_len: int, dtype: str = "bf
                              tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, max_num_seqs: int = 256,
                              gpu_memory_utilization: float = 0.85, enforce_eager: bool = False,
                              trust_remote_code: bool = False) -> dict:
-    """A plain generation engine (the regenerate stage). Prefix caching on: round r of a
-    conversation's prompts extends round r-1's prompt and answer, so most of each prefill is
+    """A plain generation engine (the regenerate stage). Prefix caching on: the prompt of a
+    conversation's turn r extends turn r-1's prompt and answer, so most of each prefill is
     cached. The tokenizer is loaded: outputs come back as text. On CPU, no part-prefilled
     requests (cpu_seeded_sampling_kwargs): regeneration samples with per-turn seeds."""
     return dict(

@@ -64,7 +64,8 @@ class Sampling:
     temperature: float
     top_p: float
     max_tokens: int
-    seed: int
+    seed: int | None
+    """None: no per-turn seeds (regenerate.seed null)."""
 
 
 def resolve_sampling(cfg, target_dir: str) -> Sampling:
@@ -279,14 +280,13 @@ class TurnScheduler:
     Each turn's prompt is its conversation so far, with the turns before it already regenerated,
     so on an engine with prefix caching most of a later turn's prefill is cached. A turn is
     sampled with turn_seed (where temperature > 0), so its text depends neither on the shard nor
-    on which requests shared its steps (up to the engine's batch numerics); `seeded` False leaves
-    seeds out (the engine's own generator: not reproducible; benchmarks/regen_bench.py measures
-    what per-request seeds cost vLLM).
+    on which requests shared its steps (up to the engine's batch numerics); a sampling seed of
+    None leaves seeds out (regenerate.seed null).
     With `trace`, `events` records ('submit'|'end', sample_id, turn) in the order they happened."""
 
     def __init__(self, engine: StepEngine, tokenizer, sampling: Sampling, *, max_model_len: int,
                  cut: str = "reject", chat_template_kwargs: dict | None = None, max_in_engine: int | None = None,
-                 seeded: bool = True, trace: bool = False):
+                 trace: bool = False):
         if cut not in ("reject", "end"):
             raise ValueError(f"regenerate cut={cut!r}: expected 'reject' or 'end'")
         if max_in_engine is not None and max_in_engine < 1:
@@ -294,7 +294,6 @@ class TurnScheduler:
         self.engine, self.tokenizer, self.sampling = engine, tokenizer, sampling
         self.max_model_len, self.cut, self.chat_template_kwargs = max_model_len, cut, chat_template_kwargs
         self.max_in_engine = max_in_engine
-        self.seeded = seeded
         self.events: list[tuple[str, str, int]] | None = [] if trace else None
         self._ready: list[tuple[int, int, _Conversation]] = []  # heap: (shard order, index in shard, conversation)
         self._in_engine: dict[str, tuple[_Conversation, int, int]] = {}  # request id -> (conv, prompt len, max_tokens)
@@ -369,7 +368,7 @@ class TurnScheduler:
             request_id = str(next(self._request_ids))
             # A seed only where there is sampling: greedy decoding needs no generator.
             params = {"temperature": self.sampling.temperature, "top_p": self.sampling.top_p, "max_tokens": max_tokens}
-            if self.seeded and self.sampling.temperature > 0:
+            if self.sampling.seed is not None and self.sampling.temperature > 0:
                 params["seed"] = turn_seed(self.sampling.seed, conv.sample_id, conv.turn)
             self._in_engine[request_id] = (conv, len(ids), max_tokens)
             self._event("submit", conv)

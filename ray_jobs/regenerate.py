@@ -53,7 +53,7 @@ def run_regenerate(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: s
                                          chat_template_kwargs=cfg.prepare.chat_template_kwargs, cut=rcfg.cut))
     committed = manifest.committed()
     sched = ShardScheduler(plan.num_shards, committed, max_inflight_per_replica=INFLIGHT_PER_REPLICA)
-    log.info("%s (up to %d conversations each; temperature %g, top_p %g, max_tokens %d, seed %d)",
+    log.info("%s (up to %d conversations each; temperature %g, top_p %g, max_tokens %d, seed %s)",
              sched.describe_resume("regenerate"), plan.samples_per_shard, sampling.temperature, sampling.top_p,
              sampling.max_tokens, sampling.seed)
     summary = {"num_shards": plan.num_shards, "samples_per_shard": plan.samples_per_shard,

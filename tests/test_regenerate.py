@@ -128,6 +128,12 @@ def test_rounds_see_the_regenerated_history_and_masks_cover_the_new_text(tok):
     greedy = Scripted(tok, lambda text, kw: ("new.", "stop"))
     regenerate_conversations(greedy, tok, samples[:1], GREEDY, max_model_len=512, max_length=512)
     assert all("seed" not in kw for _, params in greedy.calls for kw in params)
+    # regenerate.seed null: sampled without per-turn seeds (the engine's own generator).
+    unseeded = Scripted(tok, lambda text, kw: ("new.", "stop"))
+    regenerate_conversations(unseeded, tok, samples[:1], Sampling(0.7, 0.9, 32, None), max_model_len=512,
+                             max_length=512)
+    assert unseeded.calls and all("seed" not in kw for _, params in unseeded.calls for kw in params)
+    assert load_job_config(None, {"regenerate.seed": None}).regenerate.seed is None
 
 
 def test_turns_of_different_conversations_overlap_without_rounds(tok):
@@ -513,6 +519,10 @@ def test_vllm_regenerates_each_conversation_once_and_resumes(tiny_target, tmp_pa
     assert first["num_samples"] + first["num_rejected"] == 5 and first["num_samples"] >= 1
     assert first["sampling"] == {"temperature": 0.0, "top_p": 1.0, "max_tokens": 48, "seed": 0}
     assert first["num_generated_tokens"] > 0
+    assert first["num_turns"] == first["num_turns_ended"] + first["num_turns_cut"] > 0  # "stop" or "length"
+    # Several shards in flight on the one replica: a shard started before another one was done.
+    recs = [json.loads(p.read_text()) for p in sorted((out / "committed").glob("shard-*.json"))]
+    assert len(recs) == 3 and any(b["started_at"] < a["finished_at"] for a in recs for b in recs if a is not b)
     tokens = read_tokens(out)
     kept = tokens.column("sample_id").to_pylist()
     rejected = [json.loads(line)["sample_id"] for line in (out / "rejects.jsonl").read_text().splitlines()]
