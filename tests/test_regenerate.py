@@ -219,6 +219,15 @@ def test_turns_the_target_ended_are_counted_apart_from_cut_ones_and_untrusted_da
     assert cut_warning(100, 50, sampling, []) is None  # half is not most
     assert cut_warning(10, 9, sampling, []) is None  # too few to judge mid-stage ...
     assert "9 of 10 turns" in cut_warning(10, 9, sampling, [], final=True)  # ... but said at the end
+    # The job's final summary shows the turns ended apart from the cut ones, and the warnings.
+    from ray_jobs.run import format_summary
+
+    text = format_summary({"seconds": {"total": 10}, "output_dir": "/o", "target": "t", "stages": {"regenerate": {
+        "num_samples": 5, "num_generated_tokens": 100, "num_rejected": 1, "num_shards": 1, "shards_skipped": 0,
+        "num_turns": 100, "num_turns_ended": 15, "num_turns_cut": 85, "num_turns_cut_at_max_tokens": 85,
+        "untrusted": [msg]}}})
+    assert "100 turns: 15 ended by the target, 85 cut (85 at regenerate.max_tokens)" in text
+    assert f"WARNING {msg}" in text
 
 
 def test_rejects_name_the_turn_and_the_reason(tok):
