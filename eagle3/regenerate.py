@@ -1,10 +1,13 @@
 """Regenerate stage, without Ray: the target rewrites every assistant turn of a shard of
 conversations with its own sampling, and the result is re-encoded for extraction.
 
-Owns: the turn-by-turn rounds (round r generates assistant turn r of every conversation of
-the shard that has one, each prompt being the conversation so far with the turns before it
-already regenerated: one batch per round, so an engine decodes many conversations at once),
-the reasons a conversation is rejected, a `<think>` block split into `reasoning_content`,
+Owns: the turn scheduler (TurnScheduler: every assistant turn generated in order within its
+conversation, each prompt being the conversation so far with the turns before it already
+regenerated; a conversation's next turn goes to the engine as soon as its previous one is back,
+so the turns of many conversations and of several shards share the engine without rounds),
+the reasons a conversation is rejected, the counts of turns the target ended and of turns cut,
+the warnings on data that can't be trusted (sampling at T=1 for want of the target's settings,
+most turns cut at max_tokens), a `<think>` block split into `reasoning_content`,
 per-turn seeds, the sampling defaults read from the target's generation_config.json, the
 shard file, and the output layout:
     regenerated/
