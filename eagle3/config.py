@@ -279,8 +279,9 @@ class RegenerateConfig:
     seeded request's noise one request after another in every step (benchmarks/regen_bench.py
     measures the cost)."""
     samples_per_shard: int = 256
-    """Conversations per shard: the unit committed exactly once, and the batch each round of
-    generation sends to the engine (round r generates turn r of every conversation of the shard)."""
+    """Conversations per shard: the unit committed exactly once (when all its conversations are
+    done). A replica generates several shards at once (ray_jobs.regenerate.INFLIGHT_PER_REPLICA),
+    their turns sharing its engine, so a shard smaller than max_num_seqs still fills it."""
     max_num_seqs: int = 256
     """vLLM's limit on sequences decoded together."""
     enforce_eager: bool = False
