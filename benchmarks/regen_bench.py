@@ -194,6 +194,8 @@ def main(argv=None) -> int:
     finally:
         engine.close()
 
+    from vllm import __version__ as vllm_version
+
     def ratio(a, b):
         return runs[a]["tokens_per_s"] / runs[b]["tokens_per_s"]
 
@@ -202,10 +204,11 @@ def main(argv=None) -> int:
               "generate_unseeded_over_seeded": ratio("generate_unseeded", "generate_seeded"),
               "regenerate_unseeded_over_seeded": ratio("regenerate_unseeded", "regenerate_seeded")}
     result = result_meta(args, target=args.target, sampling=vars(sampling), num_prompts=len(prompts),
-                         num_prompt_tokens=sum(map(len, prompts)), startup_s=startup_s, warmup_s=warmup_s,
+                         num_prompt_tokens=sum(map(len, prompts)), vllm=vllm_version, startup_s=startup_s,
+                         warmup_s=warmup_s,
                          runs=runs, ratios=ratios)
     lines = [f"# Regeneration vs plain LLM.generate: {os.path.basename(os.path.normpath(args.target))}", "",
-             f"{result['date']}, {result['machine']}, vLLM {result['versions']['packages'].get('vllm')}, "
+             f"{result['date']}, {result['machine']}, vLLM {vllm_version}, "
              f"commit {result['versions']['git_commit']}", "",
              f"{len(prompts)} ShareGPT first user turns ({result['num_prompt_tokens']} prompt tokens), temperature "
              f"{sampling.temperature:g}, top_p {sampling.top_p:g}, max_tokens {sampling.max_tokens}, max_num_seqs "
