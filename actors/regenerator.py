@@ -1,18 +1,24 @@
 """Ray actor hosting one regeneration engine replica (vLLM, plain generation).
 
 Placed by ray_jobs/regenerate.py on its own placement group, as extraction's replicas are
-(ray_jobs.extract.ReplicaPool). Delegates the work to eagle3.regenerate: this class only
-starts the engine and the tokenizer, writes each shard's file and reports stats; the
-driver commits the shard. Run with max_concurrency=1: the engine serves one shard at a
-time, and a second shard handed out waits in the actor's queue, so the engine never
-waits for the driver between shards.
+(ray_jobs.extract.ReplicaPool). Delegates the work to eagle3.regenerate: this class starts
+the engine and the tokenizer, drives the engine from one thread (eagle3.regenerate.TurnScheduler
+over compat.vllm_engine.VLLMStepEngine), writes each shard's file and reports stats; the
+driver commits the shard.
+Several shards are in flight at once: run with max_concurrency >= the driver's shards per
+replica + 1. Each `regenerate_shard` call (a thread of the actor) hands its shard to the engine
+thread and waits for it; all open shards' conversations share the engine, a conversation's next
+turn going in as soon as its previous one is back, so the engine never waits for the slowest
+conversation of a shard, nor for the driver between shards.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
+from concurrent.futures import Future
 
 
 class RegeneratorActor:
@@ -22,12 +28,12 @@ class RegeneratorActor:
         import ray
         from transformers import AutoTokenizer
 
-        from compat.vllm_engine import Engine, engine_env, generation_engine_kwargs
+        from compat.vllm_engine import Engine, VLLMStepEngine, engine_env, generation_engine_kwargs
         from eagle3.extract import target_text_config
+        from eagle3.regenerate import TurnScheduler
 
         self.replica = replica
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.sampling = sampling
         self.max_length = max_length
         self.assistant_only_loss = assistant_only_loss
         self.chat_template_kwargs = chat_template_kwargs
@@ -45,38 +51,93 @@ class RegeneratorActor:
         # Prepare's tokenizer, from the same directory: the regenerated samples are encoded as the
         # prepared ones were.
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        self.scheduler = TurnScheduler(VLLMStepEngine(self.engine.llm), self.tokenizer, sampling,
+                                       max_model_len=self.max_model_len, cut=self.cut,
+                                       chat_template_kwargs=chat_template_kwargs,
+                                       max_in_engine=max_in_engine(regen_cfg.max_num_seqs))
         self.startup_s = time.perf_counter() - t0
+        self._cv = threading.Condition()
+        self._incoming: list[tuple[int, list, Future]] = []
+        self._waiting: dict[int, Future] = {}
+        self._error: BaseException | None = None
+        self._closing = False
+        self.busy_s = 0.0  # time the engine thread had turns in the engine
+        self._thread = threading.Thread(target=self._drive, name=f"regenerate-engine-{replica}", daemon=True)
+        self._thread.start()
         from ray.util.metrics import Gauge
 
         self._tokens_s = Gauge("eagle3_regenerate_tokens_per_s", description="Generated tokens/s of one replica",
                                tag_keys=("replica",))
+        self._num_tokens = 0
 
     def info(self) -> dict:
         return {"replica": self.replica, "node_id": self.node_id, "host": socket.gethostname(), "pid": os.getpid(),
                 "startup_s": self.startup_s}
 
-    def _generate(self, prompts, params):
-        from compat.vllm_engine import generate_texts
-        from eagle3.regenerate import Generation
-
-        return [Generation(**g) for g in generate_texts(self.engine.llm, prompts, params)]
+    def _drive(self) -> None:
+        """The engine thread: the only one that touches the engine."""
+        try:
+            while True:
+                with self._cv:
+                    while not self._incoming and self.scheduler.idle and not self._closing:
+                        self._cv.wait()
+                    if self._closing:
+                        return
+                    for shard, samples, fut in self._incoming:
+                        self.scheduler.add_shard(shard, samples)
+                        self._waiting[shard] = fut
+                    self._incoming.clear()
+                t = time.perf_counter()
+                done = self.scheduler.step()
+                self.busy_s += time.perf_counter() - t
+                for run in done:
+                    with self._cv:
+                        fut = self._waiting.pop(run.key)
+                    fut.set_result(run)
+        except BaseException as e:  # noqa: BLE001 - handed to every waiting shard, which raises it
+            with self._cv:
+                self._error = e
+                for fut in [*self._waiting.values(), *(f for _, _, f in self._incoming)]:
+                    fut.set_exception(e)
+                self._waiting.clear()
+                self._incoming.clear()
 
     def regenerate_shard(self, shard: int, samples: list, path: str) -> dict:
-        """Regenerate `samples` [(sample_id, messages)], write the shard file at `path`; return stats."""
-        from eagle3.regenerate import regenerate_conversations, write_shard_table
+        """Regenerate `samples` [(sample_id, messages)], write the shard file at `path`; return stats.
+        Returns when the shard's last conversation is done; other shards keep the engine busy meanwhile."""
+        from eagle3.regenerate import render_shard, write_shard_table
 
-        table, stats = regenerate_conversations(self._generate, self.tokenizer, samples, self.sampling,
-                                                max_model_len=self.max_model_len, max_length=self.max_length,
-                                                assistant_only_loss=self.assistant_only_loss,
-                                                chat_template_kwargs=self.chat_template_kwargs,
-                                                cut=self.cut)
+        fut: Future = Future()
+        with self._cv:
+            if self._error is not None:
+                raise RuntimeError(f"[regenerate] replica {self.replica}'s engine thread failed: {self._error!r}") \
+                    from self._error
+            self._incoming.append((shard, samples, fut))
+            self._cv.notify()
+        run = fut.result()
+        table, stats = render_shard(run, self.tokenizer, max_length=self.max_length,
+                                    assistant_only_loss=self.assistant_only_loss,
+                                    chat_template_kwargs=self.chat_template_kwargs, cut=self.cut)
         t0 = time.perf_counter()
         nbytes = write_shard_table(table, path)
-        if stats.generate_s > 0:
-            self._tokens_s.set(stats.num_generated_tokens / stats.generate_s, tags={"replica": str(self.replica)})
+        self._num_tokens += stats.num_generated_tokens
+        if self.busy_s > 0:
+            self._tokens_s.set(self._num_tokens / self.busy_s, tags={"replica": str(self.replica)})
         return {"shard": shard, "replica": self.replica, "node_id": self.node_id, **stats.to_dict(),
-                "bytes": nbytes, "write_s": time.perf_counter() - t0}
+                "replica_busy_s": self.busy_s, "bytes": nbytes, "write_s": time.perf_counter() - t0}
 
     def shutdown(self) -> None:
-        """Release the engine (compat.vllm_engine.Engine.close): its engine-core processes end."""
+        """Stop the engine thread, then release the engine (compat.vllm_engine.Engine.close): its
+        engine-core processes end."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        self._thread.join(timeout=60)
         self.engine.close()
+
+
+def max_in_engine(max_num_seqs: int) -> int:
+    """Requests kept in a replica's engine at once: its max_num_seqs running, and a quarter more
+    waiting in its queue, so a finished sequence's slot is refilled in the engine's next step
+    (without waiting for this process) while the order of the rest stays ours (oldest shard first)."""
+    return max_num_seqs + max(1, max_num_seqs // 4)

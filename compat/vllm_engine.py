@@ -12,8 +12,9 @@ filed as of 0.32).
 Settings forced for correctness: prefix caching off (a cached prefix shortens the captured
 sequence: vLLM issue 44485), chunked prefill off and max_num_batched_tokens >= the longest
 sample (one prefill step per request, so hidden states come from one forward).
-Also owns `Engine`, the one way our code starts and releases a vLLM `LLM` in a process (see
-its docstring for the seam it uses).
+Also owns `Engine`, the one way our code starts and releases a vLLM `LLM` in a process, and
+`VLLMStepEngine`, an `LLM`'s engine driven request by request for regeneration (see their
+docstrings for the seams they use).
 """
 
 from __future__ import annotations
@@ -158,8 +159,8 @@ def generation_engine_kwargs(*, model: str, max_model_len: int, dtype: str = "bf
                              tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, max_num_seqs: int = 256,
                              gpu_memory_utilization: float = 0.85, enforce_eager: bool = False,
                              trust_remote_code: bool = False) -> dict:
-    """A plain generation engine (the regenerate stage). Prefix caching on: round r of a
-    conversation's prompts extends round r-1's prompt and answer, so most of each prefill is
+    """A plain generation engine (the regenerate stage). Prefix caching on: the prompt of a
+    conversation's turn r extends turn r-1's prompt and answer, so most of each prefill is
     cached. The tokenizer is loaded: outputs come back as text. On CPU, no part-prefilled
     requests (cpu_seeded_sampling_kwargs): regeneration samples with per-turn seeds."""
     return dict(
@@ -180,6 +181,52 @@ def generate_texts(llm, prompts: list[list[int]], params: list[dict]) -> list[di
                         use_tqdm=False)
     return [{"text": o.outputs[0].text, "num_tokens": len(o.outputs[0].token_ids),
              "finish_reason": o.outputs[0].finish_reason} for o in outs]
+
+
+class VLLMStepEngine:
+    """An `LLM`'s engine driven request by request (eagle3.regenerate.StepEngine), so that a
+    conversation's next turn joins the running batch as soon as its previous turn is back,
+    instead of waiting for a whole `LLM.generate` call to end.
+
+    Seam (vLLM 0.26 - 0.32, the V1 `LLMEngine` behind `LLM.llm_engine`), exactly what
+    `LLM.generate` itself does (0.26 `entrypoints/offline_utils.py`, 0.32
+    `entrypoints/common/offline.py`: `_add_request`, `_run_engine`):
+    - `add_request(request_id, {"prompt_token_ids": ids}, SamplingParams)` with the params'
+      `output_kind = RequestOutputKind.FINAL_ONLY`, so a step returns a request once, finished;
+    - `step()`, which returns `RequestOutput`s with `finished`, `request_id` and `outputs[0]`
+      (`text`, `token_ids`, `finish_reason`). vLLM appends a random suffix to the id internally
+      (`InputProcessor.assign_request_id`) and hands outputs back under the id we gave.
+    vLLM 0.32 takes our raw `{"prompt_token_ids": ...}` prompt but logs once that raw prompts to
+    `InputProcessor` are deprecated (its `LLM.generate` renders them first, with the engine's
+    renderer); when they go, render as `LLM.generate` does (the slow real-engine test fails then).
+    A multiprocess engine core keeps decoding while this process builds the next prompts; `step`
+    waits for its next output. Only one thread may drive it. Remove when vLLM has a public
+    incremental offline API (none as of 0.32); `AsyncLLM` is the served alternative.
+    tests/test_compat.py::test_llm_engine_step_seam fails when this moves."""
+
+    PREFIX = "regen-"  # our ids apart from LLM.generate's counter, should both share an engine
+
+    def __init__(self, llm):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self._engine = llm.llm_engine
+        self._params, self._final_only = SamplingParams, RequestOutputKind.FINAL_ONLY
+
+    def add(self, request_id: str, prompt: list[int], params: dict) -> None:
+        sp = self._params(**params)
+        sp.output_kind = self._final_only
+        self._engine.add_request(self.PREFIX + request_id, {"prompt_token_ids": prompt}, sp)
+
+    def step(self) -> list[tuple[str, dict]]:
+        """Finished requests of one engine step: (request_id, {"text", "num_tokens", "finish_reason"})."""
+        n = len(self.PREFIX)
+        return [(o.request_id[n:], {"text": o.outputs[0].text, "num_tokens": len(o.outputs[0].token_ids),
+                                    "finish_reason": o.outputs[0].finish_reason})
+                for o in self._engine.step() if o.finished]
+
+    def has_unfinished(self) -> bool:
+        return self._engine.has_unfinished_requests()
 
 
 def cpu_seeded_sampling_kwargs(max_model_len: int) -> dict:

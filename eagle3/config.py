@@ -284,12 +284,16 @@ class RegenerateConfig:
     what the target writes under this max_tokens), counted as num_ended_early. 'reject' is the
     default: every kept turn is an answer the target ended itself. 'end' is for a target that
     rarely ends a turn within max_tokens, whose data 'reject' would empty."""
-    seed: int = 0
+    seed: int | None = 0
     """Each turn's sampling seed is derived from this, the sample id and the turn: the same text
-    whatever the sharding, the batch or a resume."""
+    whatever the sharding, the batch or a resume. null: no per-turn seeds (the engine's own
+    generator; not reproducible), for when seeded sampling costs vLLM too much: it draws each
+    seeded request's noise one request after another in every step (benchmarks/regen_bench.py
+    measures the cost)."""
     samples_per_shard: int = 256
-    """Conversations per shard: the unit committed exactly once, and the batch each round of
-    generation sends to the engine (round r generates turn r of every conversation of the shard)."""
+    """Conversations per shard: the unit committed exactly once (when all its conversations are
+    done). A replica generates several shards at once (ray_jobs.regenerate.INFLIGHT_PER_REPLICA),
+    their turns sharing its engine, so a shard smaller than max_num_seqs still fills it."""
     max_num_seqs: int = 256
     """vLLM's limit on sequences decoded together."""
     enforce_eager: bool = False

@@ -23,9 +23,10 @@ from ray_jobs.metrics import regenerate_metrics
 
 log = logging.getLogger("eagle3.regenerate")
 
-# Two shards per replica: the one generating and the next, queued in the actor (it runs one
-# call at a time), so a replica never idles while the driver commits and hands out work.
-INFLIGHT_PER_REPLICA = 2
+# Shards in flight per replica, all generating at once in its engine (actors/regenerator.py): as
+# one shard's last conversations finish, the next ones' fill the engine, and a replica never idles
+# while the driver commits and hands out work.
+INFLIGHT_PER_REPLICA = 3
 
 
 def run_regenerate(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str, *, progress: bool = True) -> dict:
@@ -35,13 +36,15 @@ def run_regenerate(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: s
     import ray
 
     from actors.regenerator import RegeneratorActor
-    from eagle3.regenerate import conversation_ids, finalize, regenerate_fingerprint, resolve_sampling, source_messages
+    from eagle3.regenerate import (conversation_ids, cut_warning, fallback_warning, finalize, regenerate_fingerprint,
+                                   resolve_sampling, sampling_fallbacks, source_messages)
     from ray_jobs.extract import ReplicaPool, failure_reason, is_system_failure, replica_layout
 
     rcfg, ecfg = cfg.regenerate, cfg.extract
     t_start = time.perf_counter()
     ids = conversation_ids(pq.read_table(tokens_path, columns=["sample_id"]).column("sample_id").to_pylist())
     sampling = resolve_sampling(rcfg, target_dir)
+    fallbacks = sampling_fallbacks(rcfg, target_dir)
     plan = ShardPlan(len(ids), rcfg.samples_per_shard)
     manifest = Manifest(Path(out_dir), "parquet")
     manifest.open(regenerate_fingerprint(ids, plan.samples_per_shard, sampling, target=target_dir,
@@ -50,11 +53,16 @@ def run_regenerate(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: s
                                          chat_template_kwargs=cfg.prepare.chat_template_kwargs, cut=rcfg.cut))
     committed = manifest.committed()
     sched = ShardScheduler(plan.num_shards, committed, max_inflight_per_replica=INFLIGHT_PER_REPLICA)
-    log.info("%s (up to %d conversations each; temperature %g, top_p %g, max_tokens %d, seed %d)",
+    log.info("%s (up to %d conversations each; temperature %g, top_p %g, max_tokens %d, seed %s)",
              sched.describe_resume("regenerate"), plan.samples_per_shard, sampling.temperature, sampling.top_p,
              sampling.max_tokens, sampling.seed)
     summary = {"num_shards": plan.num_shards, "samples_per_shard": plan.samples_per_shard,
-               "shards_skipped": len(sched.skipped), "sampling": vars(sampling)}
+               "shards_skipped": len(sched.skipped), "sampling": vars(sampling), "sampling_fallbacks": fallbacks}
+    warned = False
+    if (msg := fallback_warning(fallbacks, sampling)) and not sched.finished:
+        log.warning(msg)
+    turns = [sum(r.get("num_turns", 0) for r in committed.values()),
+             sum(r.get("num_turns_cut_at_max_tokens", 0) for r in committed.values())]
     if not sched.finished:
         wanted = {ids[j] for s in sched.todo for j in range(*plan.rows(s))}
         messages = source_messages(cfg.prepare.conversations, cfg.prepare.max_samples, wanted,
@@ -64,7 +72,7 @@ def run_regenerate(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: s
             max_length=cfg.prepare.max_length, dtype=cfg.target.dtype, trust_remote_code=cfg.target.trust_remote_code,
             assistant_only_loss=cfg.prepare.assistant_only_loss, replica=index,
             chat_template_kwargs=cfg.prepare.chat_template_kwargs)), bundle,
-            max_concurrency=1, what="regeneration replica")
+            max_concurrency=INFLIGHT_PER_REPLICA + 1, what="regeneration replica")
         metrics = regenerate_metrics(plan.num_samples)
         bar = None
         if progress:
@@ -103,8 +111,13 @@ def run_regenerate(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: s
                     manifest.commit(shard, {**stats, "committed_at": time.time()})
                     r = pool.replicas[sched.commit(shard)]
                     r.num_tokens += stats["num_generated_tokens"]
-                    r.busy_s += stats["generate_s"]
+                    r.busy_s = max(r.busy_s, stats["replica_busy_s"])  # the replica's engine time so far
                     gen_tokens += stats["num_generated_tokens"]
+                    turns[0] += stats["num_turns"]
+                    turns[1] += stats["num_turns_cut_at_max_tokens"]
+                    if not warned and (msg := cut_warning(*turns, sampling, fallbacks)):
+                        log.warning(msg)
+                        warned = True
                     rate = gen_tokens / max(time.perf_counter() - t_loop, 1e-9)
                     metrics.add(samples_done=stats["num_samples"] + stats["num_rejected"], tokens=stats["num_generated_tokens"])
                     metrics.rate.set(rate)
@@ -124,7 +137,16 @@ def run_regenerate(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: s
                 bar.close()
             pool.shutdown(graceful=finished)
         summary["replicas"] = pool.summary()
+        rates = [r["tokens_per_s"] for r in summary["replicas"] if r["tokens_per_s"]]
+        summary["tokens_per_s"] = gen_tokens / summary["loop_s"] if summary["loop_s"] else None
+        summary["tokens_per_s_per_replica"] = sum(rates) / len(rates) if rates else None
     summary.update(finalize(manifest, plan.num_shards))
+    if not warned and (msg := cut_warning(summary["num_turns"], summary["num_turns_cut_at_max_tokens"], sampling,
+                                          fallbacks, final=True)):
+        log.warning(msg)
+    summary["untrusted"] = [m for m in (fallback_warning(fallbacks, sampling),
+                                        cut_warning(summary["num_turns"], summary["num_turns_cut_at_max_tokens"],
+                                                    sampling, fallbacks, final=True)) if m]
     if summary["num_rejected"]:
         log.warning("regenerate rejected %d of %d conversations; reasons in %s", summary["num_rejected"],
                     plan.num_samples, Path(out_dir) / "rejects.jsonl")

@@ -175,6 +175,11 @@ def format_summary(report: dict) -> str:
         g = st["regenerate"]
         lines.append(f"  regenerated/     {g['num_samples']} conversations, {g['num_generated_tokens']} tokens generated, "
                      f"{g['num_rejected']} rejected{_resumed(g)}")
+        if "num_turns_ended" in g:
+            lines.append(f"                   {g['num_turns']} turns: {g['num_turns_ended']} ended by the target, "
+                         f"{g['num_turns_cut']} cut ({g['num_turns_cut_at_max_tokens']} at regenerate.max_tokens)")
+        for msg in g.get("untrusted", []):
+            lines.append(f"                   WARNING {msg}")
     if "extract" in st:
         e = st["extract"]
         lines.append(f"  hidden_states/   {e['num_samples']} samples, {e['num_tokens']} tokens, {e['bytes'] / 1e6:.1f} MB, "

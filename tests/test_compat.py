@@ -250,6 +250,39 @@ def test_engine_client_shutdown_seam():
     assert guarded == (VLLM >= Version("0.32")), f"vLLM {VLLM}: InprocClient.shutdown guarded={guarded}"
 
 
+def test_llm_engine_step_seam():
+    """vLLM 0.26 - 0.32: compat.vllm_engine.VLLMStepEngine drives `LLM.llm_engine` as `LLM.generate`
+    does: `add_request(request_id, prompt, params)` with the params' output_kind FINAL_ONLY, then
+    `step()` while `has_unfinished_requests()`, each output keeping the id we gave (vLLM suffixes
+    it internally, in `assign_request_id`, and the output processor answers under the external
+    id). Fails when one of these moves: follow it in VLLMStepEngine (or move to a public
+    incremental API if vLLM gains one)."""
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.engine.output_processor import RequestState
+
+    params = list(inspect.signature(LLMEngine.add_request).parameters)
+    assert params[:4] == ["self", "request_id", "prompt", "params"], params
+    assert list(inspect.signature(LLMEngine.step).parameters) == ["self"]
+    assert callable(LLMEngine.has_unfinished_requests)
+    assert "external_req_id" in inspect.getsource(InputProcessor.assign_request_id)
+    assert "self.external_req_id" in inspect.getsource(RequestState)
+    sp = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=5, seed=3)
+    sp.output_kind = RequestOutputKind.FINAL_ONLY
+    assert sp.output_kind is RequestOutputKind.FINAL_ONLY
+    # LLM.generate sets FINAL_ONLY the same way before its own add_request (its offline helpers:
+    # vllm/entrypoints/offline_utils.py in 0.26, vllm/entrypoints/common/offline.py in 0.32).
+    import importlib.util
+
+    name = next(n for n in ("vllm.entrypoints.offline_utils", "vllm.entrypoints.common.offline")
+                if importlib.util.find_spec(n) is not None)
+    offline = importlib.import_module(name)
+    src = inspect.getsource(offline)
+    assert "params.output_kind = RequestOutputKind.FINAL_ONLY" in src
+    assert "self.llm_engine.add_request(" in src and "self.llm_engine.step()" in src
+
+
 # Run in a fresh process by the test below: argv[1] is "multiprocess" or "in-process", argv[2] the
 # target. Prints one RESULT line of JSON.
 _RELEASE_CHILD = r"""

@@ -1,6 +1,8 @@
-"""Regenerate stage: turn-by-turn rounds, rejects, reasoning blocks and the re-encoded tokens on
-the tiny tokenizer with a scripted generator (no engine); the vLLM seam; and the stage through
-real Ray + real vLLM (CPU) on the tiny target, committed once per shard and resumed."""
+"""Regenerate stage: turn by turn, rejects, reasoning blocks and the re-encoded tokens on the tiny
+tokenizer with a scripted generator (no engine); the scheduler (turns of different conversations
+and shards overlapping) against a scripted step engine; the warnings on data that can't be
+trusted; the vLLM seam; the scheduler on a real vLLM engine; and the stage through real Ray +
+real vLLM (CPU) on the tiny target, committed once per shard and resumed."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import pytest
 
 from eagle3 import tiny
 from eagle3.config import RegenerateConfig, load_job_config
-from eagle3.regenerate import (SHARD_SCHEMA, Generation, Sampling, finalize, regenerate_conversations,
-                               resolve_sampling, split_reasoning, turn_seed, write_shard_table)
+from eagle3.regenerate import (SHARD_SCHEMA, Generation, Sampling, TurnScheduler, cut_warning, fallback_warning,
+                               finalize, regenerate_conversations, render_shard, resolve_sampling,
+                               sampling_fallbacks, split_reasoning, turn_seed, write_shard_table)
 
 DEMO = Path(__file__).resolve().parents[1] / "data" / "demo_conversations.jsonl"
 GREEDY = Sampling(temperature=0.0, top_p=1.0, max_tokens=32, seed=0)
@@ -56,6 +59,35 @@ class Scripted:
         return out
 
 
+class Stepped:
+    """A step engine (eagle3.regenerate.StepEngine, our interface) whose request takes one step per
+    word of the answer `script` gives for (the prompt's text, its sampling), at most `max_running`
+    at once (the rest wait, first come first served, as in vLLM's queue). Stands in for the engine
+    only where the scheduler's own logic is under test."""
+
+    def __init__(self, tok, script, max_running: int = 1000):
+        self.tok, self.script, self.max_running = tok, script, max_running
+        self.queue: list[list] = []  # [request id, steps left, generation]
+        self.most_in_engine = 0
+        self.steps = 0
+
+    def add(self, request_id, prompt, params):
+        answer, reason = self.script(self.tok.decode(prompt), params)
+        gen = Generation(answer, len(self.tok(answer, add_special_tokens=False)["input_ids"]), reason)
+        self.queue.append([request_id, max(1, len(answer.split())), gen])
+        self.most_in_engine = max(self.most_in_engine, len(self.queue))
+
+    def step(self):
+        self.steps += 1
+        done = []
+        for req in self.queue[:self.max_running]:
+            req[1] -= 1
+            if req[1] == 0:
+                done.append((req[0], req[2]))
+        self.queue = [r for r in self.queue if r[1] > 0]
+        return done
+
+
 def masked_texts(tok, ids, mask) -> list[str]:
     spans, start = [], None
     for i, m in enumerate(mask + [0]):
@@ -96,6 +128,106 @@ def test_rounds_see_the_regenerated_history_and_masks_cover_the_new_text(tok):
     greedy = Scripted(tok, lambda text, kw: ("new.", "stop"))
     regenerate_conversations(greedy, tok, samples[:1], GREEDY, max_model_len=512, max_length=512)
     assert all("seed" not in kw for _, params in greedy.calls for kw in params)
+    # regenerate.seed null: sampled without per-turn seeds (the engine's own generator).
+    unseeded = Scripted(tok, lambda text, kw: ("new.", "stop"))
+    regenerate_conversations(unseeded, tok, samples[:1], Sampling(0.7, 0.9, 32, None), max_model_len=512,
+                             max_length=512)
+    assert unseeded.calls and all("seed" not in kw for _, params in unseeded.calls for kw in params)
+    assert load_job_config(None, {"regenerate.seed": None}).regenerate.seed is None
+
+
+def test_turns_of_different_conversations_overlap_without_rounds(tok):
+    """A conversation's next turn is submitted as soon as its previous turn is back: 'quick''s
+    second turn goes in while 'slow''s first is still decoding, and no step waits for a round."""
+    samples = [("slow", conv("Write a long one.", "x")),
+               ("quick", conv("Hi.", "x", "Again.", "x", "Third.", "x"))]
+
+    def script(text, kw):
+        return ("one two three four five six seven eight." if "long one" in text else "ok."), "stop"
+
+    engine = Stepped(tok, script)
+    sched = TurnScheduler(engine, tok, GREEDY, max_model_len=512, trace=True)
+    sched.add_shard(0, samples)
+    [run] = sched.run()
+    ev = sched.events
+    assert ev.index(("submit", "quick", 1)) < ev.index(("end", "slow", 0))
+    assert ev.index(("submit", "quick", 2)) < ev.index(("end", "slow", 0))
+    assert engine.steps == 8  # the slowest turn's length, not the sum of each round's slowest
+    table, stats = render_shard(run, tok, max_length=512)
+    assert stats.num_turns == 4 and stats.num_turns_ended == 4 and stats.num_samples == 2
+    assert table.column("sample_id").to_pylist() == ["slow", "quick"]  # input order, not finishing order
+
+
+def test_shards_share_the_engine_and_finish_on_their_own(tok):
+    """Several shards in flight: a later shard's conversations fill the engine beside an earlier
+    shard's slow one and it is done first; at most max_in_engine requests are in the engine, the
+    rest wait oldest shard first; the rows equal those of the round-by-round path."""
+    def script(text, kw):
+        return ("a b c d e f g h i j k l." if "Slow" in text else "fine."), "stop"
+
+    shard0 = [("s0a", conv("Slow one.", "x")), ("s0b", conv("Hi.", "x"))]
+    shard1 = [(f"s1{k}", conv("Hi.", "x", "More.", "x")) for k in range(3)]
+    engine = Stepped(tok, script)
+    sched = TurnScheduler(engine, tok, GREEDY, max_model_len=512, max_in_engine=3, trace=True)
+    sched.add_shard(0, shard0)
+    sched.add_shard(1, shard1)
+    finished = []
+    while not sched.idle:
+        finished += [(run.key, engine.steps) for run in sched.step()]
+    assert [k for k, _ in finished] == [1, 0] and finished[0][1] < finished[1][1]
+    assert engine.most_in_engine == 3
+    # Oldest shard first: shard 0's two turns went in before any of shard 1's.
+    submits = [sid for kind, sid, _ in sched.events if kind == "submit"]
+    assert submits[:2] == ["s0a", "s0b"] and submits[2].startswith("s1")
+    # Same conversations, same rows as the round-by-round path (BatchStepEngine).
+    sched = TurnScheduler(Stepped(tok, script), tok, GREEDY, max_model_len=512, max_in_engine=2)
+    sched.add_shard("x", shard0 + shard1)
+    [run] = sched.run()
+    stepped, _ = render_shard(run, tok, max_length=512)
+    batched, _ = regenerate_conversations(Scripted(tok, script), tok, shard0 + shard1, GREEDY, max_model_len=512,
+                                          max_length=512)
+    assert stepped.equals(batched)
+    with pytest.raises(ValueError, match="max_in_engine=0"):
+        TurnScheduler(engine, tok, GREEDY, max_model_len=512, max_in_engine=0)
+
+
+def test_turns_the_target_ended_are_counted_apart_from_cut_ones_and_untrusted_data_warns(tok, tmp_path):
+    samples = [("a", conv("Tell me about rivers.", "x", "More.", "x")), ("b", conv("Hi.", "x"))]
+    sampling = Sampling(temperature=1.0, top_p=1.0, max_tokens=32, seed=0)
+    _, stats = regenerate_conversations(
+        Scripted(tok, lambda t, kw: ("a b c", "length") if "rivers" in t else ("fine.", "stop")), tok, samples,
+        sampling, max_model_len=512, max_length=512, cut="end")
+    assert (stats.num_turns, stats.num_turns_ended, stats.num_turns_cut, stats.num_turns_cut_at_max_tokens) == (2, 1, 1, 1)
+    # Cut by the context's end is a cut, but not one that regenerate.max_tokens would fix.
+    _, stats = regenerate_conversations(Scripted(tok, lambda t, kw: ("a b c", "length")), tok, samples[1:], sampling,
+                                        max_model_len=20, max_length=512, cut="end")
+    assert (stats.num_turns_cut, stats.num_turns_cut_at_max_tokens) == (1, 0)
+
+    # T=1 because the target gives no sampling: named, with the settings to change.
+    assert sampling_fallbacks(RegenerateConfig(), str(tmp_path)) == ["temperature", "top_p"]
+    msg = fallback_warning(["temperature", "top_p"], sampling)
+    assert "temperature 1, top_p 1" in msg and "regenerate.temperature and regenerate.top_p" in msg
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.2}))
+    assert sampling_fallbacks(RegenerateConfig(), str(tmp_path)) == ["top_p"]
+    assert fallback_warning(["top_p"], sampling) is None
+    assert sampling_fallbacks(RegenerateConfig(temperature=0.5, top_p=0.9), str(tmp_path)) == []
+    # Most turns cut at max_tokens: warned with the numbers and the setting, once there are enough turns.
+    msg = cut_warning(100, 85, sampling, ["temperature"])
+    assert "85 of 100 turns" in msg and "(85%)" in msg and "regenerate.max_tokens=32" in msg
+    assert "fell back to temperature 1" in msg
+    assert "regenerate.temperature / top_p" in cut_warning(100, 85, Sampling(0.7, 0.9, 32, 0), [])
+    assert cut_warning(100, 50, sampling, []) is None  # half is not most
+    assert cut_warning(10, 9, sampling, []) is None  # too few to judge mid-stage ...
+    assert "9 of 10 turns" in cut_warning(10, 9, sampling, [], final=True)  # ... but said at the end
+    # The job's final summary shows the turns ended apart from the cut ones, and the warnings.
+    from ray_jobs.run import format_summary
+
+    text = format_summary({"seconds": {"total": 10}, "output_dir": "/o", "target": "t", "stages": {"regenerate": {
+        "num_samples": 5, "num_generated_tokens": 100, "num_rejected": 1, "num_shards": 1, "shards_skipped": 0,
+        "num_turns": 100, "num_turns_ended": 15, "num_turns_cut": 85, "num_turns_cut_at_max_tokens": 85,
+        "untrusted": [msg]}}})
+    assert "100 turns: 15 ended by the target, 85 cut (85 at regenerate.max_tokens)" in text
+    assert f"WARNING {msg}" in text
 
 
 def test_rejects_name_the_turn_and_the_reason(tok):
@@ -321,6 +453,51 @@ def test_generation_engine_args_and_sampling_resolve_in_vllm(weightless_target):
     assert sp.skip_special_tokens  # end-of-turn tokens stay out of the regenerated text
 
 
+@pytest.mark.slow
+def test_scheduler_overlaps_turns_on_a_real_vllm_engine(tiny_target, monkeypatch):
+    """TurnScheduler over a real vLLM engine (compat.vllm_engine.VLLMStepEngine; multiprocess engine
+    core, CPU): every turn comes back under its own id, a conversation's next turn is submitted
+    while another conversation's turn of the same rank is still decoding (no rounds), two shards
+    share the engine, and seeded turns give the same text alone as beside other conversations."""
+    from transformers import AutoTokenizer
+
+    from compat.vllm_engine import Engine, VLLMStepEngine, engine_env, generation_engine_kwargs
+    from eagle3.conversations import iter_records
+
+    for k, v in engine_env(in_process=False, cpu_kvcache_space_gib=1).items():
+        monkeypatch.setenv(k, v)
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    records = [(r.sample_id, r.messages) for r in iter_records(str(DEMO), 12) if r.reason is None]
+    sampled = Sampling(temperature=0.8, top_p=0.95, max_tokens=40, seed=5)
+    with Engine(**generation_engine_kwargs(model=tiny_target, max_model_len=512, dtype="float32", max_num_seqs=4,
+                                           enforce_eager=True)) as engine:
+        sched = TurnScheduler(VLLMStepEngine(engine.llm), tok, sampled, max_model_len=512, cut="end",
+                              max_in_engine=5, trace=True)
+        sched.add_shard(0, records[:6])
+        sched.add_shard(1, records[6:])
+        runs = {run.key: run for run in sched.run()}
+        alone = TurnScheduler(VLLMStepEngine(engine.llm), tok, sampled, max_model_len=512, cut="end")
+        alone.add_shard(0, records[:1])
+        [alone_run] = alone.run()
+    assert sorted(runs) == [0, 1] and not sched.num_in_engine
+    tables = {k: render_shard(run, tok, max_length=512, cut="end") for k, run in runs.items()}
+    stats = [st for _, st in tables.values()]
+    assert sum(st.num_samples + st.num_rejected for st in stats) == len(records)
+    ev = sched.events
+    assert len(ev) == 2 * sum(st.num_turns for st in stats) and sum(st.num_turns for st in stats) > len(records)
+    ends = {(sid, t): i for i, (kind, sid, t) in enumerate(ev) if kind == "end"}
+    overlapped = [(sid, t) for i, (kind, sid, t) in enumerate(ev) if kind == "submit" and t >= 1
+                  and any(j > i for (other, u), j in ends.items() if other != sid and u == t - 1)]
+    print("turns:", sum(st.num_turns for st in stats), "submitted before a turn of the rank before ended:",
+          len(overlapped), overlapped[:4])
+    assert overlapped  # e.g. B's turn 1 went in before A's turn 0 was back
+    # Seeded sampling per turn: the same conversation alone in the engine reads the same.
+    alone_table, _ = render_shard(alone_run, tok, max_length=512, cut="end")
+    first = tables[0][0].to_pylist()
+    assert alone_table.to_pylist()[0]["messages"] == next(r["messages"] for r in first
+                                                          if r["sample_id"] == records[0][0])
+
+
 # ----------------------------------------------------------------------- real Ray + real vLLM
 
 def _job(tmp_path, conversations, **regen):
@@ -351,6 +528,10 @@ def test_vllm_regenerates_each_conversation_once_and_resumes(tiny_target, tmp_pa
     assert first["num_samples"] + first["num_rejected"] == 5 and first["num_samples"] >= 1
     assert first["sampling"] == {"temperature": 0.0, "top_p": 1.0, "max_tokens": 48, "seed": 0}
     assert first["num_generated_tokens"] > 0
+    assert first["num_turns"] == first["num_turns_ended"] + first["num_turns_cut"] > 0  # "stop" or "length"
+    # Several shards in flight on the one replica: a shard started before another one was done.
+    recs = [json.loads(p.read_text()) for p in sorted((out / "committed").glob("shard-*.json"))]
+    assert len(recs) == 3 and any(b["started_at"] < a["finished_at"] for a in recs for b in recs if a is not b)
     tokens = read_tokens(out)
     kept = tokens.column("sample_id").to_pylist()
     rejected = [json.loads(line)["sample_id"] for line in (out / "rejects.jsonl").read_text().splitlines()]
