@@ -14,11 +14,12 @@ class EvaluatorActor:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_space_gib))
         self.engine = None
 
-    def measure(self, target_dir: str, draft_dir: str, prompts: list[list[int]], **kwargs) -> dict:
-        """The job's eval stage: a fresh engine and one acceptance measurement (eagle3.evaluate)."""
-        from eagle3.evaluate import measure_acceptance
+    def measure(self, target_dir: str, draft_dir: str | None, **kwargs) -> dict:
+        """One engine of the job's eval stage: started, measured and released
+        (eagle3.evaluate.measure_engine)."""
+        from eagle3.evaluate import measure_engine
 
-        return measure_acceptance(target_dir, draft_dir, prompts, **kwargs)
+        return measure_engine(target_dir, draft_dir, **kwargs)
 
     def start(self, target_dir: str, draft_dir: str | None, **engine_kwargs) -> float:
         """Start this actor's engine (eagle3.evaluate.SpecDecodeEngine); returns its start seconds."""
@@ -37,8 +38,8 @@ class EvaluatorActor:
     def acceptance(self, prompts: list[list[int]], **kwargs) -> dict:
         return self._need_engine().acceptance(prompts, **kwargs)
 
-    def throughput(self, prompts: list[list[int]], **kwargs) -> dict:
-        return self._need_engine().throughput(prompts, **kwargs)
+    def speed(self, prompts: list[list[int]], windows, samplings) -> list[dict]:
+        return self._need_engine().speed(prompts, windows, samplings)
 
     def generate(self, prompts: list[list[int]], **kwargs) -> list[list[int]]:
         return self._need_engine().generate(prompts, **kwargs)

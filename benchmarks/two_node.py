@@ -373,13 +373,13 @@ def check_run(out_dir: Path, *, head: str, workers: set[str], backend: str, num_
                             f"the training worker's ({[n[:8] for n in nodes if n]}); feed lost "
                             f"{online.get('num_lost')} shards"))
     fig["train"] = {k: train.get(k) for k in ("steps", "loss_first", "loss_last", "tokens_per_s")}
-    evals = report.get("stages", {}).get("eval") or []
+    evals = (report.get("stages", {}).get("eval") or {}).get("acceptance") or []
     fig["eval"] = [{"num_speculative_tokens": e.get("num_speculative_tokens"),
-                    "acceptance_length": e.get("acceptance_length")} for e in evals]
+                    "acceptance_length": (e.get("greedy") or {}).get("acceptance_length")} for e in evals]
     draft = out_dir / "draft"
     ok = ((draft / "config.json").exists() and (draft / "model.safetensors").exists()
           and (out_dir / "eval.json").exists() and len(evals) == num_eval
-          and all((e.get("acceptance_length") or 0) >= 1 for e in evals))
+          and all((e.get("acceptance_length") or 0) >= 1 for e in fig["eval"]))
     checks.append(check("export and eval", ok, f"draft {'present' if (draft / 'config.json').exists() else 'missing'}; "
                         f"eval {fig['eval']}"))
     fig["seconds"] = report.get("seconds")

@@ -313,14 +313,43 @@ class RegenerateConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """Acceptance length of the exported draft, measured inside vLLM speculative decoding."""
+    """The exported draft inside vLLM speculative decoding (eagle3.evaluate): acceptance length at
+    each num_speculative_tokens, greedy and at the served sampling (the regeneration's resolved
+    regenerate.temperature/top_p: the target's generation_config.json where null), and decode
+    output tokens/s with and without the draft at speed_batch_sizes. Engines: one per
+    num_speculative_tokens (speed_k's also times the windows), plus the target alone when speed is
+    measured. The timed windows are derived from the platform (eagle3.evaluate.speed_windows:
+    longer on a GPU, each timed several times; eval.json states them and whether each speedup
+    exceeds the spread of its windows)."""
 
-    num_speculative_tokens: tuple[int, ...] = (1, 2, 3, 4, 5)
-    """One engine per value; acceptance length = mean tokens accepted per verification step + 1."""
+    num_speculative_tokens: tuple[int, ...] = (1, 3)
+    """One engine per value; acceptance length = mean tokens accepted per verification step + 1.
+    Each engine costs a start (~25-50 s on the CPU, ~45-70 s on a GPU): 1 and 3 by default (the
+    acceptance per draft position of k=3's engine also estimates k=1 and 2: eval.json's
+    acceptance_length_prefix); list up to 5 for the whole curve."""
+    speed_k: int | None = None
+    """num_speculative_tokens of the one draft engine whose decode tokens/s is timed against the
+    target alone's; must be listed in num_speculative_tokens. None: 3 if listed, else the largest
+    listed. 3 because an EAGLE-3 draft's acceptance length mostly saturates by then while a
+    verification step still costs little more than k=1's, which is why vLLM's and speculators'
+    EAGLE-3 examples serve with it (a larger k pays at batch 1 and costs at large batches: time
+    both to choose). Throughput at one k keeps the stage to one extra engine (the baseline)."""
+    speed_batch_sizes: tuple[int, ...] = (1, 16)
+    """Batch sizes the decode speedup is timed at (requests decoded together; batch 1 is one
+    user's latency, a larger one a loaded server's). Empty: no throughput, no baseline engine."""
+    enforce_eager: Literal["auto", True, False] = "auto"
+    """Of the speed_k and baseline engines: 'auto' = CUDA graphs on a GPU (as `vllm serve` runs:
+    the figure a user gets) and eager on the CPU (no graphs there). true: eager everywhere (starts
+    faster, decodes slower on a GPU). Engines that only measure acceptance always run eager:
+    acceptance does not depend on graphs, and eager starts faster."""
     num_prompts: int = 16
-    """Held-out prompts (the last records of the conversation file not used for training)."""
+    """Held-out prompts (the last records of the conversation file not used for training); the
+    acceptance runs all of them, the timed windows cycle through them."""
     max_tokens: int = 64
-    """Tokens generated per prompt."""
+    """Tokens generated per prompt for acceptance (ignore_eos: exactly this many)."""
+    seed: int = 0
+    """Sampled acceptance: request i's seed is seed + i (repeatable). Timed windows sample
+    unseeded, as served requests do."""
     enabled: bool = True
     """False: no eval engines start; the job ends with the exported draft."""
 
@@ -329,10 +358,30 @@ class EvalConfig:
         if not self.num_speculative_tokens or min(self.num_speculative_tokens) < 1:
             _fail("eval", "num_speculative_tokens", list(self.num_speculative_tokens),
                   "give at least one value, each >= 1, e.g. [1, 3]")
+        if len(set(self.num_speculative_tokens)) != len(self.num_speculative_tokens):
+            _fail("eval", "num_speculative_tokens", list(self.num_speculative_tokens),
+                  "list each value once (one engine per value)")
+        if self.speed_k is not None and self.speed_k not in self.num_speculative_tokens:
+            _fail("eval", "speed_k", self.speed_k,
+                  f"must be one of eval.num_speculative_tokens={list(self.num_speculative_tokens)} (its engine "
+                  "times the decode speed); add it there, pick a listed value, or null (3 if listed, else the largest)")
+        if any(b < 1 for b in self.speed_batch_sizes) or len(set(self.speed_batch_sizes)) != len(self.speed_batch_sizes):
+            _fail("eval", "speed_batch_sizes", list(self.speed_batch_sizes),
+                  "give distinct batch sizes, each >= 1, e.g. [1, 16]; or [] for no throughput")
         if self.num_prompts < 1:
             _fail("eval", "num_prompts", self.num_prompts, "must be >= 1 (or eval.enabled: false)")
         if self.max_tokens < 1:
             _fail("eval", "max_tokens", self.max_tokens, "must be >= 1")
+
+    @property
+    def resolved_speed_k(self) -> int | None:
+        """The k whose engine times decode speed (speed_k, derived where null); None when
+        speed_batch_sizes is empty."""
+        if not self.speed_batch_sizes:
+            return None
+        if self.speed_k is not None:
+            return self.speed_k
+        return 3 if 3 in self.num_speculative_tokens else max(self.num_speculative_tokens)
 
 
 @dataclass(frozen=True)

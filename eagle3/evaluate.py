@@ -5,27 +5,126 @@ Owns:
 - `SpecDecodeEngine`: one vLLM engine (the target, with a draft or without), and what is measured on
   it; `close()` or a `with` block releases the engine. `acceptance`: acceptance length = 1 +
   accepted draft tokens / verification steps (drafts), the mean number of tokens one target forward
-  produces, greedy (temperature 0) or sampled (temperature 1, a seed per request), with `ignore_eos`
-  so every prompt generates exactly `max_tokens` tokens and runs with different
-  num_speculative_tokens see the same number of tokens. Counters come from the engine's own
+  produces, greedy or sampled (a seed per request), with `ignore_eos` so every prompt generates
+  exactly `max_tokens` tokens and runs with different num_speculative_tokens see the same number
+  of tokens; also vLLM's accepted tokens per draft position. Counters come from the engine's own
   Prometheus metrics (compat/vllm_engine.py), as differences before/after, so one engine serves
-  several measurements. `throughput`: output tokens/s of the same prompts decoded `batch_size` at a
-  time (waves of exactly batch_size requests with the same max_tokens, so each wave decodes at that
-  batch size from start to end).
-- `measure_acceptance`: the job's eval stage (one engine per num_speculative_tokens).
+  several measurements. `speed`: output tokens/s over fixed windows (`SpeedWindow`: prompts decoded
+  batch_size at a time, each exactly max_tokens tokens), each window timed `repeats` times.
+- The pure parts of a speedup: `speed_windows` (the windows the job times, derived from the
+  platform), `spread` of repeated timings, `speedup` (with / without a draft, and whether the
+  difference exceeds the spread), `eval_samplings` (greedy and the served sampling),
+  `resolve_enforce_eager`, and `eval_report` (eval.json from the engines' results).
+- `measure_engine`: one engine of the job's eval stage, started, measured and released.
 - `draft_accuracy`: the trainer's metric (speculators' full_acc_i: the draft's argmax equals the
   target's argmax at loss-masked positions, step i of the TTT unroll) for an exported draft on
   hidden-state shards: the training side of a train/serve comparison, through the exported files
   rather than the trainer's memory, so the export is part of what is compared.
 Does not own: the engine settings (compat.vllm_engine.eagle3_engine_kwargs), placement (actors.
-evaluator, ray_jobs.run, benchmarks.quality_bench).
+evaluator, ray_jobs.run, benchmarks.quality_bench). Imports neither torch nor vllm at module level:
+the driver builds eval.json with the pure parts.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Self
+
+
+@dataclass(frozen=True)
+class DecodeSampling:
+    """How measured requests sample: mode 'greedy' (temperature 0) or 'sampled' (the sampling the
+    target is served with)."""
+
+    mode: str
+    temperature: float
+    top_p: float = 1.0
+
+
+def eval_samplings(temperature: float, top_p: float) -> tuple[DecodeSampling, ...]:
+    """Greedy, and `temperature`/`top_p` (the regeneration's resolved sampling: what the draft was
+    trained on and the target is served with) unless that is greedy too."""
+    greedy = DecodeSampling("greedy", 0.0, 1.0)
+    if temperature == 0:
+        return (greedy,)
+    return greedy, DecodeSampling("sampled", float(temperature), float(top_p))
+
+
+@dataclass(frozen=True)
+class SpeedWindow:
+    """One timed window: num_prompts prompts in waves of exactly batch_size requests, each decoding
+    exactly max_tokens tokens (ignore_eos), so a wave decodes at that batch size from start to end
+    (but its last steps, where speculative decoding finishes some requests first); timed `repeats`
+    times on each engine."""
+
+    batch_size: int
+    num_prompts: int
+    max_tokens: int
+    repeats: int
+
+    def __post_init__(self):
+        if min(self.batch_size, self.num_prompts, self.max_tokens, self.repeats) < 1 or self.num_prompts % self.batch_size:
+            raise ValueError(f"{self}: every size must be >= 1 and num_prompts a multiple of batch_size")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompts * self.max_tokens
+
+
+# The job's windows (speed_windows), by platform. GPU: 256 tokens a prompt, batch 1 over 4 prompts
+# (1,024 tokens: seconds at the few hundred tokens/s of a 1-2B target), a larger batch over 2 waves,
+# each timed 5 times. CPU: windows of about a second on the tiny demo target, 3 times, so that the
+# demo and the tests show the measurement without spending minutes on it.
+GPU_WINDOWS = {"max_tokens": 256, "prompts_at_batch_1": 4, "waves": 2, "repeats": 5}
+CPU_WINDOWS = {"max_tokens": 24, "prompts_at_batch_1": 2, "waves": 1, "repeats": 3}
+
+
+def speed_windows(batch_sizes: tuple[int, ...], *, gpu: bool) -> tuple[SpeedWindow, ...]:
+    """The windows the job's eval times at each batch size, on a GPU or on the CPU."""
+    p = GPU_WINDOWS if gpu else CPU_WINDOWS
+    return tuple(SpeedWindow(batch_size=b, num_prompts=p["prompts_at_batch_1"] if b == 1 else b * p["waves"],
+                             max_tokens=p["max_tokens"], repeats=p["repeats"]) for b in batch_sizes)
+
+
+def resolve_enforce_eager(setting: bool | str, *, gpu: bool) -> bool:
+    """eval.enforce_eager: 'auto' is eager on the CPU (vLLM has no CUDA graphs there, and
+    torch.compile's warm-up costs a minute) and CUDA graphs on a GPU, as `vllm serve` runs."""
+    if setting == "auto":
+        return not gpu
+    return bool(setting)
+
+
+def spread(values: list[float]) -> dict:
+    """Mean, sample standard deviation (0 for one value), min and max of repeated measurements."""
+    if not values:
+        raise ValueError("spread of no values: time at least one window")
+    n = len(values)
+    mean = sum(values) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+    return {"n": n, "mean": mean, "std": std, "min": min(values), "max": max(values)}
+
+
+def ranges_apart(a: list[float], b: list[float]) -> bool:
+    """Every value of one list above every value of the other: the difference between the two
+    exceeds the spread of either (e.g. tokens/s of two drafts, each window timed several times)."""
+    return min(a) > max(b) or min(b) > max(a)
+
+
+def speedup(with_draft: list[float], without: list[float]) -> dict:
+    """Tokens/s with a draft over tokens/s without, from repeated windows of each: `ratio` of the
+    means; `ratio_min`/`ratio_max` the slowest and fastest pairing of one window with the draft and
+    one without (min(with)/max(without), max(with)/min(without)); `exceeds_spread`: every pairing is
+    on the same side of 1 (the draft is faster, or slower, whichever windows are compared)."""
+    w, wo = spread(with_draft), spread(without)
+    return {"ratio": w["mean"] / wo["mean"], "ratio_min": w["min"] / wo["max"], "ratio_max": w["max"] / wo["min"],
+            "exceeds_spread": ranges_apart(with_draft, without)}
+
+
+def _cycle(prompts: list[list[int]], n: int) -> list[list[int]]:
+    return [prompts[i % len(prompts)] for i in range(n)]
 
 
 class SpecDecodeEngine:
@@ -62,11 +161,14 @@ class SpecDecodeEngine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _generate(self, prompts: list[list[int]], *, max_tokens: int, temperature: float, seed: int):
+    def _generate(self, prompts: list[list[int]], *, max_tokens: int, temperature: float, top_p: float = 1.0,
+                  seed: int | None = None):
+        """seed None: unseeded requests (as served); else request i of a sampled call gets seed + i."""
         from vllm import SamplingParams
 
-        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
-                                 seed=None if temperature == 0 else seed + i) for i in range(len(prompts))]
+        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, ignore_eos=True,
+                                 seed=None if temperature == 0 or seed is None else seed + i)
+                  for i in range(len(prompts))]
         return self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
     def generate(self, prompts: list[list[int]], *, max_tokens: int, temperature: float = 0.0,
@@ -81,18 +183,18 @@ class SpecDecodeEngine:
         return spec_decode_counters(self.llm)
 
     def acceptance(self, prompts: list[list[int]], *, max_tokens: int, temperature: float = 0.0,
-                   seed: int = 0) -> dict:
-        """Acceptance of this engine's draft on `prompts`. Also per draft position i (0-based) the
-        fraction of drafts whose first i+1 tokens were all accepted, and from it
-        `acceptance_length_prefix[j-1]` = 1 + the sum of the first j of those: the acceptance
-        length the same drafts would give if they stopped after j tokens (a greedy draft's first j
-        tokens do not depend on k; where a k=j engine starts its drafts does, so this estimates,
-        and does not replace, a k=j measurement)."""
+                   top_p: float = 1.0, seed: int = 0) -> dict:
+        """Acceptance of this engine's draft on `prompts`. Also per draft position i (0-based)
+        vLLM's count of accepted tokens (num_accepted_tokens_per_pos) and the fraction of drafts
+        whose first i+1 tokens were all accepted, and from it `acceptance_length_prefix[j-1]` = 1 +
+        the sum of the first j of those: the acceptance length the same drafts would give if they
+        stopped after j tokens (a greedy draft's first j tokens do not depend on k; where a k=j
+        engine starts its drafts does, so this estimates, and does not replace, a k=j measurement)."""
         if self.draft_dir is None:
             raise ValueError("acceptance needs an engine with a draft; this one serves the target alone")
         before = self._counters()
         t = time.perf_counter()
-        outs = self._generate(prompts, max_tokens=max_tokens, temperature=temperature, seed=seed)
+        outs = self._generate(prompts, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
         gen_s = time.perf_counter() - t
         after = self._counters()
         drafts = after["num_drafts"] - before["num_drafts"]
@@ -107,11 +209,13 @@ class SpecDecodeEngine:
         return {
             "num_speculative_tokens": self.k,
             "temperature": temperature,
+            "top_p": top_p,
             "seed": seed if temperature else None,
             "acceptance_length": 1.0 + accepted / drafts,
             "num_drafts": drafts,
             "num_draft_tokens": after["num_draft_tokens"] - before["num_draft_tokens"],
             "num_accepted_tokens": accepted,
+            "num_accepted_tokens_per_pos": per_pos,
             "acceptance_rate_per_pos": [round(r, 4) for r in rates],
             "acceptance_length_prefix": [round(1.0 + sum(rates[:j]), 4) for j in range(1, len(rates) + 1)],
             "num_prompts": len(prompts),
@@ -122,54 +226,118 @@ class SpecDecodeEngine:
             "first_output_token_ids": list(outs[0].outputs[0].token_ids[:16]),
         }
 
-    def throughput(self, prompts: list[list[int]], *, batch_size: int, max_tokens: int) -> dict:
-        """Greedy output tokens/s over `prompts` in waves of `batch_size` (len(prompts) must be a
-        multiple of it), after one untimed wave (first-call work: buffers, lazy kernels). Also the
-        prefill-only time of the same waves (max_tokens=1), and from both the decode-only rate:
-        (tokens - one per prompt) / (seconds - prefill seconds)."""
-        if batch_size < 1 or not prompts or len(prompts) % batch_size:
-            raise ValueError(f"{len(prompts)} prompts in waves of batch_size={batch_size}: give a positive multiple "
-                             "of the batch size")
-        waves = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
-        self._generate(waves[0], max_tokens=max_tokens, temperature=0.0, seed=0)  # warm-up, untimed
-        before = self._counters()
+    def speed(self, prompts: list[list[int]], windows: tuple[SpeedWindow, ...] | list[SpeedWindow],
+              samplings: tuple[DecodeSampling, ...] | list[DecodeSampling]) -> list[dict]:
+        """Output tokens/s (generated tokens over the window's wall seconds, its prompts' prefill
+        included) of each window at each sampling, one entry per (window, sampling) with every
+        repeat's seconds and tokens; `prompts` are cycled to fill a window. Sampled requests carry
+        no seed, as served requests do not (a seed gives each request a generator of its own in
+        vLLM's sampler, a slower path). One untimed wave of each (window, sampling) first (first-
+        call work: buffers, lazy kernels), then the repeats interleaved (repeat r of every window
+        before repeat r+1 of any), so that a drift of the machine spreads over all of them rather
+        than biasing one. A draft engine also gives the acceptance length over its timed windows."""
+        if not prompts:
+            raise ValueError("speed needs at least one prompt")
+        runs = {}
+        for w in windows:
+            for s in samplings:
+                self._generate(_cycle(prompts, w.batch_size), max_tokens=w.max_tokens, temperature=s.temperature,
+                               top_p=s.top_p)  # warm-up, untimed
+                runs[w, s] = {"batch_size": w.batch_size, "mode": s.mode, "temperature": s.temperature,
+                              "top_p": s.top_p, "num_prompts": w.num_prompts, "max_tokens": w.max_tokens,
+                              "seconds": [], "num_tokens": [], "drafts": 0, "accepted": 0}
+        for r in range(max((w.repeats for w in windows), default=0)):
+            for w in windows:
+                if r >= w.repeats:
+                    continue
+                batch = _cycle(prompts, w.num_prompts)
+                waves = [batch[i:i + w.batch_size] for i in range(0, len(batch), w.batch_size)]
+                for s in samplings:
+                    run = runs[w, s]
+                    before = self._counters() if self.draft_dir else None
+                    t, tokens = time.perf_counter(), 0
+                    for wave in waves:
+                        outs = self._generate(wave, max_tokens=w.max_tokens, temperature=s.temperature, top_p=s.top_p)
+                        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+                    run["seconds"].append(time.perf_counter() - t)
+                    run["num_tokens"].append(tokens)
+                    if before is not None:
+                        after = self._counters()
+                        run["drafts"] += after["num_drafts"] - before["num_drafts"]
+                        run["accepted"] += after["num_accepted_tokens"] - before["num_accepted_tokens"]
+        out = []
+        for run in runs.values():
+            drafts, accepted = run.pop("drafts"), run.pop("accepted")
+            run["tokens_per_s"] = spread([n / s for n, s in zip(run["num_tokens"], run["seconds"])])
+            run["acceptance_length"] = 1.0 + accepted / drafts if drafts else None
+            out.append(run)
+        return out
 
-        def timed(n: int) -> tuple[float, int]:
-            t, tokens = time.perf_counter(), 0
-            for w in waves:
-                tokens += sum(len(o.outputs[0].token_ids) for o in self._generate(w, max_tokens=n, temperature=0.0,
-                                                                                   seed=0))
-            return time.perf_counter() - t, tokens
 
-        seconds, tokens = timed(max_tokens)
-        after = self._counters()
-        prefill_s, _ = timed(1)
-        drafts = after["num_drafts"] - before["num_drafts"]
-        decode_s = seconds - prefill_s
-        return {
-            "num_speculative_tokens": self.k,
-            "batch_size": batch_size,
-            "num_prompts": len(prompts),
-            "max_tokens": max_tokens,
-            "num_generated_tokens": tokens,
-            "seconds": seconds,
-            "output_tokens_per_s": tokens / seconds,
-            "prefill_s": prefill_s,
-            "decode_tokens_per_s": (tokens - len(prompts)) / decode_s if decode_s > 0 else None,
-            "acceptance_length": (1.0 + (after["num_accepted_tokens"] - before["num_accepted_tokens"]) / drafts
-                                  if drafts else None),
-            "enforce_eager": self.enforce_eager,
-            "engine_start_s": self.startup_s,
-        }
+def measure_engine(target_dir: str, draft_dir: str | None, *, num_speculative_tokens: int, engine: dict,
+                   prompts: list[list[int]], max_tokens: int, samplings: tuple[DecodeSampling, ...],
+                   windows: tuple[SpeedWindow, ...] = (), speed_prompts: list[list[int]] | None = None,
+                   seed: int = 0) -> dict:
+    """One engine of the job's eval stage: started (`engine`: SpecDecodeEngine's settings), the
+    acceptance of its draft (if any) at each sampling on `prompts`, then the tokens/s of `windows`
+    (if any) at each sampling on `speed_prompts` (None: `prompts`), and released."""
+    t = time.perf_counter()
+    with SpecDecodeEngine(target_dir, draft_dir, num_speculative_tokens=num_speculative_tokens, **engine) as e:
+        res = {"num_speculative_tokens": num_speculative_tokens, "draft": draft_dir,
+               "enforce_eager": e.enforce_eager, "engine_start_s": e.startup_s}
+        if draft_dir is not None:
+            res["acceptance"] = {s.mode: e.acceptance(prompts, max_tokens=max_tokens, temperature=s.temperature,
+                                                      top_p=s.top_p, seed=seed) for s in samplings}
+        if windows:
+            res["speed"] = e.speed(prompts if speed_prompts is None else speed_prompts, windows, samplings)
+    res["wall_s"] = time.perf_counter() - t
+    return res
 
 
-def measure_acceptance(target_dir: str, draft_dir: str, prompts: list[list[int]], *, num_speculative_tokens: int,
-                       max_tokens: int, max_model_len: int, dtype: str = "bfloat16",
-                       trust_remote_code: bool = False, temperature: float = 0.0, seed: int = 0) -> dict:
-    """The job's eval stage: a fresh engine, one acceptance measurement, the engine released."""
-    with SpecDecodeEngine(target_dir, draft_dir, num_speculative_tokens=num_speculative_tokens,
-                          max_model_len=max_model_len, dtype=dtype, trust_remote_code=trust_remote_code) as engine:
-        return engine.acceptance(prompts, max_tokens=max_tokens, temperature=temperature, seed=seed)
+SPEED_METHOD = ("each window is timed `repeats` times on each engine (the draft's at num_speculative_tokens, the "
+                "target alone), repeats interleaved; tokens_per_s: generated tokens / wall seconds of a window, prefill "
+                "of its prompts included; speedup.ratio = mean tokens/s with the draft / without; ratio_min and "
+                "ratio_max: the slowest and fastest pairing of one window with and one without; exceeds_spread: "
+                "both on the same side of 1, i.e. the difference is larger than the spread of the windows")
+
+
+def eval_report(engines: list[dict], *, samplings: tuple[DecodeSampling, ...], sampling_source: str,
+                windows: tuple[SpeedWindow, ...], speed_k: int | None, num_prompts: int, max_tokens: int) -> dict:
+    """eval.json from measure_engine's results (one per engine: the draft's at each k, and the
+    target alone's when speed is measured): acceptance per k and sampling, and the speedup of the
+    draft at speed_k over the target alone for each window and sampling."""
+    drafts = sorted((e for e in engines if e["draft"] is not None), key=lambda e: e["num_speculative_tokens"])
+    report = {
+        "samplings": {s.mode: {"temperature": s.temperature, "top_p": s.top_p} for s in samplings},
+        "sampling_source": sampling_source,
+        "num_prompts": num_prompts,
+        "max_tokens": max_tokens,
+        "acceptance": [{"num_speculative_tokens": e["num_speculative_tokens"], **e["acceptance"]} for e in drafts],
+        "speed": None,
+        "engines": [{k: e[k] for k in ("num_speculative_tokens", "enforce_eager", "engine_start_s", "wall_s")}
+                    | {"measured": [m for m in ("acceptance", "speed") if m in e]} for e in engines],
+    }
+    if windows:
+        with_draft = next(e for e in drafts if e["num_speculative_tokens"] == speed_k)
+        without = next(e for e in engines if e["draft"] is None)
+        base = {(r["batch_size"], r["mode"]): r for r in without["speed"]}
+        results = []
+        for r in with_draft["speed"]:
+            b = base[r["batch_size"], r["mode"]]
+            if r["num_tokens"] != b["num_tokens"]:
+                raise RuntimeError(f"the engines timed different windows: {r['num_tokens']} tokens with the draft, "
+                                   f"{b['num_tokens']} without")
+            rates = [n / s for n, s in zip(r["num_tokens"], r["seconds"])]
+            base_rates = [n / s for n, s in zip(b["num_tokens"], b["seconds"])]
+            results.append({k: r[k] for k in ("batch_size", "mode", "temperature", "top_p")}
+                           | {"with_draft": {k: r[k] for k in ("tokens_per_s", "seconds", "num_tokens",
+                                                                "acceptance_length")},
+                              "without_draft": {k: b[k] for k in ("tokens_per_s", "seconds", "num_tokens")},
+                              "speedup": speedup(rates, base_rates)})
+        report["speed"] = {"num_speculative_tokens": speed_k, "enforce_eager": with_draft["enforce_eager"],
+                           "windows": [asdict(w) | {"num_tokens": w.num_tokens} for w in windows],
+                           "method": SPEED_METHOD, "results": results}
+    return report
 
 
 def draft_accuracy(draft_dir: str | Path, target_dir: str | Path, data_files, *, micro_batch_tokens: int = 4096,

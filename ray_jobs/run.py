@@ -41,26 +41,60 @@ def _prepare(cfg: JobConfig, target_dir: str, out: Path) -> dict:
     return summary
 
 
-def _evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[list[int]]) -> list[dict]:
+def _evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[list[int]]) -> dict:
+    """The eval stage: one engine (one Ray actor, the device to itself) at a time; eval.json's dict
+    (eagle3.evaluate.eval_report)."""
     import ray
 
     from actors.evaluator import EvaluatorActor
+    from eagle3.evaluate import eval_report, eval_samplings, resolve_enforce_eager, speed_windows
+    from eagle3.regenerate import resolve_sampling
 
-    max_len = min(cfg.prepare.max_length, max(len(p) for p in prompts) + cfg.eval.max_tokens + 8)
-    gpu = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    ev = cfg.eval
+    gpu = ray.cluster_resources().get("GPU", 0) >= 1
+    served = resolve_sampling(cfg.regenerate, target_dir)
+    samplings = eval_samplings(served.temperature, served.top_p)
+    source = ("regenerate.temperature/top_p where set, else the target's generation_config.json, else 1.0 "
+              "(eagle3.regenerate.resolve_sampling)")
+    speed_k = ev.resolved_speed_k
+    windows = speed_windows(ev.speed_batch_sizes, gpu=gpu)
+    serving_eager = resolve_enforce_eager(ev.enforce_eager, gpu=gpu)
+    longest = max([ev.max_tokens] + [w.max_tokens for w in windows])
+    room = longest + max(ev.num_speculative_tokens) + 8
+    max_len = min(cfg.prepare.max_length, max(len(p) for p in prompts) + room)
+    # The windows decode more tokens than acceptance does: only prompts with room for them.
+    speed_prompts = [p for p in prompts if len(p) + room <= max_len]
+    if windows and not speed_prompts:
+        raise ValueError(f"no held-out prompt leaves room for {longest} generated tokens within prepare.max_length="
+                         f"{cfg.prepare.max_length}: raise it, or set eval.speed_batch_sizes: [] (no throughput)")
+    common = {"max_model_len": max_len, "dtype": cfg.target.dtype, "trust_remote_code": cfg.target.trust_remote_code}
+    # vLLM sizes its CUDA graph captures by max_num_seqs (compat.vllm_engine.eagle3_engine_kwargs):
+    # the timed engines never decode more than the largest batch at once.
+    serving = {**common, "enforce_eager": serving_eager, "max_num_seqs": max(ev.speed_batch_sizes, default=16)}
+    plan = [(k, draft_dir, serving if k == speed_k else {**common, "enforce_eager": True}, k == speed_k)
+            for k in ev.num_speculative_tokens]
+    if speed_k is not None:
+        plan.append((0, None, serving, True))  # the target alone: the speedup's baseline
     results = []
-    for k in cfg.eval.num_speculative_tokens:
-        actor = ray.remote(EvaluatorActor).options(num_cpus=1, num_gpus=gpu).remote(cfg.extract.cpu_kvcache_space_gib)
+    for k, draft, engine, timed in plan:
+        actor = ray.remote(EvaluatorActor).options(num_cpus=1, num_gpus=int(gpu)).remote(cfg.extract.cpu_kvcache_space_gib)
         try:
-            res = ray.get(actor.measure.remote(target_dir, draft_dir, prompts, num_speculative_tokens=k,
-                                               max_tokens=cfg.eval.max_tokens, max_model_len=max_len,
-                                               dtype=cfg.target.dtype,
-                                               trust_remote_code=cfg.target.trust_remote_code))
+            res = ray.get(actor.measure.remote(target_dir, draft, num_speculative_tokens=k, engine=engine,
+                                               prompts=prompts, max_tokens=ev.max_tokens, samplings=samplings,
+                                               windows=windows if timed else (), speed_prompts=speed_prompts,
+                                               seed=ev.seed))
         finally:
             ray.kill(actor)
-        log.info("eval: num_speculative_tokens=%d acceptance length %.3f", k, res["acceptance_length"])
+        what = ", ".join(f"{m} acceptance length {a['acceptance_length']:.3f}" for m, a in res.get("acceptance", {}).items())
+        if "speed" in res:
+            what += ("; " if what else "") + ", ".join(f"batch {r['batch_size']} {r['mode']} "
+                                                       f"{r['tokens_per_s']['mean']:.0f} tokens/s" for r in res["speed"])
+        log.info("eval: %s (engine %s, started in %.0f s): %s", f"num_speculative_tokens={k}" if draft else
+                 "target alone", "eager" if engine["enforce_eager"] else "CUDA graphs", res["engine_start_s"], what)
         results.append(res)
-    return results
+    return {"target": target_dir, "draft": draft_dir} | eval_report(
+        results, samplings=samplings, sampling_source=source, windows=windows, speed_k=speed_k,
+        num_prompts=len(prompts), max_tokens=ev.max_tokens)
 
 
 def run(cfg: JobConfig) -> dict:
@@ -203,10 +237,34 @@ def format_summary(report: dict) -> str:
                      f"{loss(t.get('loss_last'))}, {done}")
         lines.append(f"  draft/           speculators-format EAGLE-3 draft: {report.get('draft')}")
     if "eval" in st:
-        als = ", ".join(f"k={r['num_speculative_tokens']}: {r['acceptance_length']:.2f}" for r in st["eval"])
-        lines.append(f"  eval.json        acceptance length in vLLM: {als}")
+        lines += _eval_summary(st["eval"])
     lines.append("  time per stage   " + ", ".join(f"{k} {v:.0f}s" for k, v in report["seconds"].items()))
     return "\n".join(lines)
+
+
+def _eval_summary(ev: dict) -> list[str]:
+    """The eval lines of the summary: acceptance length per k and sampling, and the decode speedup
+    per batch size and sampling, with the windows' range and whether it excludes 1."""
+    modes = list(ev["samplings"])
+    label = {m: "greedy" if m == "greedy" else f"T={s['temperature']:g} top_p={s['top_p']:g}"
+             for m, s in ev["samplings"].items()}
+    als = ", ".join(f"k={a['num_speculative_tokens']}: " + " / ".join(f"{a[m]['acceptance_length']:.2f}" for m in modes)
+                    for a in ev["acceptance"])
+    lines = [f"  eval.json        acceptance length in vLLM ({' / '.join(label[m] for m in modes)}): {als}"]
+    sp = ev.get("speed")
+    if sp:
+        w = {x["batch_size"]: x for x in sp["windows"]}
+        lines.append(f"  eval.json        decode speedup, draft at k={sp['num_speculative_tokens']} over the target "
+                     f"alone ({'eager' if sp['enforce_eager'] else 'CUDA graphs'}; output tokens/s, each window "
+                     f"timed {sp['windows'][0]['repeats']} times):")
+        for r in sp["results"]:
+            s, x = r["speedup"], w[r["batch_size"]]
+            lines.append(f"                   batch {r['batch_size']:>3} {label[r['mode']]:<22} {s['ratio']:.2f}x "
+                         f"({r['without_draft']['tokens_per_s']['mean']:.0f} -> {r['with_draft']['tokens_per_s']['mean']:.0f}"
+                         f" tokens/s; windows {s['ratio_min']:.2f}-{s['ratio_max']:.2f}x"
+                         f"{'' if s['exceeds_spread'] else ', within the spread'}; {x['num_prompts']} prompts x "
+                         f"{x['max_tokens']} tokens)")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -87,7 +87,7 @@ def test_hidden_states_rows_line_up_with_tokens_and_match_transformers(demo_run)
 
 
 def test_training_lowered_loss_and_vllm_served_the_draft(demo_run):
-    out, _, _ = demo_run
+    out, stdout, _ = demo_run
     report = json.loads((out / "report.json").read_text())
     train = report["stages"]["train"]
     assert train["steps"] == 20 and np.isfinite(train["loss_last"]) and train["loss_last"] < train["loss_first"]
@@ -99,14 +99,44 @@ def test_training_lowered_loss_and_vllm_served_the_draft(demo_run):
     assert cfg["speculators_model_type"] == "eagle3" and cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(out / "target")
     assert (draft / "model.safetensors").stat().st_size > 0
-    evals = json.loads((out / "eval.json").read_text())
-    assert [e["num_speculative_tokens"] for e in evals] == [1, 3]
-    for e in evals:
-        # vLLM loaded the draft as eagle3, proposed tokens and generated every requested token.
-        assert e["num_drafts"] > 0 and e["num_draft_tokens"] == e["num_drafts"] * e["num_speculative_tokens"]
-        assert e["num_generated_tokens"] == e["num_prompts"] * 48
-        k = e["num_speculative_tokens"]
-        assert AL_FLOOR[k] <= e["acceptance_length"] <= 1 + k, f"k={k}: acceptance length {e['acceptance_length']:.3f}"
+    ev = json.loads((out / "eval.json").read_text())
+    # The demo target's generation_config.json has no sampling: served (and regenerated) at T=1.
+    assert ev["samplings"] == {"greedy": {"temperature": 0.0, "top_p": 1.0}, "sampled": {"temperature": 1.0, "top_p": 1.0}}
+    assert [a["num_speculative_tokens"] for a in ev["acceptance"]] == [1, 3]
+    for a in ev["acceptance"]:
+        k = a["num_speculative_tokens"]
+        for mode in ("greedy", "sampled"):
+            e = a[mode]
+            # vLLM loaded the draft as eagle3, proposed tokens and generated every requested token.
+            assert e["num_drafts"] > 0 and e["num_draft_tokens"] == e["num_drafts"] * k
+            assert e["num_generated_tokens"] == e["num_prompts"] * 48
+            # vLLM's accepted tokens per draft position: one count per position, never rising with it
+            per_pos = e["num_accepted_tokens_per_pos"]
+            assert len(per_pos) == len(e["acceptance_rate_per_pos"]) == k and sum(per_pos) == e["num_accepted_tokens"]
+            assert per_pos == sorted(per_pos, reverse=True)
+        assert AL_FLOOR[k] <= a["greedy"]["acceptance_length"] <= 1 + k, f"k={k}: {a['greedy']['acceptance_length']:.3f}"
+    # Decode speed: the k=3 engine and the target alone, eager on the CPU, the same windows timed
+    # on both at batch 1 and 16, greedy and sampled; three engines in all (k=1, k=3, baseline).
+    sp = ev["speed"]
+    assert sp["num_speculative_tokens"] == 3 and sp["enforce_eager"] is True
+    assert [(e["num_speculative_tokens"], e["measured"]) for e in ev["engines"]] == [
+        (1, ["acceptance"]), (3, ["acceptance", "speed"]), (0, ["speed"])]
+    windows = {w["batch_size"]: w for w in sp["windows"]}
+    assert sorted(windows) == [1, 16]
+    assert sorted((r["batch_size"], r["mode"]) for r in sp["results"]) == [
+        (1, "greedy"), (1, "sampled"), (16, "greedy"), (16, "sampled")]
+    for r in sp["results"]:
+        w = windows[r["batch_size"]]
+        for side in ("with_draft", "without_draft"):
+            # every repeat timed the window's exact token count
+            assert r[side]["num_tokens"] == [w["num_prompts"] * w["max_tokens"]] * w["repeats"]
+            assert len(r[side]["seconds"]) == w["repeats"] and min(r[side]["seconds"]) > 0
+        s = r["speedup"]
+        assert s["ratio"] == pytest.approx(r["with_draft"]["tokens_per_s"]["mean"] / r["without_draft"]["tokens_per_s"]["mean"])
+        assert s["ratio_min"] <= s["ratio"] <= s["ratio_max"]
+        assert s["exceeds_spread"] == (s["ratio_min"] > 1 or s["ratio_max"] < 1)
+        assert 1 <= r["with_draft"]["acceptance_length"] <= 4
+    assert "decode speedup, draft at k=3 over the target alone (eager" in stdout
 
 
 # The quality floor: a change that trains a useless draft fails here. Measured on the CI machine

@@ -52,5 +52,5 @@ def test_whole_job_runs_on_a_qwen3_like_target(tmp_path, shared_ray):
     report = json.loads((out / "report.json").read_text())
     assert report["stages"]["extract"]["num_samples"] == tokens.num_rows
     assert report["stages"]["train"]["steps"] == 4
-    [ev] = json.loads((out / "eval.json").read_text())
-    assert ev["num_drafts"] > 0 and ev["num_generated_tokens"] == 4 * 16
+    [ev] = json.loads((out / "eval.json").read_text())["acceptance"]
+    assert ev["greedy"]["num_drafts"] > 0 and ev["greedy"]["num_generated_tokens"] == 4 * 16

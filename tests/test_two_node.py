@@ -91,7 +91,8 @@ def _fake_run(out: Path, shards: list[tuple[str, list[str], list[str]]], prepare
     (out / "draft").mkdir()
     for f in ("config.json", "model.safetensors"):
         (out / "draft" / f).write_text("{}")
-    evals = [{"num_speculative_tokens": k + 1, "acceptance_length": 1.4} for k in range(num_eval)]
+    evals = {"acceptance": [{"num_speculative_tokens": k + 1, "greedy": {"acceptance_length": 1.4}}
+                            for k in range(num_eval)]}
     (out / "eval.json").write_text(json.dumps(evals))
     (out / "report.json").write_text(json.dumps({"seconds": {"total": 1.0}, "stages": {
         "train": {"workers": [{"rank": r, "node_id": n, "backend": b} for r, n, b in workers], "steps": 10},

@@ -37,10 +37,17 @@ def test_gpu_job_trains_and_vllm_accepts_draft_tokens(gpu_run):
     report = json.loads((gpu_run / "report.json").read_text())
     train = report["stages"]["train"]
     assert train["loss_last"] < train["loss_first"]
-    evals = report["stages"]["eval"]
+    evals = report["stages"]["eval"]["acceptance"]
     assert [e["num_speculative_tokens"] for e in evals] == [1, 3]
-    assert all(e["num_drafts"] > 0 for e in evals)
+    assert all(e["greedy"]["num_drafts"] > 0 for e in evals)
     # A trained draft of this target is accepted: more than one token per target forward.
-    assert max(e["acceptance_length"] for e in evals) > 1.2
+    assert max(e["greedy"]["acceptance_length"] for e in evals) > 1.2
+    # The decode speedup at k=3, timed with CUDA graphs as `vllm serve` runs, at batch 1 and 16.
+    speed = report["stages"]["eval"]["speed"]
+    assert speed["num_speculative_tokens"] == 3 and speed["enforce_eager"] is False
+    assert sorted({r["batch_size"] for r in speed["results"]}) == [1, 16]
+    for r in speed["results"]:
+        assert r["speedup"]["ratio"] == pytest.approx(r["with_draft"]["tokens_per_s"]["mean"]
+                                                      / r["without_draft"]["tokens_per_s"]["mean"])
     extract = report["stages"]["extract"]
     assert extract["num_rejected"] == 0 and extract["bytes_per_token"] >= 4 * 512 * 2
