@@ -53,6 +53,7 @@ def extraction_engine_kwargs(
     trust_remote_code: bool = False,
     hf_overrides: dict | None = None,
     block_size: int | None = None,
+    kv_cache_memory_bytes: int | None = None,
 ) -> dict:
     if max_num_batched_tokens < max_model_len:
         raise ValueError(
@@ -96,6 +97,8 @@ def extraction_engine_kwargs(
         kwargs["hf_overrides"] = hf_overrides
     if block_size is not None:
         kwargs["block_size"] = block_size
+    if kv_cache_memory_bytes is not None:  # set, not profiled: engines that start together on one GPU
+        kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
     return kwargs
 
 

@@ -37,7 +37,9 @@ class SpecDecodeEngine:
                  gpu_memory_utilization: float = 0.85, trust_remote_code: bool = False,
                  kv_cache_memory_bytes: int | None = None):
         from compat.vllm_engine import Engine, eagle3_engine_kwargs
+        from eagle3.precision import engine_dtype
 
+        dtype, self.dtype = engine_dtype(dtype)  # self.dtype: the choice and why, for logs
         self.draft_dir, self.k = draft_dir, num_speculative_tokens
         self.enforce_eager = enforce_eager
         t0 = time.perf_counter()
@@ -117,7 +119,7 @@ class SpecDecodeEngine:
             "num_prompts": len(prompts),
             "num_generated_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
             "generate_s": gen_s,
-            "engine_start_s": self.startup_s,
+            "engine_start_s": self.startup_s, "dtype": self.dtype,
             "enforce_eager": self.enforce_eager,
             "first_output_token_ids": list(outs[0].outputs[0].token_ids[:16]),
         }

@@ -50,7 +50,9 @@ class VLLMBackend:
     def __init__(self, model_dir: str, cfg: ExtractConfig, layer_ids: list[int], *, max_model_len: int,
                  dtype: str = "bfloat16", trust_remote_code: bool = False):
         from compat.vllm_engine import Engine, engine_env, extraction_engine_kwargs
+        from eagle3.precision import engine_dtype
 
+        dtype, self.dtype = engine_dtype(dtype)  # self.dtype: the choice and why, for logs
         in_process = cfg.tensor_parallel_size * cfg.pipeline_parallel_size == 1
         self.sink = cfg.sink if cfg.sink != "auto" else ("memory" if in_process else "shm")
         if self.sink == "memory" and not in_process:
@@ -67,8 +69,9 @@ class VLLMBackend:
             max_num_batched_tokens=self.max_num_batched_tokens, sink=self.sink, storage_path=self.storage_path,
             hs_dtype=cfg.hs_dtype, dtype=dtype, tensor_parallel_size=cfg.tensor_parallel_size,
             pipeline_parallel_size=cfg.pipeline_parallel_size, max_num_seqs=cfg.max_num_seqs,
-            gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
+            gpu_memory_utilization=cfg.engine_gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
             load_format=cfg.load_format, trust_remote_code=trust_remote_code, block_size=cfg.block_size,
+            kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
         )
         self.engine = Engine(**kwargs)
         self.max_len = min(max_model_len - 1, self.max_num_batched_tokens)  # prompt + 1 output token
@@ -124,8 +127,12 @@ class HFBackend:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        from eagle3.precision import describe, resolve_dtype
+
         self.torch = torch
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        on_gpu = self.device.startswith("cuda")
+        dtype, self.dtype = resolve_dtype(dtype, on_gpu=on_gpu), describe(dtype, on_gpu=on_gpu)
         self.batch_size = batch_size
         if random_weights:  # benchmarks on dummy shapes: the same work as real weights, no files
             config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
@@ -199,6 +206,7 @@ class Extractor:
             self.backend = HFBackend(model_dir, self.layer_ids, dtype=dtype,
                                      max_model_len=min(max_length, positions or max_length),
                                      trust_remote_code=trust_remote_code)
+        self.dtype = getattr(self.backend, "dtype", None)  # the compute dtype, for logs (a test's backend has none)
 
     def extract(self, tokens: pa.Table) -> tuple[pa.Table, ExtractStats]:
         t0 = time.perf_counter()

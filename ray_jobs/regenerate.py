@@ -124,6 +124,7 @@ def run_regenerate(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: s
                 bar.close()
             pool.shutdown(graceful=finished)
         summary["replicas"] = pool.summary()
+        summary["engine_starts"] = pool.starts
     summary.update(finalize(manifest, plan.num_shards))
     if summary["num_rejected"]:
         log.warning("regenerate rejected %d of %d conversations; reasons in %s", summary["num_rejected"],
