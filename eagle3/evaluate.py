@@ -33,7 +33,7 @@ class SpecDecodeEngine:
     num_speculative_tokens tokens per step, or the target alone (draft_dir None, k 0)."""
 
     def __init__(self, target_dir: str, draft_dir: str | None, *, num_speculative_tokens: int, max_model_len: int,
-                 dtype: str = "bfloat16", enforce_eager: bool = True, max_num_seqs: int | None = None,
+                 dtype: str = "auto", enforce_eager: bool = True, max_num_seqs: int | None = None,
                  gpu_memory_utilization: float = 0.85, trust_remote_code: bool = False,
                  kv_cache_memory_bytes: int | None = None):
         from compat.vllm_engine import Engine, eagle3_engine_kwargs
@@ -166,7 +166,7 @@ class SpecDecodeEngine:
 
 
 def measure_acceptance(target_dir: str, draft_dir: str, prompts: list[list[int]], *, num_speculative_tokens: int,
-                       max_tokens: int, max_model_len: int, dtype: str = "bfloat16",
+                       max_tokens: int, max_model_len: int, dtype: str = "auto",
                        trust_remote_code: bool = False, temperature: float = 0.0, seed: int = 0) -> dict:
     """The job's eval stage: a fresh engine, one acceptance measurement, the engine released."""
     with SpecDecodeEngine(target_dir, draft_dir, num_speculative_tokens=num_speculative_tokens,

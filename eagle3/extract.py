@@ -48,7 +48,7 @@ class ExtractStats:
 
 class VLLMBackend:
     def __init__(self, model_dir: str, cfg: ExtractConfig, layer_ids: list[int], *, max_model_len: int,
-                 dtype: str = "bfloat16", trust_remote_code: bool = False):
+                 dtype: str = "auto", trust_remote_code: bool = False):
         from compat.vllm_engine import Engine, engine_env, extraction_engine_kwargs
         from eagle3.precision import engine_dtype
 
@@ -121,7 +121,7 @@ class HFBackend:
     `hidden_states[-1]`.
     """
 
-    def __init__(self, model_dir: str, layer_ids: list[int], *, dtype: str = "bfloat16", device: str | None = None,
+    def __init__(self, model_dir: str, layer_ids: list[int], *, dtype: str = "auto", device: str | None = None,
                  max_model_len: int = 1 << 30, trust_remote_code: bool = False, batch_size: int = 1,
                  random_weights: bool = False):
         import torch
@@ -186,7 +186,7 @@ class HFBackend:
 class Extractor:
     """Turns tokens tables into encoded hidden-states tables with one backend."""
 
-    def __init__(self, model_dir: str, cfg: ExtractConfig, *, max_length: int, dtype: str = "bfloat16",
+    def __init__(self, model_dir: str, cfg: ExtractConfig, *, max_length: int, dtype: str = "auto",
                  trust_remote_code: bool = False, backend=None):
         text_cfg = target_text_config(model_dir)
         self._engine_lock = threading.Lock()
