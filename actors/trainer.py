@@ -247,10 +247,12 @@ class _Progress:
         if self.driver is not None and (last or now - self.t_sent >= 1.0):
             self.t_sent = now
             self.driver.update.remote({k: v for k, v in m.items() if isinstance(v, (int, float))} | {"tokens_per_s": rate})
+        # One record per step (benchmarks/train_bench.py's step clock reads them all, at DEBUG), INFO when due.
+        level = logging.DEBUG
         if last or now - self.t_logged >= self.log_every_s:
-            self.t_logged = now
-            logger.info("step %d/%d loss %.4f full_acc_0 %.3f lr %.2e tokens %d input_wait_ms %.1f", m["step"],
-                        self.num_steps, m["loss"], m["full_acc_0"], m["lr"], m["tokens"], m["input_wait_s"] * 1e3)
+            self.t_logged, level = now, logging.INFO
+        logger.log(level, "step %d/%d loss %.4f full_acc_0 %.3f lr %.2e tokens %d input_wait_ms %.1f", m["step"],
+                   self.num_steps, m["loss"], m["full_acc_0"], m["lr"], m["tokens"], m["input_wait_s"] * 1e3)
 
     def close(self) -> None:
         self.file.close()
