@@ -70,7 +70,10 @@ def node_report(cfg: JobConfig, target_dir: str, num_tokens: int, with_dry_run: 
         checks["seconds"] = time.perf_counter() - t
 
     if with_dry_run:
-        import vllm  # noqa: F401 - once, here, for both threads (see the docstring)
+        try:
+            import vllm  # noqa: F401 - once, here, for both threads (see the docstring)
+        except ImportError:
+            pass  # the version check's row says vLLM is missing, and the dry run's row fails with the cause
     thread = threading.Thread(target=run_checks, name="doctor-checks")
     thread.start()
     dry, t_dry = None, time.perf_counter()
