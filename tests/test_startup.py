@@ -171,6 +171,7 @@ def test_a_second_engine_start_loads_what_the_first_compiled(tiny_target, tmp_pa
     from ray_jobs.cluster import init_ray
 
     def compiled_engine_start(model: str) -> dict:
+        env = {var: os.environ.get(var) for var in COMPILE_CACHES}  # as the job's runtime env set them
         os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")  # counters in this process
         from vllm.compilation.counter import compilation_counter
 
@@ -178,7 +179,7 @@ def test_a_second_engine_start_loads_what_the_first_compiled(tiny_target, tmp_pa
 
         with Engine(**generation_engine_kwargs(model=model, max_model_len=256, max_num_seqs=4, enforce_eager=False)):
             counts = {k: v for k, v in vars(compilation_counter).items() if isinstance(v, int)}
-        return {"env": {var: os.environ.get(var) for var in COMPILE_CACHES}, "counts": counts}
+        return {"env": env, "counts": counts}
 
     def files(root: Path) -> dict[str, float]:
         return {str(p.relative_to(root)): p.stat().st_mtime for p in root.rglob("*") if p.is_file()}
@@ -195,7 +196,9 @@ def test_a_second_engine_start_loads_what_the_first_compiled(tiny_target, tmp_pa
         ray.shutdown()
     print(json.dumps({"first": first["counts"], "second": second["counts"]}))
     assert first["env"] == second["env"] == compile_cache_env(str(cache))
-    assert first["counts"]["num_inductor_compiles"] > 0 and any((cache / "inductor").rglob("*"))
+    # vLLM keeps inductor's and Triton's files of its graphs under VLLM_CACHE_ROOT too (it points
+    # TORCHINDUCTOR_CACHE_DIR there while it compiles); cache_dir's inductor/ and triton/ serve the rest.
+    assert first["counts"]["num_inductor_compiles"] > 0
     assert any("torch_compile_cache" in f for f in after_first)
     assert second["counts"]["num_inductor_compiles"] == 0
     assert second["counts"]["num_compiled_artifacts_loaded"] + second["counts"]["num_aot_artifacts_loaded"] > 0
