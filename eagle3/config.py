@@ -381,8 +381,10 @@ class JobConfig:
     """Compile caches of every engine and training worker of the job: vLLM's (VLLM_CACHE_ROOT =
     <it>/vllm), inductor's (TORCHINDUCTOR_CACHE_DIR = <it>/inductor) and Triton's (TRITON_CACHE_DIR =
     <it>/triton), set in the job's runtime env before any worker imports them, so that later engines
-    and a resubmitted job load what the first one compiled. A path valid on every node ('~': the
-    driver's home); null: each library's own default (which a container that starts afresh loses)."""
+    and a resubmitted job load what the first one compiled (vLLM keeps the inductor and Triton files
+    of its own graphs under <it>/vllm; inductor/ and triton/ serve the trainer's torch.compile). A path
+    valid on every node ('~': the driver's home); null: each library's own default (which a
+    container that starts afresh loses)."""
 
     def __post_init__(self):
         check_types(self, "")
