@@ -152,7 +152,7 @@ def test_replicas_sharing_a_gpu_are_placed_on_fractional_bundles(per_gpu):
         replicas = pool.start(n, 30.0)
         infos = ray.get([r.actor.info.remote() for r in replicas])
         free = ray.available_resources().get("GPU", 0.0)
-        pool.shutdown()
+        pool.shutdown(graceful=False)  # a probe has no engine to release
     finally:
         ray.shutdown()
     assert n == per_gpu and bundle == {"CPU": 1, "GPU": 1 / per_gpu}
@@ -198,8 +198,11 @@ def test_a_second_engine_start_loads_what_the_first_compiled(tiny_target, tmp_pa
     assert first["env"] == second["env"] == compile_cache_env(str(cache))
     # vLLM keeps inductor's and Triton's files of its graphs under VLLM_CACHE_ROOT too (it points
     # TORCHINDUCTOR_CACHE_DIR there while it compiles); cache_dir's inductor/ and triton/ serve the rest.
-    assert first["counts"]["num_inductor_compiles"] > 0
+    # Counted on either of vLLM's paths: AOT (whole model) or per graph through inductor.
+    c1, c2 = first["counts"], second["counts"]
+    assert c1["num_aot_compiles"] + c1["num_inductor_compiles"] > 0
+    assert c1["num_aot_artifacts_saved"] + c1["num_compiled_artifacts_saved"] > 0
     assert any("torch_compile_cache" in f for f in after_first)
-    assert second["counts"]["num_inductor_compiles"] == 0
-    assert second["counts"]["num_compiled_artifacts_loaded"] + second["counts"]["num_aot_artifacts_loaded"] > 0
+    assert c2["num_aot_compiles"] + c2["num_inductor_compiles"] == 0, "the second start compiled again"
+    assert c2["num_aot_artifacts_loaded"] + c2["num_compiled_artifacts_loaded"] > 0
     assert after_second.keys() == after_first.keys()
