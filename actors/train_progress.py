@@ -43,10 +43,10 @@ class ProgressLines:
     Plain state, testable without Ray."""
 
     def __init__(self, num_steps: int, interval_s: float, *, start_step: int = 0, clock=time.monotonic):
+        """start_step: the step a resumed run starts after (no line until a later one)."""
         self.num_steps, self.interval_s, self.clock = num_steps, interval_s, clock
         self.stride = max(1, -(-num_steps // (MAX_LINES - 1)))  # ceil: MAX_LINES - 1 strides, then the last line
-        self.t0 = clock()
-        self.start_step = start_step
+        self.t0 = self.first_step = None  # set by the first metrics seen: the rate leaves the set-up out
         self.last_step, self.last_t = start_step, None
         self.lines = 0
 
@@ -54,6 +54,8 @@ class ProgressLines:
         """The line to print for these metrics, or None (too soon, or no new step)."""
         step = m.get("step", 0)
         now = self.clock()
+        if self.t0 is None:
+            self.t0, self.first_step = now, step
         last = step >= self.num_steps
         if step <= self.last_step and not (last and self.last_step < self.num_steps):
             return None
@@ -70,7 +72,7 @@ class ProgressLines:
         if "tokens_per_s" in m:
             post.append(f"tok/s={m['tokens_per_s']:,.0f}")
         return tqdm.format_meter(step, self.num_steps, now - self.t0, prefix="train", unit="step",
-                                 initial=self.start_step, postfix=", ".join(post), ncols=100)
+                                 initial=self.first_step, postfix=", ".join(post), ncols=100)
 
 
 class DriverProgress:
