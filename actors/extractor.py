@@ -38,7 +38,8 @@ class ExtractorActor:
 
     def info(self) -> dict:
         return {"replica": self.replica, "node_id": self.node_id, "host": socket.gethostname(), "pid": os.getpid(),
-                "startup_s": self.startup_s, "layer_ids": self.extractor.layer_ids}
+                "startup_s": self.startup_s, "layer_ids": self.extractor.layer_ids,
+                "dtype": self.extractor.dtype}
 
     def extract_shard(self, shard: int, tokens):
         table, stats = self.extractor.extract(tokens)

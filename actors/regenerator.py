@@ -31,6 +31,7 @@ class RegeneratorActor:
         from compat.vllm_engine import Engine, VLLMStepEngine, engine_env, generation_engine_kwargs
         from eagle3.extract import target_text_config
         from eagle3.regenerate import TurnScheduler
+        from eagle3.precision import engine_dtype
 
         self.replica = replica
         self.node_id = ray.get_runtime_context().get_node_id()
@@ -40,13 +41,14 @@ class RegeneratorActor:
         self.cut = regen_cfg.cut
         text_cfg = target_text_config(model_dir)
         self.max_model_len = min(max_length, text_cfg.get("max_position_embeddings") or max_length)
+        dtype, self.dtype = engine_dtype(dtype)  # self.dtype: the choice and why, for logs
         t0 = time.perf_counter()
         os.environ.update(engine_env(in_process=False, cpu_kvcache_space_gib=extract_cfg.cpu_kvcache_space_gib))
         self.engine = Engine(**generation_engine_kwargs(
             model=model_dir, max_model_len=self.max_model_len, dtype=dtype,
             tensor_parallel_size=extract_cfg.tensor_parallel_size,
             pipeline_parallel_size=extract_cfg.pipeline_parallel_size, max_num_seqs=regen_cfg.max_num_seqs,
-            gpu_memory_utilization=extract_cfg.gpu_memory_utilization, enforce_eager=regen_cfg.enforce_eager,
+            gpu_memory_utilization=extract_cfg.engine_gpu_memory_utilization, enforce_eager=regen_cfg.enforce_eager,
             trust_remote_code=trust_remote_code))
         # Prepare's tokenizer, from the same directory: the regenerated samples are encoded as the
         # prepared ones were.
@@ -72,7 +74,7 @@ class RegeneratorActor:
 
     def info(self) -> dict:
         return {"replica": self.replica, "node_id": self.node_id, "host": socket.gethostname(), "pid": os.getpid(),
-                "startup_s": self.startup_s}
+                "startup_s": self.startup_s, "dtype": self.dtype}
 
     def _drive(self) -> None:
         """The engine thread: the only one that touches the engine."""

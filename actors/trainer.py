@@ -81,7 +81,7 @@ def train_loop_per_worker(config: dict) -> None:
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
     last: dict = {}
-    progress = _Progress(cfg, config["metrics_path"]) if rank == 0 else None
+    progress = _Progress(cfg, config["metrics_path"], config.get("progress")) if rank == 0 else None
     profiler = StepProfiler(cfg.profiling.profile_steps, Path(config["metrics_path"]).parent / "profile",
                             done=trainer.global_step) if rank == 0 and cfg.profiling.profile_steps else None
 
@@ -96,9 +96,6 @@ def train_loop_per_worker(config: dict) -> None:
         if profiler is not None:
             profiler.step()
         if rank == 0:
-            logger.info("step %d/%d loss %.4f full_acc_0 %.3f lr %.2e tokens %d input_wait_ms %.1f", metrics["step"],
-                        cfg.num_steps, metrics["loss"], metrics["full_acc_0"], metrics["lr"], metrics["tokens"],
-                        metrics["input_wait_s"] * 1e3)
             progress.update(metrics)
         # The last step's checkpoint goes with the final report, after the export.
         if trainer.checkpoint_due() and trainer.global_step < cfg.num_steps:
@@ -118,6 +115,7 @@ def train_loop_per_worker(config: dict) -> None:
         "tokens_per_s": trainer.tokens_per_s, "train_seconds": train_seconds,
         "first_step_s": trainer.first_step_seconds, "steady_tokens_per_s": trainer.steady_tokens_per_s,
         "setup_s": t0 - t_start,
+        "precision": "bf16 mixed" if deepspeed_backend.resolve_bf16(cfg, config["use_gpu"]) else "float32",
         "resumed_from_step": trainer.resumed_from_step, "draft_dir": config["draft_dir"], "workers": workers,
     })
 
@@ -214,14 +212,17 @@ class StepProfiler:
 
 
 class _Progress:
-    """Rank 0's view of training for people: a progress bar in the job log, Ray metrics for the
-    dashboard (loss, per-TTT-step accuracy, tokens/s) and metrics.jsonl for the curve plot."""
+    """Rank 0's view of training for people: every step in metrics.jsonl (the curve plot) and the Ray
+    gauges (loss, per-TTT-step accuracy, tokens/s: the dashboard); the latest step to the driver's
+    progress bar (at most once a second), and a step line in this worker's log at most every
+    train.log_every_s (a worker's output is forwarded to the job's, line by line)."""
 
-    def __init__(self, cfg: TrainConfig, metrics_path: str):
+    def __init__(self, cfg: TrainConfig, metrics_path: str, driver=None):
         from ray.util.metrics import Gauge
-        from tqdm import tqdm
 
-        self.bar = tqdm(total=cfg.num_steps, desc="train", unit="step", mininterval=2.0)
+        self.num_steps, self.log_every_s = cfg.num_steps, cfg.log_every_s
+        self.driver = driver  # actors.train_progress.ProgressActor: the driver's progress bar reads it
+        self.t_logged = self.t_sent = float("-inf")
         self.loss = Gauge("eagle3_train_loss", "EAGLE-3 draft training loss (rank 0)")
         self.acc = Gauge("eagle3_train_accuracy", "Draft accuracy per TTT step (rank 0)", tag_keys=("ttt_step",))
         self.rate = Gauge("eagle3_train_tokens_per_s", "Training tokens/s (rank 0)")
@@ -242,12 +243,18 @@ class _Progress:
         self.file.write(json.dumps({**{k: v for k, v in m.items() if isinstance(v, (int, float))},
                                     "tokens_per_s": rate}) + "\n")
         self.file.flush()
-        if m["step"] > self.bar.n:
-            self.bar.update(m["step"] - self.bar.n)
-        self.bar.set_postfix(loss=f"{m['loss']:.4f}", acc0=f"{m.get('full_acc_0', 0):.3f}", tok_s=f"{rate:,.0f}")
+        last = m["step"] >= self.num_steps
+        if self.driver is not None and (last or now - self.t_sent >= 1.0):
+            self.t_sent = now
+            self.driver.update.remote({k: v for k, v in m.items() if isinstance(v, (int, float))} | {"tokens_per_s": rate})
+        # One record per step (benchmarks/train_bench.py's step clock reads them all, at DEBUG), INFO when due.
+        level = logging.DEBUG
+        if last or now - self.t_logged >= self.log_every_s:
+            self.t_logged, level = now, logging.INFO
+        logger.log(level, "step %d/%d loss %.4f full_acc_0 %.3f lr %.2e tokens %d input_wait_ms %.1f", m["step"],
+                   self.num_steps, m["loss"], m["full_acc_0"], m["lr"], m["tokens"], m["input_wait_s"] * 1e3)
 
     def close(self) -> None:
-        self.bar.close()
         self.file.close()
 
 
@@ -357,13 +364,16 @@ def run_training(cfg: TrainConfig, data_files: list[str] | None, target_dir: str
     env_vars = {"OMP_NUM_THREADS": str(max(1, int(res.get("CPU", 1)) // share))}
     if not use_gpu:
         env_vars["DS_ACCELERATOR"] = "cpu"
+    from actors.train_progress import ProgressActor
+
+    progress_actor = ray.remote(ProgressActor).options(num_cpus=0).remote()
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": cfg, "online": online,
                            "data_files": None if online else [str(Path(f).resolve()) for f in data_files],
                            "target_dir": str(Path(target_dir).resolve()),
                            "draft_dir": str(Path(draft_dir).resolve() if draft_dir else out / "draft"),
-                           "use_gpu": use_gpu, "metrics_path": str(out / "metrics.jsonl"),
+                           "use_gpu": use_gpu, "metrics_path": str(out / "metrics.jsonl"), "progress": progress_actor,
                            "gpu_memory_fraction": gpus_per_worker if use_gpu and gpus_per_worker < 1 else None},
         scaling_config=scaling_config(cfg.num_workers, use_gpu, gpus_per_worker),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
@@ -374,7 +384,14 @@ def run_training(cfg: TrainConfig, data_files: list[str] | None, target_dir: str
             worker_runtime_env={"env_vars": env_vars},
         ),
     )
-    result = trainer.fit()
+    from actors.train_progress import DriverProgress
+
+    driver = DriverProgress(progress_actor, cfg.num_steps, cfg.log_every_s)
+    try:
+        result = trainer.fit()
+    finally:
+        driver.close()
+        ray.kill(progress_actor)
     m = result.metrics or {}
     if not m.get("done"):
         raise RuntimeError(f"Ray Train finished without the final report (last metrics: {m}); see the worker logs")
@@ -382,7 +399,7 @@ def run_training(cfg: TrainConfig, data_files: list[str] | None, target_dir: str
         "loss_first": m["loss_first"], "loss_last": m["loss_last"], "steps": m["steps"], "tokens": m["tokens"],
         "tokens_this_run": m["tokens_this_run"], "tokens_per_s": m["tokens_per_s"], "train_seconds": m["train_seconds"],
         "first_step_s": m.get("first_step_s"), "steady_tokens_per_s": m.get("steady_tokens_per_s"),
-        "setup_s": m.get("setup_s"),
+        "setup_s": m.get("setup_s"), "precision": m.get("precision"),
         "checkpoint": result.checkpoint.path if result.checkpoint is not None else None,
         "draft_dir": m["draft_dir"], "resumed_from_step": m["resumed_from_step"], "num_workers": cfg.num_workers,
         "workers": m.get("workers"),

@@ -234,7 +234,7 @@ def install_step_clock() -> None:
     if not path:
         return
     log = logging.getLogger("actors.trainer")
-    log.setLevel(logging.INFO)
+    log.setLevel(logging.DEBUG)  # every step's record; only every train.log_every_s one is INFO
     log.addHandler(_OurStepClock(path))
 
 

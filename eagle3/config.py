@@ -19,7 +19,7 @@ from eagle3.train_config import TrainConfig
 from eagle3.typed_config import check_types, field_hints
 
 # Choices, each defined once: the field's hint is the check (eagle3.typed_config).
-ModelDtype = Literal["bfloat16", "float16", "float32"]
+ModelDtype = Literal["auto", "bfloat16", "float16", "float32"]
 HsDtype = Literal["bfloat16", "float8_e4m3fn"]
 FileFormat = Literal["arrow", "parquet"]
 Compression = Literal["zstd", "lz4", "snappy", "gzip"]
@@ -56,8 +56,12 @@ class TargetConfig:
     Qwen3-like template that rewrites earlier turns: each assistant turn becomes its own sample)."""
     trust_remote_code: bool = False
     """Off unless set: a target's own Python code runs in every engine process when on."""
-    dtype: ModelDtype = "bfloat16"
-    """Engine dtype. Hidden states are stored in bf16 (or fp8) whatever this is."""
+    dtype: ModelDtype = "auto"
+    """Compute dtype of the engines (extract, regenerate, eval, the doctor's dry run). "auto": bfloat16
+    on a GPU or on a CPU that computes bf16 natively (AVX512-BF16, AMX, Arm BF16), float32 on a CPU
+    that would emulate it (3-5x slower there; eagle3/precision.py), resolved in each engine's process
+    and named in the job's log and summary. Hidden states are stored as extract.hs_dtype whatever this
+    is; the trainer's precision is train.optimizer.bf16."""
 
     def __post_init__(self):
         check_types(self, "target")
@@ -135,6 +139,13 @@ class ExtractConfig:
     one placement-group bundle each, packed on one node."""
     pipeline_parallel_size: int = 1
     """Pipeline stages per engine replica (vLLM's); tensor_parallel_size * this GPUs a replica."""
+    replicas_per_gpu: int = 1
+    """Engine replicas sharing each GPU, for a small target that one engine cannot keep busy: each
+    replica is placed on a 1/n share of a GPU (a fractional Ray bundle), takes
+    gpu_memory_utilization / n of its memory, and num_replicas defaults to the cluster's GPUs times
+    this. Needs tensor_parallel_size * pipeline_parallel_size == 1. On vLLM 0.26 engines that start
+    together on one GPU need kv_cache_memory_bytes (memory profiling reads the free memory the
+    others' starts change). Measured by benchmarks/replica_bench.py --replicas-per-gpu."""
     samples_per_shard: int = 256
     """Unit of work handed out to replicas and committed to the manifest (at most this many
     samples; shard_bytes may lower it)."""
@@ -218,6 +229,14 @@ class ExtractConfig:
             # other processes (eagle3.extract.VLLMBackend refuses it at engine start).
             _fail("extract", "sink", self.sink, f"'memory' needs tensor_parallel_size * pipeline_parallel_size == 1, "
                   f"found {self.tensor_parallel_size} * {self.pipeline_parallel_size}; use 'shm' or 'auto'")
+        if self.replicas_per_gpu < 1:
+            _fail("extract", "replicas_per_gpu", self.replicas_per_gpu, "must be >= 1 (1: each replica has whole GPUs)")
+        if self.replicas_per_gpu > 1 and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            _fail("extract", "replicas_per_gpu", self.replicas_per_gpu,
+                  f"needs engine replicas of one GPU, found tensor_parallel_size * pipeline_parallel_size = "
+                  f"{self.tensor_parallel_size} * {self.pipeline_parallel_size}; use 1, or replicas of one GPU")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            _fail("extract", "kv_cache_memory_bytes", self.kv_cache_memory_bytes, "must be >= 1 byte, or null (profiled)")
         if self.num_replicas is not None and self.num_replicas < 1:
             _fail("extract", "num_replicas", self.num_replicas, "must be >= 1, or null (as many as the GPUs allow)")
         if self.max_inflight_shards < 1:
@@ -240,6 +259,11 @@ class ExtractConfig:
             _fail("extract", "placement_timeout_s", self.placement_timeout_s, "must be > 0 seconds")
         if self.aux_hidden_state_layer_ids is not None and len(self.aux_hidden_state_layer_ids) < 1:
             _fail("extract", "aux_hidden_state_layer_ids", self.aux_hidden_state_layer_ids, "give at least one id or null")
+
+    @property
+    def engine_gpu_memory_utilization(self) -> float:
+        """What each engine asks vLLM for: its share of the GPU's gpu_memory_utilization."""
+        return self.gpu_memory_utilization / self.replicas_per_gpu
 
     def layer_ids(self, num_hidden_layers: int) -> list[int]:
         """All captured layer ids, ascending: the aux ids, then the last layer. Ascending because
@@ -421,6 +445,14 @@ class JobConfig:
     weights load; the job stops on a failed check."""
     stages: tuple[Stage, ...] = ("prepare", "extract", "train", "export", "eval")
     """Which stages run; each reuses the committed outputs of earlier ones."""
+    cache_dir: str | None = "~/.cache/eagle3/compile"
+    """Compile caches of every engine and training worker of the job: vLLM's (VLLM_CACHE_ROOT =
+    <it>/vllm), inductor's (TORCHINDUCTOR_CACHE_DIR = <it>/inductor) and Triton's (TRITON_CACHE_DIR =
+    <it>/triton), set in the job's runtime env before any worker imports them, so that later engines
+    and a resubmitted job load what the first one compiled (vLLM keeps the inductor and Triton files
+    of its own graphs under <it>/vllm; inductor/ and triton/ serve the trainer's torch.compile). A path
+    valid on every node ('~': the driver's home); null: each library's own default (which a
+    container that starts afresh loses)."""
 
     def __post_init__(self):
         check_types(self, "")
@@ -447,6 +479,9 @@ class JobConfig:
         if "regenerate" in self.stages and not self.regenerate.enabled:
             _fail("job", "stages", list(self.stages), "lists regenerate but regenerate.enabled is false; set "
                   "regenerate.enabled: true (extract then trains on the regenerated responses), or drop the stage")
+        if "train" in self.stages and t.source == "online" and e.replicas_per_gpu > 1:
+            _fail("extract", "replicas_per_gpu", e.replicas_per_gpu, "is for the extract stage; online training "
+                  "places its replicas by train.online.gpu_split: use 1 with train.source online")
         if "train" in self.stages and t.source == "online" and t.online.gpu_split == "shared":
             check_gpu_sharing(e, t)  # 'auto' becomes 'shared' only on a cluster: checked there (ray_jobs.online)
         if "eval" in self.stages and ev.enabled and ev.num_prompts > p.num_eval_prompts:

@@ -31,6 +31,7 @@ class Check:
     detail: str
     fix: str = ""
     warn: bool = False  # ok but worth reading
+    seconds: float | None = None  # the check's own time, where it starts something (the dry run's engine)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -197,10 +198,15 @@ def dry_run(target_dir: str, extract_cfg, *, dtype: str, trust_remote_code: bool
         # One step holds a whole prefill, up to the engine's max_model_len: max_length + 1
         # (compat.vllm_engine.prefill_max_model_len).
         max_length = max(256, num_tokens)
+        # Eager and a KV cache of a fixed 1 GiB (vLLM >= 0.11; a GPU engine then skips the memory
+        # profiling and a 0.3-of-the-GPU cache): the path's shapes are under test, not its speed.
         cfg = dataclasses.replace(extract_cfg, aux_hidden_state_layer_ids=cut_aux or (0,),
                                   load_format="dummy", num_replicas=1, gpu_memory_utilization=0.3,
-                                  max_num_batched_tokens=max_length + 1, max_num_seqs=4)
+                                  max_num_batched_tokens=max_length + 1, max_num_seqs=4, enforce_eager=True,
+                                  replicas_per_gpu=1, kv_cache_memory_bytes=1 << 30)
+        t_engine = time.perf_counter()
         extractor = Extractor(cut, cfg, max_length=max_length, dtype=dtype, trust_remote_code=trust_remote_code)
+        engine_s = time.perf_counter() - t_engine
         ids = [(7 * i + 3) % min(int(text.get("vocab_size", 1000)), 1000) for i in range(num_tokens)]
         tokens = pa.Table.from_pylist([{"sample_id": "dry-run", "input_ids": ids, "loss_mask": [1] * num_tokens,
                                         "num_tokens": num_tokens}], schema=TOKENS_SCHEMA)
@@ -212,8 +218,10 @@ def dry_run(target_dir: str, extract_cfg, *, dtype: str, trust_remote_code: bool
         return Check("dry run", ok,
                      f"{json.loads((Path(cut) / 'config.json').read_text()).get('architectures') or text.get('architectures')} "
                      f"cut to {n} layers, dummy weights, backend {cfg.backend}: hidden states {tuple(hs.shape)} "
-                     f"(want {want}), layers {layer_ids}, {time.perf_counter() - t0:.0f}s",
-                     "" if ok else "the extraction path returned wrong shapes: report it with this table")
+                     f"(want {want}), layers {layer_ids}, {extractor.dtype}, engine up in {engine_s:.0f}s, "
+                     f"{time.perf_counter() - t0:.0f}s in all",
+                     "" if ok else "the extraction path returned wrong shapes: report it with this table",
+                     seconds=round(engine_s, 2))
     except Exception as e:  # noqa: BLE001 - a doctor reports every failure as a row, with its cause
         return Check("dry run", False, f"{type(e).__name__}: {str(e)[:400]}",
                      "the extraction path fails on this architecture before any weights load; the traceback "

@@ -132,11 +132,13 @@ class SpecDecodeEngine:
     num_speculative_tokens tokens per step, or the target alone (draft_dir None, k 0)."""
 
     def __init__(self, target_dir: str, draft_dir: str | None, *, num_speculative_tokens: int, max_model_len: int,
-                 dtype: str = "bfloat16", enforce_eager: bool = True, max_num_seqs: int | None = None,
+                 dtype: str = "auto", enforce_eager: bool = True, max_num_seqs: int | None = None,
                  gpu_memory_utilization: float = 0.85, trust_remote_code: bool = False,
                  kv_cache_memory_bytes: int | None = None):
         from compat.vllm_engine import Engine, eagle3_engine_kwargs
+        from eagle3.precision import engine_dtype
 
+        dtype, self.dtype = engine_dtype(dtype)  # self.dtype: the choice and why, for logs
         self.draft_dir, self.k = draft_dir, num_speculative_tokens
         self.enforce_eager = enforce_eager
         t0 = time.perf_counter()
@@ -221,7 +223,7 @@ class SpecDecodeEngine:
             "num_prompts": len(prompts),
             "num_generated_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
             "generate_s": gen_s,
-            "engine_start_s": self.startup_s,
+            "engine_start_s": self.startup_s, "dtype": self.dtype,
             "enforce_eager": self.enforce_eager,
             "first_output_token_ids": list(outs[0].outputs[0].token_ids[:16]),
         }
@@ -284,7 +286,7 @@ def measure_engine(target_dir: str, draft_dir: str | None, *, num_speculative_to
     t = time.perf_counter()
     with SpecDecodeEngine(target_dir, draft_dir, num_speculative_tokens=num_speculative_tokens, **engine) as e:
         res = {"num_speculative_tokens": num_speculative_tokens, "draft": draft_dir,
-               "enforce_eager": e.enforce_eager, "engine_start_s": e.startup_s}
+               "enforce_eager": e.enforce_eager, "engine_start_s": e.startup_s, "dtype": e.dtype}
         if draft_dir is not None:
             res["acceptance"] = {s.mode: e.acceptance(prompts, max_tokens=max_tokens, temperature=s.temperature,
                                                       top_p=s.top_p, seed=seed) for s in samplings}
@@ -314,7 +316,7 @@ def eval_report(engines: list[dict], *, samplings: tuple[DecodeSampling, ...], s
         "max_tokens": max_tokens,
         "acceptance": [{"num_speculative_tokens": e["num_speculative_tokens"], **e["acceptance"]} for e in drafts],
         "speed": None,
-        "engines": [{k: e[k] for k in ("num_speculative_tokens", "enforce_eager", "engine_start_s", "wall_s")}
+        "engines": [{k: e.get(k) for k in ("num_speculative_tokens", "enforce_eager", "engine_start_s", "dtype", "wall_s")}
                     | {"measured": [m for m in ("acceptance", "speed") if m in e]} for e in engines],
     }
     if windows:

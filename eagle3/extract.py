@@ -48,9 +48,11 @@ class ExtractStats:
 
 class VLLMBackend:
     def __init__(self, model_dir: str, cfg: ExtractConfig, layer_ids: list[int], *, max_model_len: int,
-                 dtype: str = "bfloat16", trust_remote_code: bool = False):
+                 dtype: str = "auto", trust_remote_code: bool = False):
         from compat.vllm_engine import Engine, engine_env, extraction_engine_kwargs
+        from eagle3.precision import engine_dtype
 
+        dtype, self.dtype = engine_dtype(dtype)  # self.dtype: the choice and why, for logs
         in_process = cfg.tensor_parallel_size * cfg.pipeline_parallel_size == 1
         self.sink = cfg.sink if cfg.sink != "auto" else ("memory" if in_process else "shm")
         if self.sink == "memory" and not in_process:
@@ -67,7 +69,7 @@ class VLLMBackend:
             max_num_batched_tokens=self.max_num_batched_tokens, sink=self.sink, storage_path=self.storage_path,
             hs_dtype=cfg.hs_dtype, dtype=dtype, tensor_parallel_size=cfg.tensor_parallel_size,
             pipeline_parallel_size=cfg.pipeline_parallel_size, max_num_seqs=cfg.max_num_seqs,
-            gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
+            gpu_memory_utilization=cfg.engine_gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
             load_format=cfg.load_format, trust_remote_code=trust_remote_code, block_size=cfg.block_size,
             kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
         )
@@ -119,14 +121,18 @@ class HFBackend:
     `hidden_states[-1]`.
     """
 
-    def __init__(self, model_dir: str, layer_ids: list[int], *, dtype: str = "bfloat16", device: str | None = None,
+    def __init__(self, model_dir: str, layer_ids: list[int], *, dtype: str = "auto", device: str | None = None,
                  max_model_len: int = 1 << 30, trust_remote_code: bool = False, batch_size: int = 1,
                  random_weights: bool = False):
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        from eagle3.precision import describe, resolve_dtype
+
         self.torch = torch
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        on_gpu = self.device.startswith("cuda")
+        dtype, self.dtype = resolve_dtype(dtype, on_gpu=on_gpu), describe(dtype, on_gpu=on_gpu)
         self.batch_size = batch_size
         if random_weights:  # benchmarks on dummy shapes: the same work as real weights, no files
             config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
@@ -180,7 +186,7 @@ class HFBackend:
 class Extractor:
     """Turns tokens tables into encoded hidden-states tables with one backend."""
 
-    def __init__(self, model_dir: str, cfg: ExtractConfig, *, max_length: int, dtype: str = "bfloat16",
+    def __init__(self, model_dir: str, cfg: ExtractConfig, *, max_length: int, dtype: str = "auto",
                  trust_remote_code: bool = False, backend=None):
         text_cfg = target_text_config(model_dir)
         self._engine_lock = threading.Lock()
@@ -200,6 +206,7 @@ class Extractor:
             self.backend = HFBackend(model_dir, self.layer_ids, dtype=dtype,
                                      max_model_len=min(max_length, positions or max_length),
                                      trust_remote_code=trust_remote_code)
+        self.dtype = getattr(self.backend, "dtype", None)  # the compute dtype, for logs (a test's backend has none)
 
     def extract(self, tokens: pa.Table) -> tuple[pa.Table, ExtractStats]:
         t0 = time.perf_counter()

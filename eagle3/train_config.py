@@ -291,6 +291,10 @@ class TrainConfig:
     cycled in epochs as needed: training length is set in steps, not epochs."""
     seed: int = 0
     """Seeds the draft's initial weights and the data shuffle (order depends on seed and epoch)."""
+    log_every_s: float = 30.0
+    """Training's lines in the job's output, at most one every this many seconds: rank 0's step
+    line in its worker log, and the driver's progress bar line (at most 100 of those in a run,
+    actors.train_progress). Every step is in train/metrics.jsonl and the Ray gauges whatever this is."""
     source: Source = "offline"
     """Where training reads hidden states. 'offline' (default): the committed shards of the
     extract stage, on disk. 'online': the engines extract while training runs and each table
@@ -310,6 +314,8 @@ class TrainConfig:
             _fail("num_workers", self.num_workers, "must be >= 1")
         if self.num_steps < 1:
             _fail("num_steps", self.num_steps, "must be >= 1")
+        if not self.log_every_s > 0:
+            _fail("log_every_s", self.log_every_s, "must be > 0 seconds")
         # Limits between a section and the stage's own length.
         if self.optimizer.warmup_steps > self.num_steps:
             _fail("optimizer.warmup_steps", self.optimizer.warmup_steps, f"must be in [0, num_steps={self.num_steps}]")

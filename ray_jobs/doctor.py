@@ -36,29 +36,62 @@ def estimate_tokens(cfg: JobConfig) -> tuple[int, str]:
 
 
 def node_report(cfg: JobConfig, target_dir: str, num_tokens: int, with_dry_run: bool) -> dict:
+    """One node's rows, and where its time went ({"seconds": {"checks", "dry_run", "total"}}). The
+    dry run (an engine start: most of the doctor's time) runs in this task's main thread (vLLM's
+    engine start installs signal handlers, which only the main thread may), the other checks
+    (imports, source inspection, nvidia-smi, the disk) beside it in a thread, after vLLM is
+    imported once for both (two threads importing the same package tree at once can deadlock)."""
     import platform
+    import threading
 
     from eagle3 import doctor
     from eagle3.extract import target_text_config
 
-    rows = doctor.check_seams(target_dir, cfg.target.trust_remote_code)
-    rows += doctor.check_gpus()
+    t0 = time.perf_counter()
+    host = platform.node()
     text = target_text_config(target_dir)
     try:
         layers = len(cfg.extract.layer_ids(text["num_hidden_layers"]))
     except ValueError as e:
+        rows = doctor.check_seams(target_dir, cfg.target.trust_remote_code)
         rows.append(doctor.Check("aux layer ids", False, str(e), "set extract.aux_hidden_state_layer_ids to ids "
                                  "that exist in this target"))
-        with_dry_run = False
-    else:
-        rows.append(doctor.check_disk(cfg.output_dir, doctor.estimate_dataset_bytes(
-            num_tokens, layers, text["hidden_size"], cfg.extract.hs_dtype)))
+        return {"host": host, "rows": [r.to_dict() for r in doctor.check_versions(rows) + rows]}
+    checks: dict = {}
+
+    def run_checks() -> None:
+        t = time.perf_counter()
+        try:
+            rows = doctor.check_seams(target_dir, cfg.target.trust_remote_code)
+            rows += doctor.check_gpus()
+            rows.append(doctor.check_disk(cfg.output_dir, doctor.estimate_dataset_bytes(
+                num_tokens, layers, text["hidden_size"], cfg.extract.hs_dtype)))
+            checks["rows"] = rows
+        except BaseException as e:  # noqa: BLE001 - re-raised in the task's thread below
+            checks["error"] = e
+        checks["seconds"] = time.perf_counter() - t
+
     if with_dry_run:
-        rows.append(doctor.dry_run(target_dir, cfg.extract, dtype=cfg.target.dtype,
-                                   trust_remote_code=cfg.target.trust_remote_code))
+        try:
+            import vllm  # noqa: F401 - once, here, for both threads (see the docstring)
+        except ImportError:
+            pass  # the version check's row says vLLM is missing, and the dry run's row fails with the cause
+    thread = threading.Thread(target=run_checks, name="doctor-checks")
+    thread.start()
+    dry, t_dry = None, time.perf_counter()
+    if with_dry_run:
+        dry = doctor.dry_run(target_dir, cfg.extract, dtype=cfg.target.dtype,
+                             trust_remote_code=cfg.target.trust_remote_code)
+    t_dry = time.perf_counter() - t_dry
+    thread.join()
+    if "error" in checks:
+        raise checks["error"]
+    rows = checks["rows"] + ([dry] if dry is not None else [])
     # Versions last, listed first: an untested version is judged by this node's seams and dry run.
     rows = doctor.check_versions(rows) + rows
-    return {"host": platform.node(), "rows": [r.to_dict() for r in rows]}
+    return {"host": host, "rows": [r.to_dict() for r in rows],
+            "seconds": {"checks": round(checks["seconds"], 1), "dry_run": round(t_dry, 1) if with_dry_run else None,
+                        "total": round(time.perf_counter() - t0, 1)}}
 
 
 def run_doctor(cfg: JobConfig, target_dir: str, *, dry_run: bool = True) -> tuple[bool, str, list[dict]]:
@@ -85,7 +118,11 @@ def run_doctor(cfg: JobConfig, target_dir: str, *, dry_run: bool = True) -> tupl
         rep["node_ip"] = node["NodeManagerAddress"]
         reports.append(rep)
     ok, table = format_reports(reports)
-    return ok, (f"{table} in {time.perf_counter() - t0:.0f}s (dataset estimate from {how}: {num_tokens} tokens)"), reports
+    where = "; ".join(f"{r['node_ip']}: checks {r['seconds']['checks']:.0f}s"
+                      + (f" beside the dry run {r['seconds']['dry_run']:.0f}s" if r["seconds"]["dry_run"] is not None
+                         else "") + f", task {r['seconds']['total']:.0f}s" for r in reports if r.get("seconds"))
+    return ok, (f"{table} in {time.perf_counter() - t0:.0f}s ({where}; dataset estimate from {how}: "
+                f"{num_tokens} tokens)"), reports
 
 
 def format_reports(reports: list[dict]) -> tuple[bool, str]:
@@ -116,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     from ray_jobs.cluster import init_ray
     from ray_jobs.target import resolve_target
 
-    init_ray(cfg.ray.address, cfg.ray.num_cpus, dashboard_host=cfg.ray.dashboard_host)
+    init_ray(cfg.ray.address, cfg.ray.num_cpus, dashboard_host=cfg.ray.dashboard_host, cache_dir=cfg.cache_dir)
     target_dir = resolve_target(cfg, Path(cfg.output_dir).resolve())
     ok, table, reports = run_doctor(cfg, target_dir, dry_run=not args.no_dry_run)
     print(table, flush=True)

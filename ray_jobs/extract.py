@@ -44,16 +44,25 @@ class Replica:
 
 def replica_layout(ecfg: ExtractConfig, num_shards_to_do: int, *, engine: bool = True) -> tuple[dict, int]:
     """(bundle of one replica, number of replicas): tensor_parallel_size * pipeline_parallel_size GPUs
-    of one node each, as many as the cluster's GPUs allow unless num_replicas is set, never more than
-    there are shards to do; one CPU each on a CPU-only cluster (or for the hf backend: engine=False)."""
+    of one node each, or 1 / replicas_per_gpu of one GPU; as many as the cluster's GPUs allow unless
+    num_replicas is set, never more than there are shards to do; one CPU each on a CPU-only cluster
+    (or for the hf backend: engine=False)."""
     import ray
 
     gpus_per_replica = ecfg.tensor_parallel_size * ecfg.pipeline_parallel_size
     cluster_gpus = int(ray.cluster_resources().get("GPU", 0))
     use_gpu = cluster_gpus > 0 and engine
-    bundle = {"CPU": 1, "GPU": gpus_per_replica} if use_gpu else {"CPU": 1}
-    num_replicas = ecfg.num_replicas or (max(1, cluster_gpus // gpus_per_replica) if use_gpu else 1)
+    share = gpus_per_replica if ecfg.replicas_per_gpu == 1 else gpu_share(ecfg.replicas_per_gpu)
+    bundle = {"CPU": 1, "GPU": share} if use_gpu else {"CPU": 1}
+    num_replicas = ecfg.num_replicas or (
+        max(1, cluster_gpus // gpus_per_replica * ecfg.replicas_per_gpu) if use_gpu else 1)
     return bundle, min(num_replicas, max(1, num_shards_to_do))
+
+
+def gpu_share(n: int) -> float:
+    """One of n equal shares of a GPU as a Ray resource, rounded down to Ray's 0.0001 granularity
+    (n of them must fit in 1: 3 x 0.3333)."""
+    return int(10_000 / n) / 10_000
 
 
 class ReplicaPool:
@@ -73,6 +82,7 @@ class ReplicaPool:
         self.what = what
         self.warm = warm  # new replicas' node ids -> refs of tasks to wait for along with the engines
         self.replicas: dict[int, Replica] = {}
+        self.starts: list[dict] = []  # each engine start: replica, host, startup_s, dtype (the job's summary)
 
     def start(self, n: int, timeout_s: float) -> list[Replica]:
         import ray
@@ -101,8 +111,9 @@ class ReplicaPool:
         infos = ray.get([r.actor.info.remote() for r in new])  # engine start errors surface here
         ray.get(warm)
         for info in infos:
-            log.info("%s %d on %s (node %s): engine up in %.1fs", self.what, info["replica"], info["host"],
-                     info["node_id"], info["startup_s"])
+            log.info("%s %d on %s (node %s): engine up in %.1fs, computing in %s", self.what, info["replica"],
+                     info["host"], info["node_id"], info["startup_s"], info.get("dtype"))
+            self.starts.append({k: info.get(k) for k in ("replica", "host", "startup_s", "dtype")})
         return new
 
     def replica_lost(self, index: int, timeout_s: float) -> None:
@@ -221,6 +232,7 @@ def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str,
         finally:
             pool.shutdown(graceful=finished)  # after an error, no waiting on engines that may be gone
         summary["replicas"] = pool.summary()
+        summary["engine_starts"] = pool.starts
     summary.update(_totals(manifest, plan))
     summary["seconds"] = time.perf_counter() - t_start
     return summary

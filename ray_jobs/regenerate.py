@@ -140,6 +140,7 @@ def run_regenerate(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: s
         rates = [r["tokens_per_s"] for r in summary["replicas"] if r["tokens_per_s"]]
         summary["tokens_per_s"] = gen_tokens / summary["loop_s"] if summary["loop_s"] else None
         summary["tokens_per_s_per_replica"] = sum(rates) / len(rates) if rates else None
+        summary["engine_starts"] = pool.starts
     summary.update(finalize(manifest, plan.num_shards))
     if not warned and (msg := cut_warning(summary["num_turns"], summary["num_turns_cut_at_max_tokens"], sampling,
                                           fallbacks, final=True)):

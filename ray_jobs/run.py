@@ -102,8 +102,8 @@ def run(cfg: JobConfig) -> dict:
 
     out = Path(cfg.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    init_ray(cfg.ray.address, cfg.ray.num_cpus, dashboard_host=cfg.ray.dashboard_host)
-    report: dict = {"output_dir": str(out), "stages": {}, "seconds": {}}
+    init_ray(cfg.ray.address, cfg.ray.num_cpus, dashboard_host=cfg.ray.dashboard_host, cache_dir=cfg.cache_dir)
+    report: dict = {"output_dir": str(out), "stages": {}, "seconds": {}, "startup": {}}
     t0 = time.perf_counter()
 
     def timed(name, fn, *args, **kwargs):
@@ -124,8 +124,11 @@ def run(cfg: JobConfig) -> dict:
     if cfg.doctor:
         from ray_jobs.doctor import run_doctor
 
-        ok, table, _ = timed("doctor", run_doctor, cfg, target_dir)
+        ok, table, doctor_reports = timed("doctor", run_doctor, cfg, target_dir)
         print(table, flush=True)
+        report["startup"]["doctor_dry_run"] = [{"host": rep["host"], "startup_s": row.get("seconds")}
+                                               for rep in doctor_reports for row in rep["rows"]
+                                               if row["name"] == "dry run" and row.get("seconds") is not None]
         if not ok:
             raise SystemExit("doctor: a check failed (table above); nothing was loaded. Fix it, or set doctor: false")
     report["target"] = target_dir
@@ -186,9 +189,51 @@ def run(cfg: JobConfig) -> dict:
         (out / "eval.json").write_text(json.dumps(results, indent=1))
 
     report["seconds"]["total"] = round(time.perf_counter() - t0, 2)
+    report["startup"].update(startup_record(report["stages"]))
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
-    write_provenance(out, cfg.to_dict(), "job")
+    write_provenance(out, cfg.to_dict(), "job", {"startup": report["startup"]})
     return report
+
+
+def startup_record(stages: dict) -> dict:
+    """What each stage paid before its work began: every engine start (seconds, host, compute dtype)
+    of regenerate, extract and eval, and the trainer's set-up and first step (rank 0)."""
+    rec: dict = {}
+    for name in ("regenerate", "extract"):
+        if stages.get(name, {}).get("engine_starts"):
+            rec[name] = stages[name]["engine_starts"]
+    if "eval" in stages:
+        rec["eval"] = [{"num_speculative_tokens": r["num_speculative_tokens"], "startup_s": r.get("engine_start_s"),
+                        "dtype": r.get("dtype")} for r in stages["eval"].get("engines", [])]
+    t = stages.get("train")
+    if t and t.get("setup_s") is not None:
+        rec["train"] = {"setup_s": t["setup_s"], "first_step_s": t.get("first_step_s"), "precision": t.get("precision")}
+    return rec
+
+
+def _startup_line(startup: dict) -> str | None:
+    """'doctor dry run 21s; extract engine 30s; eval engines 22s, 21s; trainer set-up 35s, first step 2.0s'."""
+    parts = []
+    for key, what in (("doctor_dry_run", "doctor dry run"), ("regenerate", "regenerate engine"),
+                      ("extract", "extract engine"), ("eval", "eval engine")):
+        starts = [s["startup_s"] for s in startup.get(key, []) if s.get("startup_s") is not None]
+        if starts:
+            parts.append(f"{what}{'s' if len(starts) > 1 else ''} " + ", ".join(f"{v:.0f}s" for v in starts))
+    t = startup.get("train")
+    if t:
+        parts.append(f"trainer set-up {t['setup_s']:.0f}s"
+                     + (f", first step {t['first_step_s']:.1f}s" if t.get("first_step_s") is not None else ""))
+    return "; ".join(parts) or None
+
+
+def _dtype_line(startup: dict) -> str | None:
+    """The engines' compute dtypes (as resolved in their processes) and the trainer's precision."""
+    dtypes = sorted({s["dtype"] for key in ("regenerate", "extract", "eval") for s in startup.get(key, [])
+                     if s.get("dtype")})
+    parts = [f"engines {', '.join(dtypes)}"] if dtypes else []
+    if startup.get("train", {}).get("precision"):
+        parts.append(f"trainer {startup['train']['precision']}")
+    return "; ".join(parts) or None
 
 
 def _resumed(stage: dict) -> str:
@@ -239,6 +284,10 @@ def format_summary(report: dict) -> str:
     if "eval" in st:
         lines += _eval_summary(st["eval"])
     lines.append("  time per stage   " + ", ".join(f"{k} {v:.0f}s" for k, v in report["seconds"].items()))
+    if (startup := _startup_line(report.get("startup", {}))) is not None:
+        lines.append("  start-up         " + startup)
+    if (dtypes := _dtype_line(report.get("startup", {}))) is not None:
+        lines.append("  compute dtype    " + dtypes)
     return "\n".join(lines)
 
 

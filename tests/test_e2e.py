@@ -37,6 +37,7 @@ def demo_run(tmp_path_factory, tiny_target, shared_ray):
          "--set", "eval.num_speculative_tokens=[1, 3]", "--set", "train.num_steps=20"],
         cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    (out / "job_output.txt").write_text(proc.stdout + proc.stderr)  # what `ray job logs` would show
     return out, proc.stdout, time.time() - t0
 
 
@@ -49,6 +50,38 @@ def test_job_prints_where_outputs_are(demo_run):
         prov = json.loads((out / stage / "provenance.json").read_text())
         assert prov["schema_version"] == 1 and "ray" in prov["packages"] and prov["git_commit"]
         assert prov["config"]["output_dir"] == str(out)
+
+
+def test_job_reports_its_startup_and_compute_dtype_and_logs_training_quietly(demo_run):
+    """The summary's start-up line (each engine start, the trainer's set-up and first step) and the
+    engines' compute dtype as 'auto' resolved it on this CPU; training's lines in the job's output:
+    the driver's progress lines and at most one step line of rank 0 every train.log_every_s (30 s),
+    where every step used to print one; every step still in metrics.jsonl."""
+    import re
+
+    from actors.train_progress import MAX_LINES
+    from eagle3.precision import resolve_dtype
+
+    out, stdout, _ = demo_run
+    report = json.loads((out / "report.json").read_text())
+    startup = report["startup"]
+    assert [s["replica"] for s in startup["extract"]] == [0] and startup["extract"][0]["startup_s"] > 0
+    assert [e["num_speculative_tokens"] for e in startup["eval"]] == [1, 3]
+    assert startup["doctor_dry_run"][0]["startup_s"] > 0 and startup["train"]["setup_s"] > 0
+    want = resolve_dtype("auto", on_gpu=False)  # this machine's CPU decides
+    assert {s["dtype"].split()[0] for s in startup["extract"] + startup["eval"]} == {want}
+    assert re.search(r"start-up +doctor dry run \d+s; extract engine \d+s; eval engines \d+s, \d+s; trainer set-up "
+                     r"\d+s, first step [\d.]+s", stdout)
+    assert f"compute dtype    engines {want} (auto: CPU" in stdout and "trainer float32" in stdout
+    assert json.loads((out / "provenance.json").read_text())["startup"] == startup
+
+    log = (out / "job_output.txt").read_text().splitlines()
+    step_lines = [line for line in log if re.search(r"step \d+/20 loss", line)]
+    train_seconds = report["stages"]["train"]["train_seconds"]
+    assert 1 <= len(step_lines) <= 2 + train_seconds // 30, step_lines
+    progress = [line for line in log if re.search(r"train: .*\d+/20 \[", line)]
+    assert 1 <= len(progress) <= MAX_LINES and "20/20" in progress[-1], progress
+    assert len((out / "train" / "metrics.jsonl").read_text().splitlines()) == 20
 
 
 def test_hidden_states_rows_line_up_with_tokens_and_match_transformers(demo_run):

@@ -161,8 +161,9 @@ def test_step_clocks_read_the_records_both_trainers_log(tmp_path):
     from benchmarks.speculators_data import StepClock
     from benchmarks.train_bench import OUR_STEP_FORMAT, _OurStepClock
 
-    # the seam: actors.trainer still logs exactly this record on rank 0 after every step
-    assert f'logger.info("{OUR_STEP_FORMAT}"' in inspect.getsource(actors.trainer.train_loop_per_worker)
+    # the seam: actors.trainer still logs exactly this record on rank 0 after every step (DEBUG, or INFO
+    # every train.log_every_s: the step clock sets its logger to DEBUG)
+    assert f'logger.log(level, "{OUR_STEP_FORMAT}"' in inspect.getsource(actors.trainer._Progress.update)
     ours = tmp_path / "ours.jsonl"
     rec = logging.LogRecord("actors.trainer", logging.INFO, __file__, 1, OUR_STEP_FORMAT,
                             (7, 30, 2.5, 0.1, 1e-4, 8184, 12.5), None)
