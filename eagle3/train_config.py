@@ -233,7 +233,7 @@ class OnlineConfig:
     drafts are usually trained for few epochs, so an engine pass per epoch costs less than the
     writes; 'keep' pays off when the engines are the slower side and epochs are many."""
     record_sample_ids: bool = False
-    """Each rank appends, per optimizer step, the sample ids it trained (and those extraction
+    """(Offline training reads it too.) Each rank appends, per optimizer step, the sample ids it trained (and those extraction
     rejected) to train/sample_ids/rank-<r>.jsonl: an audit that every sample was trained once per
     epoch, across restarts (a step redone after a restart is written again; the last line of a
     step counts)."""
@@ -297,6 +297,16 @@ class TrainConfig:
     reaches a training rank through the Ray object store, nothing written unless
     train.online.epochs is 'keep' (settings: train.online). Same order and same draft vocabulary
     as offline for the same data (tests/test_online.py)."""
+    eval_every_steps: int = 50
+    """Every this many optimizer steps, and after the last one, the draft's accuracy per TTT
+    position (speculators' full_acc_i, as in training, without gradients) on the held-out split
+    (prepare.heldout_fraction) goes into metrics.jsonl, the curves and the summary, beside the
+    training accuracy. Each evaluation costs forwards over up to eval_max_tokens tokens."""
+    eval_max_tokens: int = 65536
+    """Held-out tokens (packed, all ranks together) an evaluation reads at most: the first
+    micro-batches of the held-out samples in a fixed order, so every evaluation of a run, and of
+    runs with another num_workers, measures the same samples. The batches are divided among the
+    ranks (results all-reduced), so a rank does about eval_max_tokens / num_workers of them."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -310,6 +320,11 @@ class TrainConfig:
             _fail("num_workers", self.num_workers, "must be >= 1")
         if self.num_steps < 1:
             _fail("num_steps", self.num_steps, "must be >= 1")
+        if self.eval_every_steps < 1:
+            _fail("eval_every_steps", self.eval_every_steps, "must be >= 1 step (prepare.heldout_fraction: 0 turns "
+                  "the held-out evaluation off)")
+        if self.eval_max_tokens < 1:
+            _fail("eval_max_tokens", self.eval_max_tokens, "must be >= 1 token (at least one micro-batch is read)")
         # Limits between a section and the stage's own length.
         if self.optimizer.warmup_steps > self.num_steps:
             _fail("optimizer.warmup_steps", self.optimizer.warmup_steps, f"must be in [0, num_steps={self.num_steps}]")

@@ -8,7 +8,7 @@ earlier run of the same job committed (extraction resumes shard by shard). The d
 imports neither vllm, torch nor deepspeed: heavy work runs in Ray tasks and actors.
 Output layout:
     target/          the tiny demo target (only when target.model is null)
-    prepared/        tokens.parquet, rejects.jsonl, eval_prompts.jsonl
+    prepared/        tokens.parquet, rejects.jsonl, eval_prompts.jsonl, heldout.json (the held-out split)
     regenerated/     (regenerate.enabled) data/shard-*.parquet conversations, committed/, tokens.parquet
     hidden_states/   data/shard-*.arrow, committed/, MANIFEST.json, rejects.jsonl
     train/           DeepSpeed checkpoints, metrics, loss plot
@@ -130,12 +130,14 @@ def run(cfg: JobConfig) -> dict:
 
     if cfg.train.source == "offline" and ("train" in cfg.stages or "export" in cfg.stages):
         from actors.trainer import run_training
+        from eagle3.data.heldout import training_threshold
         from eagle3.manifest import Manifest
 
         files = Manifest(out / "hidden_states", cfg.extract.file_format).committed_files()
         if not files:
             raise ValueError(f"no committed hidden-state shards under {out / 'hidden_states'}: run the extract stage first")
-        summary = timed("train", run_training, cfg.train, files, target_dir, str(out / "train"), str(out / "draft"))
+        summary = timed("train", run_training, cfg.train, files, target_dir, str(out / "train"), str(out / "draft"),
+                        heldout_threshold=training_threshold(out / "prepared"))
         write_provenance(out / "train", cfg.to_dict(), "train", {"summary": summary})
         write_provenance(out / "draft", cfg.to_dict(), "export", {"trained_from": files})
         report["stages"]["train"] = summary
@@ -163,6 +165,27 @@ def _resumed(stage: dict) -> str:
     return f"; {skipped} of {stage['num_shards']} shards already committed" if skipped else ""
 
 
+def _accuracy_lines(st: dict) -> list[str]:
+    """The train/serve check, like with like: the draft's accuracy per draft position on the
+    held-out conversations (speculators' full_acc_i: positions 0..i all right) beside the training
+    accuracy (averaged over the steps before that evaluation) and vLLM's rate of drafts whose
+    first i+1 tokens were all accepted (the eval with the largest k), on held-out prompts."""
+    held = (st.get("train") or {}).get("heldout")
+    if not held:
+        return []
+
+    def fmt(values) -> str:
+        return "-" if values is None else " ".join(f"{v:.3f}" for v in values)
+
+    lines = [f"  accuracy         per draft position at step {held['step']}: held-out {fmt(held['full_acc'])} "
+             f"({held['num_positions']} positions, {held['num_samples']} samples), training {fmt(held['train_full_acc'])}"]
+    evals = [r for r in st.get("eval") or [] if r.get("acceptance_rate_per_pos")]
+    if evals:
+        widest = max(evals, key=lambda r: r["num_speculative_tokens"])
+        lines[-1] += f", vLLM accepted (k={widest['num_speculative_tokens']}) {fmt(widest['acceptance_rate_per_pos'])}"
+    return lines
+
+
 def format_summary(report: dict) -> str:
     st = report["stages"]
     lines = [f"eagle3 job finished in {report['seconds']['total']:.0f}s; outputs under {report['output_dir']}"]
@@ -170,7 +193,9 @@ def format_summary(report: dict) -> str:
     if "prepare" in st:
         p = st["prepare"]
         lines.append(f"  prepared/        {p['num_samples']} samples, {p['num_tokens']} tokens "
-                     f"({p['num_loss_tokens']} in the loss), {p['num_rejected']} rejected")
+                     f"({p['num_loss_tokens']} in the loss), {p['num_rejected']} rejected; "
+                     f"{p.get('num_heldout_conversations', 0)} conversations ({p.get('num_heldout_samples', 0)} "
+                     "samples) held out of training")
     if "regenerate" in st:
         g = st["regenerate"]
         lines.append(f"  regenerated/     {g['num_samples']} conversations, {g['num_generated_tokens']} tokens generated, "
@@ -197,6 +222,7 @@ def format_summary(report: dict) -> str:
         lines.append(f"  train/           {t.get('steps')} steps, loss {loss(t.get('loss_first'))} -> "
                      f"{loss(t.get('loss_last'))}, {done}")
         lines.append(f"  draft/           speculators-format EAGLE-3 draft: {report.get('draft')}")
+    lines.extend(_accuracy_lines(st))
     if "eval" in st:
         als = ", ".join(f"k={r['num_speculative_tokens']}: {r['acceptance_length']:.2f}" for r in st["eval"])
         lines.append(f"  eval.json        acceptance length in vLLM: {als}")

@@ -864,10 +864,17 @@ def test_ray_train_two_workers_checkpoint_resume_export(tiny, tmp_path, ray_loca
     to start and stop): nothing here kills or inspects the cluster's processes."""
     from actors.trainer import run_training
 
+    from eagle3.data.heldout import choose_split
+    from eagle3.shards import read_shards
+
     target, files, _, _ = tiny
     out = tmp_path / "run"
-    cfg = small_cfg(num_workers=2, num_steps=4, checkpoint={"checkpoint_every": 2})
-    first = run_training(cfg, files, str(target), str(out))
+    # A held-out split of the shards' samples (6 of 24), measured every 2 steps on both ranks' share.
+    ids = read_shards(files, columns=["sample_id"]).column("sample_id").to_pylist()
+    split = choose_split(ids, 0.25, 6)
+    cfg = small_cfg(num_workers=2, num_steps=4, checkpoint={"checkpoint_every": 2}, eval_every_steps=2,
+                    online={"record_sample_ids": True})
+    first = run_training(cfg, files, str(target), str(out), heldout_threshold=split.threshold)
     print(f"\nRay Train, 2 workers: {first}")
     assert first["steps"] == 4 and first["resumed_from_step"] is None
     assert [(w["rank"], w["backend"]) for w in first["workers"]] == [(0, "gloo"), (1, "gloo")]  # where each rank ran
@@ -884,3 +891,18 @@ def test_ray_train_two_workers_checkpoint_resume_export(tiny, tmp_path, ray_loca
     assert second["resumed_from_step"] == 4 and second["steps"] == 6
     assert second["loss_first"] == first["loss_first"] and second["tokens"] > first["tokens"]
     assert Path(second["checkpoint"], "step_00000006").is_dir()
+    # Held-out accuracy at steps 2 and 4, then 6 after the resume: the batches of all 6 held-out
+    # samples divided between the ranks and all-reduced; no rank trained one of them.
+    curve = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in curve if "heldout_full_acc_0" in r] == [2, 4, 6]
+    assert {r["heldout_samples"] for r in curve if "heldout_samples" in r} == {split.num_heldout_samples} == {6}
+    assert first["heldout"]["step"] == 4 and second["heldout"]["step"] == 6
+    assert second["heldout"]["num_positions"] > 0 and len(second["heldout"]["full_acc"]) == 3
+    trained = set()
+    for rank in (0, 1):
+        for line in (out / "sample_ids" / f"rank-{rank}.jsonl").read_text().splitlines():
+            trained.update(json.loads(line)["sample_ids"])
+    assert trained and not {s for s in trained if split.is_heldout(s)}
+    with pytest.raises(Exception, match="held-out threshold"):  # a resume under another split is refused
+        run_training(replace(cfg, num_steps=8, checkpoint=replace(cfg.checkpoint, max_failures=0)), files,
+                     str(target), str(out), heldout_threshold=0)
