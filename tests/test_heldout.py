@@ -199,3 +199,29 @@ def test_online_order_leaves_the_split_out(tmp_path):
         seen += [ds.sample_id(k) for k in ds.epoch_order(0)]
         assert ds.token_frequencies(8)[4] == len(ids) - split.num_heldout_samples
     assert sorted(seen) == sorted(s for s in ids if not split.is_heldout(s))
+
+
+def test_summary_and_curves_show_heldout_beside_training_and_vllm(tmp_path):
+    from actors.trainer import plot_curves
+    from ray_jobs.run import format_summary
+
+    held = {"step": 20, "full_acc": [0.61, 0.42, 0.30], "cond_acc": [0.61, 0.7, 0.7],
+            "train_full_acc": [0.72, 0.55, 0.41], "train_steps_averaged": 10, "num_positions": 812, "num_samples": 8}
+    report = {"output_dir": "/o", "target": "/t", "seconds": {"total": 1.0}, "draft": "/o/draft",
+              "stages": {"train": {"steps": 20, "loss_first": 9.0, "loss_last": 4.0, "tokens_per_s": 10.0,
+                                   "tokens_this_run": 5, "heldout": held},
+                         "eval": [{"num_speculative_tokens": 1, "acceptance_length": 1.6, "acceptance_rate_per_pos": [0.6]},
+                                  {"num_speculative_tokens": 3, "acceptance_length": 2.1,
+                                   "acceptance_rate_per_pos": [0.58, 0.35, 0.2]}]}}
+    text = format_summary(report)
+    assert ("accuracy         per draft position at step 20: held-out 0.610 0.420 0.300 (812 positions, 8 samples), "
+            "training 0.720 0.550 0.410, vLLM accepted (k=3) 0.580 0.350 0.200") in text
+    report["stages"]["train"]["heldout"] = None  # no split: no line
+    assert "held-out" not in format_summary(report)
+
+    rows = [{"step": s, "loss": 1.0 / s, "full_acc_0": 0.1 * s, "full_acc_1": 0.05 * s} for s in range(1, 5)]
+    rows[1].update(heldout_full_acc_0=0.15, heldout_full_acc_1=0.1)
+    rows[3].update(heldout_full_acc_0=0.3, heldout_full_acc_1=0.2)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    png = plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curves.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
