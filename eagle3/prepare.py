@@ -278,8 +278,8 @@ def prepare_dataset(cfg: PrepareConfig, tokenizer_dir: str, out_dir: str, *,
     several), an eval prompt (the first cfg.num_eval_prompts good records) or a reject with its
     reason; summary["num_records"] is their sum. Of the kept conversations, those of the held-out
     split (cfg.heldout_fraction, eagle3.data.heldout) stay in tokens.parquet like the rest, and
-    heldout.json records the split (the trainer leaves them out and measures accuracy on them). An over-length conversation is cut after whole
-    assistant turns or rejected (cfg.over_length), never inside a turn: a turn cut short would
+    heldout.json records the split (the trainer leaves them out and measures accuracy on them).
+    An over-length conversation is cut after whole assistant turns or rejected (cfg.over_length), never inside a turn: a turn cut short would
     teach the draft an ending the target never wrote. Files appear under their final names only
     once complete.
     """

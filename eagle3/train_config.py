@@ -233,10 +233,11 @@ class OnlineConfig:
     drafts are usually trained for few epochs, so an engine pass per epoch costs less than the
     writes; 'keep' pays off when the engines are the slower side and epochs are many."""
     record_sample_ids: bool = False
-    """(Offline training reads it too.) Each rank appends, per optimizer step, the sample ids it trained (and those extraction
+    """Each rank appends, per optimizer step, the sample ids it trained (and those extraction
     rejected) to train/sample_ids/rank-<r>.jsonl: an audit that every sample was trained once per
-    epoch, across restarts (a step redone after a restart is written again; the last line of a
-    step counts)."""
+    epoch and none of the held-out split (prepare.heldout_fraction) was, across restarts (a step
+    redone after a restart is written again; the last line of a step counts). Offline training
+    reads this field too."""
     log_every_s: float = 10.0
     """How often the job log gets a line of who waits for whom (bytes in flight, engine idle
     time and why, trainer ranks' wait for engines); the same figures are Ray gauges."""

@@ -275,36 +275,39 @@ class Eagle3Trainer:
 
         t0 = time.perf_counter()
         dtype = next(p.dtype for p in self.engine.module.parameters() if p.is_floating_point())
-        batches = PackedBatches(self.heldout_dataset, self.cfg.data.micro_batch_tokens, dtype)
-        mine, num_batches, packed_tokens = [], 0, 0  # (rows, counted) of this rank
-        while packed_tokens < self.cfg.eval_max_tokens:
-            rows = batches.take()
-            if batches.epoch > 0:  # take() went on to the next pass: every held-out sample is in
-                break
-            if num_batches % self.world_size == self.rank:
-                mine.append((rows, True))
-            num_batches += 1
-            packed_tokens += sum(max(len(r[0]) - 1, 0) for r in rows)
-        per_rank = -(-num_batches // self.world_size)
-        if len(mine) < per_rank:  # this rank's turn ran out: a forward that counts nothing keeps step
-            first = PackedBatches(self.heldout_dataset, self.cfg.data.micro_batch_tokens, dtype).take()
-            mine.append((first, False))
         ttt = self.cfg.draft.ttt_steps
         names = [f"{m}_{i}_{part}" for m in ("full_acc", "cond_acc", "loss") for i in range(ttt)
                  for part in ("sum", "total")]
         sums = torch.zeros(len(names) + 1, dtype=torch.float64)
+
+        def forward(rows: list, batches: PackedBatches, counted: bool) -> None:
+            inputs = device_inputs(batches.pack(rows), self.device, dtype)
+            _, _, metrics = self.engine(**inputs, ttt_steps=ttt, ttt_step_loss_decay=self.cfg.draft.ttt_step_loss_decay,
+                                        loss_config=self.loss_config)
+            if counted:
+                sums[:-1] += torch.stack([metrics[n].detach().double().reshape(()) for n in names]).cpu()
+                sums[-1] += len(rows)
+
         was_training = self.engine.module.training
         self.engine.module.eval()
         try:
             with torch.no_grad():
-                for rows, counted in mine:
-                    inputs = device_inputs(batches.pack(rows), self.device, dtype)
-                    _, _, metrics = self.engine(**inputs, ttt_steps=ttt,
-                                                ttt_step_loss_decay=self.cfg.draft.ttt_step_loss_decay,
-                                                loss_config=self.loss_config)
-                    if counted:
-                        sums[:-1] += torch.stack([metrics[n].detach().double().reshape(()) for n in names]).cpu()
-                        sums[-1] += len(rows)
+                # Each batch is evaluated as it is read, so a rank holds one batch's rows at a time
+                # (Parquet shards decode into memory).
+                batches = PackedBatches(self.heldout_dataset, self.cfg.data.micro_batch_tokens, dtype)
+                num_batches = num_mine = packed_tokens = 0
+                while packed_tokens < self.cfg.eval_max_tokens:
+                    rows = batches.take()
+                    if batches.epoch > 0:  # take() went on to the next pass: every held-out sample is in
+                        break
+                    if num_batches % self.world_size == self.rank:
+                        forward(rows, batches, counted=True)
+                        num_mine += 1
+                    num_batches += 1
+                    packed_tokens += sum(max(len(r[0]) - 1, 0) for r in rows)
+                if num_mine < -(-num_batches // self.world_size):  # a rank short of a batch: an uncounted forward
+                    again = PackedBatches(self.heldout_dataset, self.cfg.data.micro_batch_tokens, dtype)
+                    forward(again.take(), again, counted=False)
         finally:
             self.engine.module.train(was_training)
         dist = _dist()
@@ -380,7 +383,7 @@ class Eagle3Trainer:
     @property
     def tokens_per_s(self) -> float:
         """Tokens of this run over its wall time in fit: the first step (compile on CUDA),
-        checkpoints and the on_step callbacks included."""
+        held-out evaluations, checkpoints and the on_step callbacks included."""
         return self.run_tokens / self.run_seconds if self.run_seconds > 0 else 0.0
 
     @property

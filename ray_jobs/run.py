@@ -178,7 +178,8 @@ def _accuracy_lines(st: dict) -> list[str]:
         return "-" if values is None else " ".join(f"{v:.3f}" for v in values)
 
     lines = [f"  accuracy         per draft position at step {held['step']}: held-out {fmt(held['full_acc'])} "
-             f"({held['num_positions']} positions, {held['num_samples']} samples), training {fmt(held['train_full_acc'])}"]
+             f"({held['num_positions']} positions, {held['num_samples']} samples), "
+             f"training {fmt(held['train_full_acc'])}"]
     evals = [r for r in st.get("eval") or [] if r.get("acceptance_rate_per_pos")]
     if evals:
         widest = max(evals, key=lambda r: r["num_speculative_tokens"])

@@ -210,7 +210,8 @@ def test_summary_and_curves_show_heldout_beside_training_and_vllm(tmp_path):
     report = {"output_dir": "/o", "target": "/t", "seconds": {"total": 1.0}, "draft": "/o/draft",
               "stages": {"train": {"steps": 20, "loss_first": 9.0, "loss_last": 4.0, "tokens_per_s": 10.0,
                                    "tokens_this_run": 5, "heldout": held},
-                         "eval": [{"num_speculative_tokens": 1, "acceptance_length": 1.6, "acceptance_rate_per_pos": [0.6]},
+                         "eval": [{"num_speculative_tokens": 1, "acceptance_length": 1.6,
+                                   "acceptance_rate_per_pos": [0.6]},
                                   {"num_speculative_tokens": 3, "acceptance_length": 2.1,
                                    "acceptance_rate_per_pos": [0.58, 0.35, 0.2]}]}}
     text = format_summary(report)
