@@ -59,8 +59,7 @@ def train_loop_per_worker(config: dict) -> None:
 
         dataset = OnlineDataset(online["feed"], online["tokens_path"], online["samples_per_shard"], online["layout"],
                                 seed=cfg.seed, rank=rank, world_size=world_size,
-                                shuffle_buffer_size=cfg.data.shuffle_buffer_size,
-                                heldout_threshold=config["heldout_threshold"])
+                                shuffle_buffer_size=cfg.data.shuffle_buffer_size)
     if config.get("gpu_memory_fraction") is not None:
         import torch
 

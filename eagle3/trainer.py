@@ -89,9 +89,8 @@ class Eagle3Trainer:
                  dataset=None, heldout_threshold: int = 0):
         """`data_files`: committed shards (offline); or None with `dataset`, a rank's rows from
         elsewhere (online: eagle3.data.online.OnlineDataset), ordered and resumed the same way.
-        `heldout_threshold` (prepared/heldout.json, eagle3.data.heldout; 0: no split): the held-out
-        conversations are left out of training (the caller builds `dataset` with the same
-        threshold) and, from shards, measured every cfg.eval_every_steps."""
+        `heldout_threshold` (prepared/heldout.json, eagle3.data.heldout; 0: no split), with shards:
+        the held-out conversations are left out of training and measured every cfg.eval_every_steps."""
         from speculators.models.eagle3.core import Eagle3DraftModel
 
         from compat.speculators_verifier import draft_layer_config, ensure_text_verifier_weights, verifier_text_config
@@ -103,13 +102,12 @@ class Eagle3Trainer:
         self.dataset = dataset or HiddenStatesDataset(data_files, seed=cfg.seed, rank=rank, world_size=world_size,
                                                       shuffle_buffer_size=cfg.data.shuffle_buffer_size,
                                                       heldout_threshold=heldout_threshold)
+        if heldout_threshold and dataset is not None:
+            raise ValueError("a held-out split needs shards (data_files): online mode (a dataset) trains on every "
+                             "sample and measures no held-out accuracy; pass heldout_threshold=0")
         self.heldout_threshold = heldout_threshold
         self.heldout_dataset = None
-        if heldout_threshold and data_files is None:
-            logger.warning("train.source online: the held-out split is left out of training but not measured "
-                           "(its hidden states pass through the engines' tables, not shards a rank can re-read; "
-                           "train offline for held-out accuracy)")
-        elif heldout_threshold:
+        if heldout_threshold:
             # Every rank, the same held-out rows in the same order (one rank's view of all shards, no
             # shuffle): the evaluation's batches are divided among the ranks (evaluate_heldout).
             self.heldout_dataset = HiddenStatesDataset(data_files, seed=cfg.seed, shuffle_buffer_size=1,

@@ -103,7 +103,6 @@ def run_online(cfg: JobConfig, tokens_path: str, target_dir: str, out: Path, spl
 
     from actors.online_feed import OnlineFeed
     from actors.trainer import run_training
-    from eagle3.data.heldout import training_threshold
     from eagle3.schema import check_schema
     from ray_jobs.extract import extraction_plan
 
@@ -127,8 +126,7 @@ def run_online(cfg: JobConfig, tokens_path: str, target_dir: str, out: Path, spl
     finished = False
     try:
         summary = run_training(cfg.train, None, target_dir, str(out / "train"), str(out / "draft"), online=online,
-                               gpus_per_worker=split.trainer_gpus or 1.0,
-                               heldout_threshold=training_threshold(out / "prepared"))
+                               gpus_per_worker=split.trainer_gpus or 1.0)
         finished = True
     finally:
         try:

@@ -1,7 +1,8 @@
 """The held-out split (eagle3.data.heldout): which conversations it holds, that prepare records it,
-and that the training datasets leave it out (offline shards and online's plan) while the
-held-out view reads exactly it. Fast tier: no Ray, no DeepSpeed, no vLLM. The trainer's
-evaluation on the split runs in the slow tier (tests/test_e2e.py, tests/test_train.py)."""
+and that the training dataset leaves it out of the shards while the held-out view reads exactly
+it (online mode trains on every sample: ray_jobs/run.py warns). Fast tier: no Ray, no DeepSpeed,
+no vLLM. The trainer's evaluation on the split: tests/test_train.py, and in the slow tier
+tests/test_e2e.py and test_train.py's two-worker run."""
 
 from __future__ import annotations
 
@@ -180,25 +181,6 @@ def _lengths(files) -> dict[str, int]:
 
     t = read_shards(files)
     return dict(zip(t.column("sample_id").to_pylist(), t.column("num_tokens").to_pylist(), strict=True))
-
-
-def test_online_order_leaves_the_split_out(tmp_path):
-    """Online mode orders the prepared tokens' plan; the held-out rows leave it, and the
-    vocabulary counts, without asking the feed anything."""
-    from eagle3.data.online import OnlineDataset
-    from eagle3.schema import TOKENS_SCHEMA
-
-    ids = _ids(50)
-    split = choose_split(ids, 0.1, 8)
-    rows = [{"sample_id": s, "input_ids": [3, 4, 5], "loss_mask": [0, 1, 1], "num_tokens": 3} for s in ids]
-    pq.write_table(pa.Table.from_pylist(rows, schema=TOKENS_SCHEMA), tmp_path / "tokens.parquet")
-    seen = []
-    for rank in range(2):
-        ds = OnlineDataset(None, tmp_path / "tokens.parquet", 10, (LAYER_IDS, HIDDEN, "bfloat16"), rank=rank,
-                           world_size=2, heldout_threshold=split.threshold)
-        seen += [ds.sample_id(k) for k in ds.epoch_order(0)]
-        assert ds.token_frequencies(8)[4] == len(ids) - split.num_heldout_samples
-    assert sorted(seen) == sorted(s for s in ids if not split.is_heldout(s))
 
 
 def test_summary_and_curves_show_heldout_beside_training_and_vllm(tmp_path):

@@ -37,10 +37,7 @@ class OnlineDataset:
     forkable = False
 
     def __init__(self, feed, tokens_path: str | Path, samples_per_shard: int, layout: tuple[list[int], int, str], *,
-                 seed: int = 0, rank: int = 0, world_size: int = 1, shuffle_buffer_size: int = 256,
-                 heldout_threshold: int = 0):
-        """heldout_threshold > 0: the held-out split's rows (eagle3.data.heldout) are left out of the
-        order (their tables still come from the engines: the plan's shards are the prepared ones)."""
+                 seed: int = 0, rank: int = 0, world_size: int = 1, shuffle_buffer_size: int = 256):
         import pyarrow.parquet as pq
 
         if not 0 <= rank < world_size:
@@ -60,13 +57,7 @@ class OnlineDataset:
             raise ValueError(f"{self.plan.num_shards} shards of {samples_per_shard} samples for {world_size} "
                              "data-parallel ranks: each rank needs at least one shard; lower "
                              "extract.samples_per_shard or use fewer workers")
-        self.heldout_threshold = heldout_threshold
-        self._heldout_rows: set[int] = set()
-        if heldout_threshold:
-            from eagle3.data.heldout import is_heldout
-
-            self._heldout_rows = {i for i, s in enumerate(self.sample_ids) if is_heldout(s, heldout_threshold)}
-        self.num_samples = len(self.sample_ids) - len(self._heldout_rows)
+        self.num_samples = len(self.sample_ids)
         self.rejected: set[str] = set()
         """Sample ids the engines rejected (seen so far)."""
         self.take_wait_s = 0.0
@@ -80,15 +71,9 @@ class OnlineDataset:
 
     def epoch_order(self, epoch: int) -> list[tuple[int, int]]:
         """(shard, row of the plan's shard) in this rank's order of `epoch`: the offline order of the
-        same shards (eagle3.data.rows.epoch_order), without the held-out rows."""
-        order = epoch_order(self.shard_rows, self.rank_shards(epoch), self.shuffle_buffer_size, self.seed, epoch,
-                            self.rank)
-        if not self._heldout_rows:
-            return order
-        # The offline dataset shuffles the kept rows' positions; here the plan's rows are filtered
-        # after the shuffle: an order of the same rows, not the offline one (a split run online and
-        # offline trains the same samples per epoch, in another order).
-        return [k for k in order if self.plan.rows(k[0])[0] + k[1] not in self._heldout_rows]
+        same shards (eagle3.data.rows.epoch_order)."""
+        return epoch_order(self.shard_rows, self.rank_shards(epoch), self.shuffle_buffer_size, self.seed, epoch,
+                           self.rank)
 
     def sample_id(self, key: tuple[int, int]) -> str:
         return self.sample_ids[self.plan.rows(key[0])[0] + key[1]]
@@ -97,7 +82,7 @@ class OnlineDataset:
         """Loss-masked token counts from the prepared tokens (no shards exist before training)."""
         from eagle3.data.vocab import tokens_frequencies
 
-        return tokens_frequencies(self.tokens_path, vocab_size, heldout_threshold=self.heldout_threshold)
+        return tokens_frequencies(self.tokens_path, vocab_size)
 
     def rows(self, epoch: int, start: int = 0) -> Iterator[StoredRow]:
         """This rank's rows of `epoch` from position `start` on, in order (HiddenStatesDataset.rows);
