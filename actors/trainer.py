@@ -67,7 +67,7 @@ def train_loop_per_worker(config: dict) -> None:
         # (Ray Train made this worker's GPU the current device).
         torch.cuda.set_per_process_memory_fraction(config["gpu_memory_fraction"])
     trainer = Eagle3Trainer(cfg, config["target_dir"], config["data_files"], rank=rank, world_size=world_size,
-                            dataset=dataset)
+                            dataset=dataset, heldout_threshold=config["heldout_threshold"])
     trainer.attach_engine(deepspeed_backend.initialize(trainer.model, cfg, world_size, use_gpu=config["use_gpu"]))
     workers = worker_placement(rank, world_size)
     checkpoint = ray.train.get_checkpoint()
@@ -85,8 +85,8 @@ def train_loop_per_worker(config: dict) -> None:
     profiler = StepProfiler(cfg.profiling.profile_steps, Path(config["metrics_path"]).parent / "profile",
                             done=trainer.global_step) if rank == 0 and cfg.profiling.profile_steps else None
 
-    ids_log = _SampleIds(Path(config["metrics_path"]).parent / "sample_ids", rank, dataset) \
-        if dataset is not None and cfg.online.record_sample_ids else None
+    ids_log = _SampleIds(Path(config["metrics_path"]).parent / "sample_ids", rank, trainer.dataset) \
+        if cfg.online.record_sample_ids else None
 
     def on_step(metrics: dict) -> None:
         ranges = metrics.pop("data_ranges")
@@ -96,6 +96,12 @@ def train_loop_per_worker(config: dict) -> None:
         if profiler is not None:
             profiler.step()
         if rank == 0:
+            if "heldout_full_acc_0" in metrics:
+                # DEBUG: the training log stays quiet (issue 28); metrics.jsonl, curves.png and the summary carry it
+                accs = " ".join(f"{metrics[f'heldout_full_acc_{i}']:.3f}" for i in range(cfg.draft.ttt_steps))
+                logger.debug("step %d held-out full_acc per TTT step %s (%d positions, %d samples, %.1f s)",
+                            metrics["step"], accs, metrics["heldout_positions"], metrics["heldout_samples"],
+                            metrics["heldout_eval_s"])
             progress.update(metrics)
         # The last step's checkpoint goes with the final report, after the export.
         if trainer.checkpoint_due() and trainer.global_step < cfg.num_steps:
@@ -117,6 +123,7 @@ def train_loop_per_worker(config: dict) -> None:
         "setup_s": t0 - t_start,
         "precision": "bf16 mixed" if deepspeed_backend.resolve_bf16(cfg, config["use_gpu"]) else "float32",
         "resumed_from_step": trainer.resumed_from_step, "draft_dir": config["draft_dir"], "workers": workers,
+        "heldout": trainer.last_heldout,
     })
 
 
@@ -225,6 +232,8 @@ class _Progress:
         self.t_logged = self.t_sent = float("-inf")
         self.loss = Gauge("eagle3_train_loss", "EAGLE-3 draft training loss (rank 0)")
         self.acc = Gauge("eagle3_train_accuracy", "Draft accuracy per TTT step (rank 0)", tag_keys=("ttt_step",))
+        self.heldout = Gauge("eagle3_heldout_accuracy", "Draft accuracy per TTT step on the held-out split (rank 0)",
+                             tag_keys=("ttt_step",))
         self.rate = Gauge("eagle3_train_tokens_per_s", "Training tokens/s (rank 0)")
         self.wait = Gauge("eagle3_train_input_wait_s", "Seconds the last step waited for its batches (rank 0)")
         self.file = open(metrics_path, "a")
@@ -240,6 +249,8 @@ class _Progress:
         for k, v in m.items():
             if k.startswith("full_acc_"):
                 self.acc.set(v, tags={"ttt_step": k.rsplit("_", 1)[1]})
+            elif k.startswith("heldout_full_acc_"):
+                self.heldout.set(v, tags={"ttt_step": k.rsplit("_", 1)[1]})
         self.file.write(json.dumps({**{k: v for k, v in m.items() if isinstance(v, (int, float))},
                                     "tokens_per_s": rate}) + "\n")
         self.file.flush()
@@ -259,7 +270,9 @@ class _Progress:
 
 
 def plot_curves(metrics_path: Path, png_path: Path) -> Path | None:
-    """Loss and per-TTT-step accuracy against step, from metrics.jsonl (all runs, resumes included)."""
+    """Loss and per-TTT-step accuracy against step, from metrics.jsonl (all runs, resumes included):
+    training accuracy as lines, held-out accuracy (the steps that measured it) dashed with markers,
+    in the same colour per TTT step."""
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()] \
         if metrics_path.exists() else []
     if not rows:
@@ -274,7 +287,11 @@ def plot_curves(metrics_path: Path, png_path: Path) -> Path | None:
     ax_loss.plot(steps, [r["loss"] for r in rows])
     ax_loss.set(xlabel="step", ylabel="loss", title="EAGLE-3 draft training loss")
     for key in sorted(k for k in rows[-1] if k.startswith("full_acc_")):
-        ax_acc.plot(steps, [r.get(key) for r in rows], label=f"TTT step {key.rsplit('_', 1)[1]}")
+        i = key.rsplit("_", 1)[1]
+        (line,) = ax_acc.plot(steps, [r.get(key) for r in rows], label=f"TTT step {i}", alpha=0.6)
+        held = [(r["step"], r[f"heldout_{key}"]) for r in rows if f"heldout_{key}" in r]
+        if held:
+            ax_acc.plot(*zip(*held), "--o", color=line.get_color(), markersize=3, label=f"held-out, TTT step {i}")
     ax_acc.set(xlabel="step", ylabel="accuracy", title="draft accuracy (loss-masked tokens)")
     ax_acc.legend()
     fig.tight_layout()
@@ -305,6 +322,7 @@ def finished_run_summary(cfg: TrainConfig, out: Path, draft_dir: Path) -> dict |
         "tokens_this_run": 0, "tokens_per_s": 0.0, "train_seconds": 0.0, "first_step_s": None,
         "steady_tokens_per_s": None, "setup_s": None, "checkpoint": str(ckpt),
         "draft_dir": str(draft_dir), "resumed_from_step": m["steps"], "num_workers": cfg.num_workers, "skipped": True,
+        "heldout": m.get("heldout"),
     }
     summary["curves_png"] = str(plot_curves(out / "metrics.jsonl", out / "curves.png"))
     return summary
@@ -322,7 +340,7 @@ def scaling_config(num_workers: int, use_gpu: bool, gpus_per_worker: float = 1.0
 
 def run_training(cfg: TrainConfig, data_files: list[str] | None, target_dir: str, out_dir: str,
                  draft_dir: str | None = None, *, use_gpu: bool | None = None, online: dict | None = None,
-                 gpus_per_worker: float = 1.0) -> dict:
+                 gpus_per_worker: float = 1.0, heldout_threshold: int = 0) -> dict:
     """Train a draft on cfg.num_workers Ray Train workers; resume if out_dir holds a checkpoint.
     The data: committed shard files, or with data_files None, `online` (ray_jobs/online.py: the
     feed actor's handle, tokens_path, samples_per_shard, layout (layer_ids, hidden_size, hs_dtype)).
@@ -336,7 +354,10 @@ def run_training(cfg: TrainConfig, data_files: list[str] | None, target_dir: str
     checkpoint directory, taken after the last step), draft_dir (the speculators-format export,
     eagle3.export; default <out_dir>/draft),
     resumed_from_step (None for a fresh run), num_workers, workers (each rank's node_id, host, pid, backend
-    and device: actors.trainer.worker_placement). Also written to
+    and device: actors.trainer.worker_placement), heldout (the last held-out evaluation, eagle3.trainer
+    Eagle3Trainer._heldout_record: step, full_acc and cond_acc per TTT step, train_full_acc averaged
+    over the steps since the evaluation before, num_positions, num_samples; None without a split:
+    heldout_threshold 0, from prepared/heldout.json, eagle3.data.heldout). Also written to
     <out_dir>/train_summary.json. use_gpu None: when the Ray cluster has GPUs. gpus_per_worker < 1:
     each worker takes that share of one GPU (Ray resource and torch memory cap), the rest of it
     being an engine replica's (online mode's train.online.gpu_split shared).
@@ -374,6 +395,7 @@ def run_training(cfg: TrainConfig, data_files: list[str] | None, target_dir: str
                            "target_dir": str(Path(target_dir).resolve()),
                            "draft_dir": str(Path(draft_dir).resolve() if draft_dir else out / "draft"),
                            "use_gpu": use_gpu, "metrics_path": str(out / "metrics.jsonl"), "progress": progress_actor,
+                           "heldout_threshold": heldout_threshold,
                            "gpu_memory_fraction": gpus_per_worker if use_gpu and gpus_per_worker < 1 else None},
         scaling_config=scaling_config(cfg.num_workers, use_gpu, gpus_per_worker),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
@@ -402,7 +424,7 @@ def run_training(cfg: TrainConfig, data_files: list[str] | None, target_dir: str
         "setup_s": m.get("setup_s"), "precision": m.get("precision"),
         "checkpoint": result.checkpoint.path if result.checkpoint is not None else None,
         "draft_dir": m["draft_dir"], "resumed_from_step": m["resumed_from_step"], "num_workers": cfg.num_workers,
-        "workers": m.get("workers"),
+        "workers": m.get("workers"), "heldout": m.get("heldout"),
     }
     summary["curves_png"] = str(plot_curves(out / "metrics.jsonl", out / "curves.png"))
     (out / "train_summary.json").write_text(json.dumps(summary, indent=1))

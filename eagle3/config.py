@@ -104,6 +104,17 @@ class PrepareConfig:
     num_eval_prompts: int = 16
     """The first N good records are held out of training: their prompts (up to the first
     assistant turn) go to eval_prompts.jsonl for the acceptance-length evaluation."""
+    heldout_fraction: float = 0.02
+    """Fraction of the kept conversations held out of training, in [0, 0.5]: prepared, regenerated
+    and extracted with the rest, never trained on; the trainer measures the draft's accuracy per
+    TTT position on them every train.eval_every_steps (eagle3.data.heldout: a hash of the
+    conversation id decides, so all samples of a conversation are on one side, on every run).
+    0 = no split (no held-out accuracy). Unlike num_eval_prompts, which holds out prompts for
+    vLLM's acceptance, this holds out whole conversations with their hidden states. Offline
+    training only: train.source online trains on the split like the rest (with a warning)."""
+    heldout_min_conversations: int = 8
+    """With heldout_fraction > 0: hold out at least this many conversations (at most half of
+    them) when the fraction alone gives fewer, so a small data set still has a split."""
     num_workers: int | None = None
     """Ray tasks (1 CPU each, on any node) that tokenize contiguous chunks of records at once;
     None = the cluster's CPUs. The output is the same for any value."""
@@ -120,6 +131,11 @@ class PrepareConfig:
             _fail("prepare", "num_eval_prompts", self.num_eval_prompts, "must be >= 0")
         if self.max_samples is not None and self.max_samples < 1:
             _fail("prepare", "max_samples", self.max_samples, "must be >= 1 or null")
+        if not 0 <= self.heldout_fraction <= 0.5:
+            _fail("prepare", "heldout_fraction", self.heldout_fraction,
+                  "must be in [0, 0.5] (0.02 = 2% of the conversations held out of training; 0 = none)")
+        if self.heldout_min_conversations < 0:
+            _fail("prepare", "heldout_min_conversations", self.heldout_min_conversations, "must be >= 0")
         if self.num_workers is not None and self.num_workers < 1:
             _fail("prepare", "num_workers", self.num_workers, "must be >= 1, or null for the cluster's CPUs")
 

@@ -1,9 +1,10 @@
 """Prepare stage: conversations -> chat template -> input_ids + loss_mask (Arrow).
 
-Owns: the stage itself: which records become samples, held-out eval prompts, the rejects
-file, writing `tokens.parquet` under `TOKENS_SCHEMA`, and spreading the tokenizing over Ray
-tasks in contiguous chunks (`prepare_dataset_ray`; `prepare_dataset` is the same stage in one
-process, and both assemble chunks through one function, so their output is identical).
+Owns: the stage itself: which records become samples, held-out eval prompts, the held-out
+split's threshold (heldout.json; the rule is eagle3.data.heldout's), the rejects file,
+writing `tokens.parquet` under `TOKENS_SCHEMA`, and spreading the tokenizing over Ray tasks
+in contiguous chunks (`prepare_dataset_ray`; `prepare_dataset` is the same stage in one process,
+and both assemble chunks through one function, so their output is identical).
 Does not own: reading sources (`eagle3.conversations`), rendering and masks
 (`eagle3.chat_template`), the schema (`eagle3.schema`), the tokenizer or its template (they
 come from the target's directory), provenance files (the driver writes them).
@@ -32,6 +33,7 @@ from eagle3.chat_template import RenderReject, eval_prompt, render_conversation
 from eagle3.chat_template import tokenize_conversation  # noqa: F401  (re-exported)
 from eagle3.config import PrepareConfig
 from eagle3.conversations import Record, iter_records, load_conversations  # noqa: F401  (re-exported)
+from eagle3.data.heldout import HELDOUT_FILE, choose_split
 from eagle3.schema import TOKENS_SCHEMA, check_schema
 
 log = logging.getLogger(__name__)
@@ -191,12 +193,14 @@ class _Progress:
 
 
 def _assemble(cfg: PrepareConfig, out_dir: str, results: Iterable[ChunkResult], progress: bool) -> dict[str, Any]:
-    """Chunk results, in source order -> the stage's three files and its summary."""
+    """Chunk results, in source order -> the stage's four files and its summary."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # A re-run invalidates the previous output: if this run fails, no stale tokens file
     # should sit next to this run's rejects and pass for its result.
     (out / TOKENS_FILE).unlink(missing_ok=True)
+    (out / HELDOUT_FILE).unlink(missing_ok=True)
+    sample_ids: list[str] = []
 
     rejects: list[dict] = []
     eval_prompts: list[dict] = []
@@ -215,6 +219,7 @@ def _assemble(cfg: PrepareConfig, out_dir: str, results: Iterable[ChunkResult], 
             num_conversations += len(res.rows_per_record) - held
             if table.num_rows:
                 writer.write(table)
+                sample_ids.extend(table.column("sample_id").to_pylist())
                 num_samples += table.num_rows
                 n = table.column("num_tokens")
                 num_tokens += pc.sum(n).as_py()
@@ -228,6 +233,8 @@ def _assemble(cfg: PrepareConfig, out_dir: str, results: Iterable[ChunkResult], 
             first = "; ".join(f"{r['source']}: {r['reason']}" for r in rejects[:3])
             raise ValueError(f"prepare kept 0 samples of {num_records} records from {cfg.conversations!r}; "
                              f"see {out / REJECTS_FILE} (first reasons: {first})")
+        split = choose_split(sample_ids, cfg.heldout_fraction, cfg.heldout_min_conversations)
+        split.write(out)
         writer.commit()
     except BaseException:
         bar.close()
@@ -245,7 +252,9 @@ def _assemble(cfg: PrepareConfig, out_dir: str, results: Iterable[ChunkResult], 
                                           if k.startswith("rejected:")},
                "num_truncated": counts["num_truncated"], "num_turns_cut": counts["num_turns_cut"],
                "num_split": counts["num_split"],
-               "num_eval_prompts": len(eval_prompts), "num_tokens": num_tokens,
+               "num_eval_prompts": len(eval_prompts),
+               "num_heldout_conversations": split.num_heldout_conversations,
+               "num_heldout_samples": split.num_heldout_samples, "num_tokens": num_tokens,
                "num_loss_tokens": num_loss_tokens, "max_tokens": max_tokens,
                "mapped_roles": {k.split(":", 1)[1]: v for k, v in sorted(counts.items())
                                 if k.startswith("mapped_roles:")}}
@@ -261,13 +270,16 @@ def _assemble(cfg: PrepareConfig, out_dir: str, results: Iterable[ChunkResult], 
 
 def prepare_dataset(cfg: PrepareConfig, tokenizer_dir: str, out_dir: str, *,
                     chunk_records: int = CHUNK_RECORDS, progress: bool = False) -> dict[str, Any]:
-    """Write out_dir/tokens.parquet (TOKENS_SCHEMA), rejects.jsonl and eval_prompts.jsonl in
-    this process, without Ray; return the summary. `prepare_dataset_ray` gives the same files.
+    """Write out_dir/tokens.parquet (TOKENS_SCHEMA), rejects.jsonl, eval_prompts.jsonl and
+    heldout.json in this process, without Ray; return the summary. `prepare_dataset_ray` gives
+    the same files.
 
     Every record read is a kept conversation (one or more samples, ids '<id>#t<k>' when
     several), an eval prompt (the first cfg.num_eval_prompts good records) or a reject with its
-    reason; summary["num_records"] is their sum. An over-length conversation is cut after whole
-    assistant turns or rejected (cfg.over_length), never inside a turn: a turn cut short would
+    reason; summary["num_records"] is their sum. Of the kept conversations, those of the held-out
+    split (cfg.heldout_fraction, eagle3.data.heldout) stay in tokens.parquet like the rest, and
+    heldout.json records the split (the trainer leaves them out and measures accuracy on them).
+    An over-length conversation is cut after whole assistant turns or rejected (cfg.over_length), never inside a turn: a turn cut short would
     teach the draft an ending the target never wrote. Files appear under their final names only
     once complete.
     """

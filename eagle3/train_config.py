@@ -235,8 +235,9 @@ class OnlineConfig:
     record_sample_ids: bool = False
     """Each rank appends, per optimizer step, the sample ids it trained (and those extraction
     rejected) to train/sample_ids/rank-<r>.jsonl: an audit that every sample was trained once per
-    epoch, across restarts (a step redone after a restart is written again; the last line of a
-    step counts)."""
+    epoch (offline: but the held-out split, prepare.heldout_fraction), across restarts (a step
+    redone after a restart is written again; the last line of a step counts). Offline training
+    reads this field too."""
     log_every_s: float = 10.0
     """How often the job log gets a line of who waits for whom (bytes in flight, engine idle
     time and why, trainer ranks' wait for engines); the same figures are Ray gauges."""
@@ -301,6 +302,16 @@ class TrainConfig:
     reaches a training rank through the Ray object store, nothing written unless
     train.online.epochs is 'keep' (settings: train.online). Same order and same draft vocabulary
     as offline for the same data (tests/test_online.py)."""
+    eval_every_steps: int = 50
+    """Every this many optimizer steps, and after the last one, the draft's accuracy per TTT
+    position (speculators' full_acc_i, as in training, without gradients) on the held-out split
+    (prepare.heldout_fraction) goes into metrics.jsonl, the curves and the summary, beside the
+    training accuracy. Each evaluation costs forwards over up to eval_max_tokens tokens."""
+    eval_max_tokens: int = 65536
+    """Held-out tokens (packed, all ranks together) an evaluation reads at most: the first
+    micro-batches of the held-out samples in a fixed order, so every evaluation of a run, and of
+    runs with another num_workers, measures the same samples. The batches are divided among the
+    ranks (results all-reduced), so a rank does about eval_max_tokens / num_workers of them."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -316,6 +327,11 @@ class TrainConfig:
             _fail("num_steps", self.num_steps, "must be >= 1")
         if not self.log_every_s > 0:
             _fail("log_every_s", self.log_every_s, "must be > 0 seconds")
+        if self.eval_every_steps < 1:
+            _fail("eval_every_steps", self.eval_every_steps, "must be >= 1 step (prepare.heldout_fraction: 0 turns "
+                  "the held-out evaluation off)")
+        if self.eval_max_tokens < 1:
+            _fail("eval_max_tokens", self.eval_max_tokens, "must be >= 1 token (at least one micro-batch is read)")
         # Limits between a section and the stage's own length.
         if self.optimizer.warmup_steps > self.num_steps:
             _fail("optimizer.warmup_steps", self.optimizer.warmup_steps, f"must be in [0, num_steps={self.num_steps}]")

@@ -5,7 +5,8 @@ Owns: building the draft with speculators (Eagle3DraftModel.from_training_args, 
 decoder config derived from the target, d2t/t2d from loss-masked token frequencies, frozen
 embed_tokens / lm_head / final norm read from the target, including multimodal wrappers),
 the step (micro-batches, speculators' TTT loss and per-step accuracies, metrics reduced
-across ranks), and checkpoint contents (DeepSpeed's save/load_checkpoint plus a client state
+across ranks), the accuracy on the held-out split (`evaluate_heldout`, every
+cfg.eval_every_steps), and checkpoint contents (DeepSpeed's save/load_checkpoint plus a client state
 with every rank's data position and RNG states).
 Does not own: DeepSpeed configuration (eagle3.deepspeed_backend hands over a ready engine),
 process launch (actors.trainer), the training input (eagle3.data: rows, packing, prefetching,
@@ -85,9 +86,11 @@ class Eagle3Trainer:
 
     def __init__(self, cfg: TrainConfig, target_dir: str | Path,
                  data_files: str | Path | Sequence[str | Path] | None, *, rank: int = 0, world_size: int = 1,
-                 dataset=None):
+                 dataset=None, heldout_threshold: int = 0):
         """`data_files`: committed shards (offline); or None with `dataset`, a rank's rows from
-        elsewhere (online: eagle3.data.online.OnlineDataset), ordered and resumed the same way."""
+        elsewhere (online: eagle3.data.online.OnlineDataset), ordered and resumed the same way.
+        `heldout_threshold` (prepared/heldout.json, eagle3.data.heldout; 0: no split), with shards:
+        the held-out conversations are left out of training and measured every cfg.eval_every_steps."""
         from speculators.models.eagle3.core import Eagle3DraftModel
 
         from compat.speculators_verifier import draft_layer_config, ensure_text_verifier_weights, verifier_text_config
@@ -97,7 +100,22 @@ class Eagle3Trainer:
         if (dataset is None) == (data_files is None):
             raise ValueError("Eagle3Trainer takes either data_files (shards) or dataset (online), not both or neither")
         self.dataset = dataset or HiddenStatesDataset(data_files, seed=cfg.seed, rank=rank, world_size=world_size,
-                                                      shuffle_buffer_size=cfg.data.shuffle_buffer_size)
+                                                      shuffle_buffer_size=cfg.data.shuffle_buffer_size,
+                                                      heldout_threshold=heldout_threshold)
+        if heldout_threshold and dataset is not None:
+            raise ValueError("a held-out split needs shards (data_files): online mode (a dataset) trains on every "
+                             "sample and measures no held-out accuracy; pass heldout_threshold=0")
+        self.heldout_threshold = heldout_threshold
+        self.heldout_dataset = None
+        if heldout_threshold:
+            # Every rank, the same held-out rows in the same order (one rank's view of all shards, no
+            # shuffle): the evaluation's batches are divided among the ranks (evaluate_heldout).
+            self.heldout_dataset = HiddenStatesDataset(data_files, seed=cfg.seed, shuffle_buffer_size=1,
+                                                       heldout_threshold=heldout_threshold, heldout=True)
+            if self.heldout_dataset.num_samples == 0:
+                logger.warning("the held-out split has no sample in the shards (extraction rejected them all?): "
+                               "no held-out accuracy")
+                self.heldout_dataset = None
         text_cfg = verifier_text_config(self.target_dir)
         if text_cfg.hidden_size != self.dataset.hidden_size:
             raise ValueError(f"hidden states have hidden_size={self.dataset.hidden_size}, the target at "
@@ -148,6 +166,8 @@ class Eagle3Trainer:
         # wraps it in torch.compile), 45 of the GPU demo's 62 s of training in its run 2 log.
         self.first_step_seconds: float | None = None
         self.first_step_tokens = 0
+        self.last_heldout: dict | None = None
+        self._train_acc_since_eval: list[list[float]] = []
 
     # -- setup -----------------------------------------------------------------------------
     def attach_engine(self, engine) -> None:
@@ -231,14 +251,101 @@ class Eagle3Trainer:
         self.loss_last = out["loss"]
         return out
 
+    def heldout_due(self) -> bool:
+        """After the step just taken: every eval_every_steps steps, and after the last one."""
+        return self.heldout_dataset is not None and (
+            self.global_step % self.cfg.eval_every_steps == 0 or self.global_step >= self.cfg.num_steps)
+
+    def evaluate_heldout(self) -> dict | None:
+        """The draft's accuracy on the held-out split, without gradients: the first micro-batches
+        of its samples (fixed order) up to cfg.eval_max_tokens packed tokens, batch b evaluated by
+        rank b % world_size, sums all-reduced. Returns heldout_full_acc_i, heldout_cond_acc_i,
+        heldout_loss_i per TTT step i (as train_step's, over all the batches), heldout_positions
+        (loss-masked positions of step 0), heldout_samples, heldout_eval_s; None without a split.
+        Collective: every rank calls it at the same step, and every rank runs the same number of
+        forwards (a rank short of batches re-runs one uncounted), since under ZeRO-3 a forward
+        gathers parameters from all ranks."""
+        self._need_engine()
+        if self.heldout_dataset is None:
+            return None
+        from eagle3.data.packing import PackedBatches
+        from eagle3.data.staging import device_inputs
+
+        t0 = time.perf_counter()
+        dtype = next(p.dtype for p in self.engine.module.parameters() if p.is_floating_point())
+        ttt = self.cfg.draft.ttt_steps
+        names = [f"{m}_{i}_{part}" for m in ("full_acc", "cond_acc", "loss") for i in range(ttt)
+                 for part in ("sum", "total")]
+        sums = torch.zeros(len(names) + 1, dtype=torch.float64)
+
+        def forward(rows: list, batches: PackedBatches, counted: bool) -> None:
+            inputs = device_inputs(batches.pack(rows), self.device, dtype)
+            _, _, metrics = self.engine(**inputs, ttt_steps=ttt, ttt_step_loss_decay=self.cfg.draft.ttt_step_loss_decay,
+                                        loss_config=self.loss_config)
+            if counted:
+                sums[:-1] += torch.stack([metrics[n].detach().double().reshape(()) for n in names]).cpu()
+                sums[-1] += len(rows)
+
+        was_training = self.engine.module.training
+        self.engine.module.eval()
+        try:
+            with torch.no_grad():
+                # Each batch is evaluated as it is read, so a rank holds one batch's rows at a time
+                # (Parquet shards decode into memory).
+                batches = PackedBatches(self.heldout_dataset, self.cfg.data.micro_batch_tokens, dtype)
+                num_batches = num_mine = packed_tokens = 0
+                while packed_tokens < self.cfg.eval_max_tokens:
+                    rows = batches.take()
+                    if batches.epoch > 0:  # take() went on to the next pass: every held-out sample is in
+                        break
+                    if num_batches % self.world_size == self.rank:
+                        forward(rows, batches, counted=True)
+                        num_mine += 1
+                    num_batches += 1
+                    packed_tokens += sum(max(len(r[0]) - 1, 0) for r in rows)
+                if num_mine < -(-num_batches // self.world_size):  # a rank short of a batch: an uncounted forward
+                    again = PackedBatches(self.heldout_dataset, self.cfg.data.micro_batch_tokens, dtype)
+                    forward(again.take(), again, counted=False)
+        finally:
+            self.engine.module.train(was_training)
+        dist = _dist()
+        if dist is not None and self.world_size > 1:
+            sums = sums.to(self.device) if dist.get_backend() == "nccl" else sums
+            dist.all_reduce(sums)
+            sums = sums.cpu()
+        vals = dict(zip(names + ["_samples"], sums.tolist(), strict=True))
+        out: dict = {}
+        for i in range(ttt):
+            for m in ("full_acc", "cond_acc", "loss"):
+                total = vals[f"{m}_{i}_total"]
+                out[f"heldout_{m}_{i}"] = vals[f"{m}_{i}_sum"] / total if total > 0 else 0.0
+        out.update(heldout_positions=int(vals["full_acc_0_total"]), heldout_samples=int(vals["_samples"]),
+                   heldout_eval_s=time.perf_counter() - t0)
+        return out
+
+    def _heldout_record(self, step_metrics: dict) -> dict:
+        """The summary's view of the last evaluation: held-out accuracy per TTT position beside the
+        training accuracy averaged over the steps since the evaluation before (one step's training
+        accuracy is one micro-batch's, too noisy to compare)."""
+        ttt = self.cfg.draft.ttt_steps
+        window = self._train_acc_since_eval
+        self._train_acc_since_eval = []
+        return {"step": self.global_step,
+                "full_acc": [step_metrics[f"heldout_full_acc_{i}"] for i in range(ttt)],
+                "cond_acc": [step_metrics[f"heldout_cond_acc_{i}"] for i in range(ttt)],
+                "train_full_acc": [sum(w[i] for w in window) / len(window) for i in range(ttt)] if window else None,
+                "train_steps_averaged": len(window),
+                "num_positions": step_metrics["heldout_positions"], "num_samples": step_metrics["heldout_samples"]}
+
     def checkpoint_due(self) -> bool:
         """After the step just taken: every checkpoint_every steps, and after the last one."""
         return self.global_step % self.cfg.checkpoint.checkpoint_every == 0 or self.global_step >= self.cfg.num_steps
 
     def fit(self, *, checkpoint_dir: str | Path | None = None,
             on_step: Callable[[dict], None] | None = None) -> list[dict]:
-        """Train until cfg.num_steps; checkpoint into checkpoint_dir when due (if given), then
-        call on_step(metrics). Returns this call's metrics per step."""
+        """Train until cfg.num_steps; measure the held-out split when due (its heldout_* metrics join
+        the step's), checkpoint into checkpoint_dir when due (if given), then call on_step(metrics).
+        Returns this call's metrics per step."""
         self._need_engine()
         history = []
         t0 = time.perf_counter()
@@ -246,6 +353,11 @@ class Eagle3Trainer:
         while self.global_step < self.cfg.num_steps:
             t_step = time.perf_counter()
             m = self.train_step()
+            if self.heldout_dataset is not None:
+                self._train_acc_since_eval.append([m[f"full_acc_{i}"] for i in range(self.cfg.draft.ttt_steps)])
+            if self.heldout_due():
+                m.update(self.evaluate_heldout())
+                self.last_heldout = self._heldout_record(m)
             history.append(m)
             if self.global_step == start + 1:
                 step_s = time.perf_counter() - t_step
@@ -269,7 +381,7 @@ class Eagle3Trainer:
     @property
     def tokens_per_s(self) -> float:
         """Tokens of this run over its wall time in fit: the first step (compile on CUDA),
-        checkpoints and the on_step callbacks included."""
+        held-out evaluations, checkpoints and the on_step callbacks included."""
         return self.run_tokens / self.run_seconds if self.run_seconds > 0 else 0.0
 
     @property
@@ -293,6 +405,7 @@ class Eagle3Trainer:
             "loss_first": self.loss_first,
             "loss_last": self.loss_last,
             "world_size": self.world_size,
+            "heldout_threshold": self.heldout_threshold,
             "data_states": _all_gather_object(self.batches.state_dict(), self.world_size),
             "rng_states": _all_gather_object(_rng_state(), self.world_size),
         }
@@ -311,6 +424,12 @@ class Eagle3Trainer:
             raise ValueError(f"checkpoint {path} was written by {client_state.get('world_size')} ranks, this run "
                              f"has {self.world_size}: data positions are per rank; resume with "
                              f"train.num_workers={client_state.get('world_size')}")
+        saved = client_state.get("heldout_threshold", 0)  # 0: a checkpoint from before the split existed
+        if saved != self.heldout_threshold:
+            raise ValueError(f"checkpoint {path} was trained with held-out threshold {saved}, this run has "
+                             f"{self.heldout_threshold} (prepared/heldout.json): data positions count the rows "
+                             "outside the split, so they would point at other samples; resume with the "
+                             "prepare output the checkpoint was trained on, or start a fresh run")
         self.global_step = int(client_state["global_step"])
         self.tokens_seen = int(client_state["tokens_seen"])
         self.loss_first = client_state.get("loss_first")

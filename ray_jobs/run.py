@@ -8,7 +8,7 @@ earlier run of the same job committed (extraction resumes shard by shard). The d
 imports neither vllm, torch nor deepspeed: heavy work runs in Ray tasks and actors.
 Output layout:
     target/          the tiny demo target (only when target.model is null)
-    prepared/        tokens.parquet, rejects.jsonl, eval_prompts.jsonl
+    prepared/        tokens.parquet, rejects.jsonl, eval_prompts.jsonl, heldout.json (the held-out split)
     regenerated/     (regenerate.enabled) data/shard-*.parquet conversations, committed/, tokens.parquet
     hidden_states/   data/shard-*.arrow, committed/, MANIFEST.json, rejects.jsonl
     train/           DeepSpeed checkpoints, metrics, loss plot
@@ -150,8 +150,16 @@ def run(cfg: JobConfig) -> dict:
     if cfg.train.source == "online" and "train" in cfg.stages:
         # Extraction runs inside training: tables go from the engines to the ranks through the object
         # store (ray_jobs/online.py); no extract stage, no shards unless train.online.epochs is keep.
+        from eagle3.data.heldout import read_split
         from ray_jobs.online import run_online
 
+        split_file = read_split(out / "prepared")
+        if split_file is not None and split_file.threshold:
+            # The engines hand each table to one rank once per epoch: no shard a rank could re-read for an
+            # evaluation, and leaving the split out would leave shards unextracted under epochs: keep.
+            log.warning("train.source online: the held-out split (%d conversations, prepared/heldout.json) is "
+                        "trained on like the rest and no held-out accuracy is measured; train offline for it",
+                        split_file.num_heldout_conversations)
         summary = timed("train", run_online, cfg, str(tokens_path), target_dir, out, split, tokens_source=tokens_source)
         write_provenance(out / "train", cfg.to_dict(), "train", {"summary": summary})
         write_provenance(out / "draft", cfg.to_dict(), "export", {"trained_from": str(tokens_path), "source": "online"})
@@ -167,12 +175,14 @@ def run(cfg: JobConfig) -> dict:
 
     if cfg.train.source == "offline" and ("train" in cfg.stages or "export" in cfg.stages):
         from actors.trainer import run_training
+        from eagle3.data.heldout import training_threshold
         from eagle3.manifest import Manifest
 
         files = Manifest(out / "hidden_states", cfg.extract.file_format).committed_files()
         if not files:
             raise ValueError(f"no committed hidden-state shards under {out / 'hidden_states'}: run the extract stage first")
-        summary = timed("train", run_training, cfg.train, files, target_dir, str(out / "train"), str(out / "draft"))
+        summary = timed("train", run_training, cfg.train, files, target_dir, str(out / "train"), str(out / "draft"),
+                        heldout_threshold=training_threshold(out / "prepared"))
         write_provenance(out / "train", cfg.to_dict(), "train", {"summary": summary})
         write_provenance(out / "draft", cfg.to_dict(), "export", {"trained_from": files})
         report["stages"]["train"] = summary
@@ -242,6 +252,31 @@ def _resumed(stage: dict) -> str:
     return f"; {skipped} of {stage['num_shards']} shards already committed" if skipped else ""
 
 
+def _accuracy_lines(st: dict) -> list[str]:
+    """The train/serve check, like with like: the draft's accuracy per draft position on the
+    held-out conversations (speculators' full_acc_i: positions 0..i all right) beside the training
+    accuracy (averaged over the steps before that evaluation) and vLLM's rate of drafts whose
+    first i+1 tokens were all accepted (the eval with the largest k), on held-out prompts."""
+    held = (st.get("train") or {}).get("heldout")
+    if not held:
+        return []
+
+    def fmt(values) -> str:
+        return "-" if values is None else " ".join(f"{v:.3f}" for v in values)
+
+    lines = [f"  accuracy         per draft position at step {held['step']}: held-out {fmt(held['full_acc'])} "
+             f"({held['num_positions']} positions, {held['num_samples']} samples), "
+             f"training {fmt(held['train_full_acc'])}"]
+    # greedy: the trainer's accuracy is the draft's argmax against the target's
+    evals = [r for r in (st.get("eval") or {}).get("acceptance", [])
+             if (r.get("greedy") or {}).get("acceptance_rate_per_pos")]
+    if evals:
+        widest = max(evals, key=lambda r: r["num_speculative_tokens"])
+        lines[-1] += (f", vLLM accepted (k={widest['num_speculative_tokens']}, greedy) "
+                      f"{fmt(widest['greedy']['acceptance_rate_per_pos'])}")
+    return lines
+
+
 def format_summary(report: dict) -> str:
     st = report["stages"]
     lines = [f"eagle3 job finished in {report['seconds']['total']:.0f}s; outputs under {report['output_dir']}"]
@@ -249,7 +284,9 @@ def format_summary(report: dict) -> str:
     if "prepare" in st:
         p = st["prepare"]
         lines.append(f"  prepared/        {p['num_samples']} samples, {p['num_tokens']} tokens "
-                     f"({p['num_loss_tokens']} in the loss), {p['num_rejected']} rejected")
+                     f"({p['num_loss_tokens']} in the loss), {p['num_rejected']} rejected; "
+                     f"{p.get('num_heldout_conversations', 0)} conversations ({p.get('num_heldout_samples', 0)} "
+                     "samples) held out of training")
     if "regenerate" in st:
         g = st["regenerate"]
         lines.append(f"  regenerated/     {g['num_samples']} conversations, {g['num_generated_tokens']} tokens generated, "
@@ -281,6 +318,7 @@ def format_summary(report: dict) -> str:
         lines.append(f"  train/           {t.get('steps')} steps, loss {loss(t.get('loss_first'))} -> "
                      f"{loss(t.get('loss_last'))}, {done}")
         lines.append(f"  draft/           speculators-format EAGLE-3 draft: {report.get('draft')}")
+    lines.extend(_accuracy_lines(st))
     if "eval" in st:
         lines += _eval_summary(st["eval"])
     lines.append("  time per stage   " + ", ".join(f"{k} {v:.0f}s" for k, v in report["seconds"].items()))

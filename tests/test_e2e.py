@@ -34,7 +34,8 @@ def demo_run(tmp_path_factory, tiny_target, shared_ray):
     proc = subprocess.run(
         [sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml", "--set", f"output_dir={out}",
          "--set", f"target.model={out / 'target'}", "--set", f"ray.address={shared_ray}",
-         "--set", "eval.num_speculative_tokens=[1, 3]", "--set", "train.num_steps=20"],
+         "--set", "eval.num_speculative_tokens=[1, 3]", "--set", "train.num_steps=20",
+         "--set", "train.online.record_sample_ids=true"],
         cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     (out / "job_output.txt").write_text(proc.stdout + proc.stderr)  # what `ray job logs` would show
@@ -172,6 +173,47 @@ def test_training_lowered_loss_and_vllm_served_the_draft(demo_run):
     assert "decode speedup, draft at k=3 over the target alone (eager" in stdout
 
 
+def test_heldout_accuracy_every_n_steps_and_never_trained(demo_run):
+    """prepare.heldout_fraction's split (demo: 232 conversations, 0.02 -> ~5, raised to the minimum
+    of 8) is extracted with the rest, never trained on (each rank's record of the sample ids it
+    trained, step by step), and measured at steps 10 and 20 (demo.yaml's eval_every_steps: 10):
+    in metrics.jsonl, the train summary and the job's printed summary, beside the training
+    accuracy and vLLM's acceptance per position."""
+    from eagle3.data.heldout import read_split
+    from eagle3.manifest import Manifest
+    from eagle3.shards import read_shards
+
+    out, stdout, _ = demo_run
+    split = read_split(out / "prepared")
+    report = json.loads((out / "report.json").read_text())
+    assert split.num_heldout_conversations == report["stages"]["prepare"]["num_heldout_conversations"] == 8
+    extracted = read_shards(Manifest(out / "hidden_states").committed_files(), columns=["sample_id"])
+    held = {s for s in extracted.column("sample_id").to_pylist() if split.is_heldout(s)}
+    assert len(held) == split.num_heldout_samples  # extracted like the rest
+    trained = set()
+    for line in (out / "train" / "sample_ids" / "rank-0.jsonl").read_text().splitlines():
+        trained.update(json.loads(line)["sample_ids"])
+    assert trained and not trained & held
+    assert len(trained) == extracted.num_rows - len(held)  # 20 steps of 2,048 tokens pass every other sample
+
+    curve = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+    measured = [r for r in curve if "heldout_full_acc_0" in r]
+    assert [r["step"] for r in measured] == [10, 20]
+    for r in measured:
+        assert all(0 <= r[f"heldout_full_acc_{i}"] <= 1 for i in range(3)) and r["heldout_samples"] == len(held)
+        assert r["heldout_full_acc_2"] <= r["heldout_full_acc_0"]  # full_acc_i: positions 0..i all right
+    summary = report["stages"]["train"]["heldout"]
+    assert summary["step"] == 20 and summary["num_samples"] == len(held)
+    assert summary["full_acc"] == [measured[-1][f"heldout_full_acc_{i}"] for i in range(3)]
+    assert summary["train_steps_averaged"] == 10 and len(summary["train_full_acc"]) == 3
+    # The draft learned something that carries to conversations it never saw.
+    assert summary["full_acc"][0] > 0.2, summary
+    train_summary = json.loads((out / "train" / "train_summary.json").read_text())
+    assert train_summary["heldout"] == summary
+    line = next(s for s in stdout.splitlines() if s.strip().startswith("accuracy"))
+    assert f"held-out {summary['full_acc'][0]:.3f}" in line and "training" in line and "vLLM accepted (k=3, greedy)" in line
+
+
 # The quality floor: a change that trains a useless draft fails here. Measured on the CI machine
 # (2 cores) with exactly this test's settings (demo config, 20 steps, seeded): this draft reached
 # 1.34 at k=1 and 1.48 at k=3; the same data and target with an untrained draft (1 step at lr 0:
@@ -201,6 +243,7 @@ def test_rerun_resumes_without_redoing_extraction(demo_run, tmp_path, shared_ray
     # finished already: no Ray Train worker group was started for it
     assert "train: already at step 20 of 20, skipped" in proc.stdout + proc.stderr
     assert train["skipped"] and Path(train["checkpoint"]).is_dir() and (out / "draft" / "config.json").exists()
+    assert train["heldout"] == first["heldout"] and train["heldout"]["step"] == 20  # from the final checkpoint
 
 
 def test_same_driver_runs_under_ray_job_submit(tiny_target, tmp_path):

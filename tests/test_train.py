@@ -623,6 +623,59 @@ def test_compat_speculators_suffix_resolution_seam(tiny, tmp_path):
     assert torch.equal(draft.embed_tokens.weight, original["model.embed_tokens.weight"].float())
 
 
+class _DraftCaller:
+    """The draft module called as the DeepSpeed engine calls it, counting the calls: evaluate_heldout's
+    division of batches among ranks without DeepSpeed (what DeepSpeed adds, the all-reduce and
+    ZeRO's gathering, runs in test_ray_train_two_workers_checkpoint_resume_export)."""
+
+    def __init__(self, module):
+        import torch
+
+        self.module, self.device, self.calls = module, torch.device("cpu"), 0
+
+    def __call__(self, **inputs):
+        self.calls += 1
+        return self.module(**inputs)
+
+
+def test_heldout_evaluation_divides_the_batches_among_ranks(tiny):
+    from speculators.losses import resolve_loss_config
+
+    from compat.speculators_loss import loss_implementation
+    from eagle3.data.heldout import choose_split
+    from eagle3.trainer import Eagle3Trainer
+
+    target, files, samples, _ = tiny
+    split = choose_split([f"s{i:04d}" for i in range(NUM_SAMPLES)], 0.3, 6)
+    held_tokens = sum(len(ids) - 1 for i, (ids, _) in enumerate(samples) if split.is_heldout(f"s{i:04d}"))
+    # 256-token micro-batches: the held-out samples take several, an odd number of them or not.
+    cfg = small_cfg(eval_max_tokens=10 ** 6)
+    got = {}
+    for world, rank in ((1, 0), (2, 0), (2, 1)):
+        trainer = Eagle3Trainer(cfg, target, files, rank=rank, world_size=world, heldout_threshold=split.threshold)
+        trainer.engine = _DraftCaller(trainer.model)
+        trainer.device = trainer.engine.device
+        trainer.loss_config = resolve_loss_config(cfg.draft.loss, loss_implementation())
+        assert trainer.heldout_dataset.num_samples == split.num_heldout_samples
+        got[world, rank] = (trainer.evaluate_heldout(), trainer.engine.calls, trainer.model.training)
+    whole, calls, training = got[1, 0]
+    print(f"\nheld-out: {split.num_heldout_samples} samples, {calls} batches; rank shares {got[2, 0][1]} and "
+          f"{got[2, 1][1]} forwards; full_acc_0 {whole['heldout_full_acc_0']:.3f} (untrained draft)")
+    assert whole["heldout_samples"] == split.num_heldout_samples and training  # train mode restored
+    assert calls >= 2 and whole["heldout_positions"] <= held_tokens
+    (r0, calls0, _), (r1, calls1, _) = got[2, 0], got[2, 1]
+    assert calls0 == calls1 == -(-calls // 2)  # the same number of forwards on every rank (ZeRO-3)
+    # Without a process group each rank's result is its own share: together they are the whole.
+    assert r0["heldout_samples"] + r1["heldout_samples"] == whole["heldout_samples"]
+    assert r0["heldout_positions"] + r1["heldout_positions"] == whole["heldout_positions"]
+    joint = (r0["heldout_full_acc_0"] * r0["heldout_positions"] + r1["heldout_full_acc_0"] * r1["heldout_positions"])
+    assert abs(joint / whole["heldout_positions"] - whole["heldout_full_acc_0"]) < 1e-9
+    # A bound of one token reads one batch: rank 1's forward is then the uncounted one.
+    trainer.cfg, trainer.engine.calls = replace(cfg, eval_max_tokens=1), 0
+    res = trainer.evaluate_heldout()
+    assert trainer.engine.calls == 1 and res["heldout_samples"] == res["heldout_positions"] == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # real DeepSpeed, one process
 
@@ -864,10 +917,17 @@ def test_ray_train_two_workers_checkpoint_resume_export(tiny, tmp_path, ray_loca
     to start and stop): nothing here kills or inspects the cluster's processes."""
     from actors.trainer import run_training
 
+    from eagle3.data.heldout import choose_split
+    from eagle3.shards import read_shards
+
     target, files, _, _ = tiny
     out = tmp_path / "run"
-    cfg = small_cfg(num_workers=2, num_steps=4, checkpoint={"checkpoint_every": 2})
-    first = run_training(cfg, files, str(target), str(out))
+    # A held-out split of the shards' samples (9 of 24), measured every 2 steps on both ranks' share.
+    ids = read_shards(files, columns=["sample_id"]).column("sample_id").to_pylist()
+    split = choose_split(ids, 0.25, 6)
+    cfg = small_cfg(num_workers=2, num_steps=4, checkpoint={"checkpoint_every": 2}, eval_every_steps=2,
+                    online={"record_sample_ids": True})
+    first = run_training(cfg, files, str(target), str(out), heldout_threshold=split.threshold)
     print(f"\nRay Train, 2 workers: {first}")
     assert first["steps"] == 4 and first["resumed_from_step"] is None
     assert [(w["rank"], w["backend"]) for w in first["workers"]] == [(0, "gloo"), (1, "gloo")]  # where each rank ran
@@ -879,8 +939,23 @@ def test_ray_train_two_workers_checkpoint_resume_export(tiny, tmp_path, ray_loca
     assert (Path(first["draft_dir"]) / "model.safetensors").exists()
     assert json.loads((out / "train_summary.json").read_text()) == first
     # Same out_dir, more steps: Ray Train restores its checkpoint manager, workers resume at 4.
-    second = run_training(replace(cfg, num_steps=6), files, str(target), str(out))
+    second = run_training(replace(cfg, num_steps=6), files, str(target), str(out), heldout_threshold=split.threshold)
     print(f"Ray Train resumed: {second}")
     assert second["resumed_from_step"] == 4 and second["steps"] == 6
     assert second["loss_first"] == first["loss_first"] and second["tokens"] > first["tokens"]
     assert Path(second["checkpoint"], "step_00000006").is_dir()
+    # Held-out accuracy at steps 2 and 4, then 6 after the resume: the batches of all 9 held-out
+    # samples divided between the ranks and all-reduced; no rank trained one of them.
+    curve = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in curve if "heldout_full_acc_0" in r] == [2, 4, 6]
+    assert {r["heldout_samples"] for r in curve if "heldout_samples" in r} == {split.num_heldout_samples}
+    assert first["heldout"]["step"] == 4 and second["heldout"]["step"] == 6
+    assert second["heldout"]["num_positions"] > 0 and len(second["heldout"]["full_acc"]) == 3
+    trained = set()
+    for rank in (0, 1):
+        for line in (out / "sample_ids" / f"rank-{rank}.jsonl").read_text().splitlines():
+            trained.update(json.loads(line)["sample_ids"])
+    assert trained and not {s for s in trained if split.is_heldout(s)}
+    with pytest.raises(Exception, match="held-out threshold"):  # a resume under another split is refused
+        run_training(replace(cfg, num_steps=8, checkpoint=replace(cfg.checkpoint, max_failures=0)), files,
+                     str(target), str(out), heldout_threshold=0)

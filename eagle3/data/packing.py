@@ -213,7 +213,9 @@ class PackedBatches:
             if self.samples_seen == 0 and num_samples == 0:
                 raise ValueError(
                     f"rank {self.dataset.rank} got no samples in epoch {self.epoch} "
-                    f"(shards {self.dataset.rank_shards(self.epoch)}); the shards are empty"
+                    f"(shards {self.dataset.rank_shards(self.epoch)}); the shards are empty, or hold only samples "
+                    "of the held-out split (prepare.heldout_fraction): write more samples per shard "
+                    "(extract.samples_per_shard) or use fewer workers"
                 )
             self.load_state_dict({"epoch": self.epoch + 1, "samples_seen": 0})
         raise ValueError(f"rank {self.dataset.rank}: two consecutive epochs without a usable sample (all < 2 tokens)")

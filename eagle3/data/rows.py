@@ -14,7 +14,8 @@ Order of one epoch, for one rank (all of it derived from (seed, epoch, rank), no
    so each shard is read by exactly one rank per epoch (no rank reads another's bytes);
    ranks can get one shard more than others, which is harmless because training length
    is counted in optimizer steps and each rank cycles its own epochs;
-3. the rank's rows, in file order, go through a shuffle buffer of `shuffle_buffer_size`
+3. the rank's rows, in file order (without those of the other side of the held-out split,
+   eagle3.data.heldout, when a threshold is given), go through a shuffle buffer of `shuffle_buffer_size`
    samples (rng(seed, epoch, rank)): fill, then emit a random slot and refill it.
 Because the order is computed from indices alone, resuming at `samples_seen` skips the
 consumed rows without decoding them and skips Parquet row groups that hold none of the
@@ -98,10 +99,12 @@ def epoch_order(shard_rows: Sequence[int], shards: Sequence[int], shuffle_buffer
 class _Shard:
     path: str
     row_group_rows: list[int]
+    kept: list[int] | None = None
+    """The shard's rows on this dataset's side of the held-out split, ascending; None: all."""
 
     @property
     def num_rows(self) -> int:
-        return sum(self.row_group_rows)
+        return sum(self.row_group_rows) if self.kept is None else len(self.kept)
 
 
 class HiddenStatesDataset:
@@ -119,7 +122,13 @@ class HiddenStatesDataset:
     """DataLoader worker processes may read it (each opens the shards itself); eagle3.data.pipeline."""
 
     def __init__(self, files: str | Path | Sequence[str | Path], *, seed: int = 0, rank: int = 0,
-                 world_size: int = 1, shuffle_buffer_size: int = 256):
+                 world_size: int = 1, shuffle_buffer_size: int = 256, heldout_threshold: int = 0,
+                 heldout: bool = False):
+        """heldout_threshold > 0: only the rows outside the held-out split (eagle3.data.heldout), or
+        with `heldout` only those inside it; found from each shard's sample_id column, so a resume
+        or another rank finds the same rows. 0: every row (`heldout` must then be False)."""
+        if heldout and not heldout_threshold:
+            raise ValueError("heldout=True needs a heldout_threshold > 0 (prepared/heldout.json)")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
         self.files = resolve_files(files)
@@ -137,7 +146,14 @@ class HiddenStatesDataset:
                     f"{path} has (layer_ids, hidden_size, hs_dtype)={this}, {self.files[0]} has {layout}: "
                     "all shards of one training run must come from one extraction"
                 )
-            self.shards.append(_Shard(path, list(pf.batch_rows)))
+            kept = None
+            if heldout_threshold:
+                from eagle3.data.heldout import is_heldout
+
+                ids = pf.read(columns=["sample_id"]).column("sample_id").to_pylist()
+                kept = [r for r, sid in enumerate(ids) if is_heldout(sid, heldout_threshold) == heldout]
+            self.shards.append(_Shard(path, list(pf.batch_rows), kept))
+        self.heldout_threshold, self.heldout = heldout_threshold, heldout
         self.layer_ids, self.hidden_size, self.hs_dtype = layout
         if len(self.layer_ids) < 2:
             raise ValueError(f"layer_ids={self.layer_ids}: need at least one aux layer plus the last layer")
@@ -147,6 +163,9 @@ class HiddenStatesDataset:
                 "least one shard; write smaller shards (extract.samples_per_shard) or use fewer workers"
             )
         self.num_samples = sum(s.num_rows for s in self.shards)
+        self.rejected: set[str] = set()
+        """Always empty: rejected samples are not in committed shards (OnlineDataset's interface)."""
+        self._ids: dict[int, list[str]] = {}
 
     @property
     def aux_layer_ids(self) -> list[int]:
@@ -158,14 +177,25 @@ class HiddenStatesDataset:
 
     def epoch_order(self, epoch: int) -> list[tuple[int, int]]:
         """(shard index, row) in the order this rank yields them in `epoch`. Reads no data."""
-        return epoch_order([s.num_rows for s in self.shards], self.rank_shards(epoch), self.shuffle_buffer_size,
-                           self.seed, epoch, self.rank)
+        order = epoch_order([s.num_rows for s in self.shards], self.rank_shards(epoch), self.shuffle_buffer_size,
+                            self.seed, epoch, self.rank)
+        if self.heldout_threshold:  # positions among the kept rows -> rows of the shard
+            order = [(s, self.shards[s].kept[j]) for s, j in order]
+        return order
+
+    def sample_id(self, key: tuple[int, int]) -> str:
+        """The sample id of (shard, row) of epoch_order (each shard's ids read once, when first asked)."""
+        s, row = key
+        if s not in self._ids:
+            self._ids[s] = ShardFile(self.shards[s].path).read(columns=["sample_id"]).column("sample_id").to_pylist()
+        return self._ids[s][row]
 
     def token_frequencies(self, vocab_size: int):
-        """Counts of every loss-masked token id of these shards (eagle3.data.vocab)."""
+        """Counts of every loss-masked token id of these shards outside the held-out split
+        (eagle3.data.vocab)."""
         from eagle3.data.vocab import token_frequencies
 
-        return token_frequencies(self.files, vocab_size)
+        return token_frequencies(self.files, vocab_size, heldout_threshold=self.heldout_threshold)
 
     def samples(self, epoch: int, start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
         """This rank's samples of `epoch` in shuffled order, skipping the first `start`, each shifted

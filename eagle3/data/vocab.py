@@ -17,22 +17,38 @@ from eagle3.schema import hs_layout
 from eagle3.shards import ShardFile
 
 
-def token_frequencies(files: str | Path | Sequence[str | Path], vocab_size: int | None = None) -> np.ndarray:
+def token_frequencies(files: str | Path | Sequence[str | Path], vocab_size: int | None = None, *,
+                      heldout_threshold: int = 0) -> np.ndarray:
     """Counts of every loss-masked token id over all shards: int64 array [vocab_size].
 
-    Reads only the input_ids and loss_mask columns. vocab_size None: max id + 1.
+    Reads only the input_ids and loss_mask columns (and sample_id, to leave the held-out split out:
+    eagle3.data.heldout, threshold 0 = none held out). vocab_size None: max id + 1.
     Feeds speculators' build_vocab_mappings_from_distribution (d2t/t2d).
     """
     counts = np.zeros(vocab_size or 0, dtype=np.int64)
     for path in resolve_files(files):
         pf = ShardFile(path)
         hs_layout(pf.schema)  # refuse other schema versions before reading
-        for batch in pf.iter_batches(columns=["input_ids", "loss_mask"]):
-            counts = _add_counts(counts, batch, vocab_size, path)
+        for batch in pf.iter_batches(columns=["sample_id", "input_ids", "loss_mask"]):
+            counts = _add_counts(counts, _without_heldout(batch, heldout_threshold), vocab_size, path)
     return counts
 
 
-def tokens_frequencies(tokens_path: str | Path, vocab_size: int | None = None) -> np.ndarray:
+def _without_heldout(batch, threshold: int):
+    """The rows of `batch` outside the held-out split: the draft's vocabulary is chosen from the
+    training data alone."""
+    if not threshold:
+        return batch
+    import pyarrow as pa
+
+    from eagle3.data.heldout import is_heldout
+
+    keep = [not is_heldout(s, threshold) for s in batch.column("sample_id").to_pylist()]
+    return batch.filter(pa.array(keep))
+
+
+def tokens_frequencies(tokens_path: str | Path, vocab_size: int | None = None, *,
+                       heldout_threshold: int = 0) -> np.ndarray:
     """`token_frequencies` of a prepared tokens table (prepare's tokens.parquet: input_ids and
     loss_mask, the same columns the shards copy), for online training, which has no shards before
     it trains. Equal to the shards' counts when extraction rejected no sample (a sample longer than
@@ -44,8 +60,8 @@ def tokens_frequencies(tokens_path: str | Path, vocab_size: int | None = None) -
     pf = pq.ParquetFile(tokens_path)
     check_schema(pf.schema_arrow, "tokens")
     counts = np.zeros(vocab_size or 0, dtype=np.int64)
-    for batch in pf.iter_batches(columns=["input_ids", "loss_mask"]):
-        counts = _add_counts(counts, batch, vocab_size, str(tokens_path))
+    for batch in pf.iter_batches(columns=["sample_id", "input_ids", "loss_mask"]):
+        counts = _add_counts(counts, _without_heldout(batch, heldout_threshold), vocab_size, str(tokens_path))
     return counts
 
 
