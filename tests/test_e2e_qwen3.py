@@ -31,7 +31,8 @@ def test_whole_job_runs_on_a_qwen3_like_target(tmp_path, shared_ray):
          "--set", f"ray.address={shared_ray}",  # the session's shared cluster (conftest)
          "--set", "prepare.max_samples=60", "--set", "prepare.num_eval_prompts=4",
          "--set", "extract.backend=hf", "--set", "doctor=false", "--set", "train.num_steps=4",
-         "--set", "eval.num_speculative_tokens=[1]", "--set", "eval.num_prompts=4", "--set", "eval.max_tokens=16"],
+         "--set", "eval.num_speculative_tokens=[1]", "--set", "eval.num_prompts=4", "--set", "eval.max_tokens=16",
+         "--set", "eval.speed_batch_sizes=[]"],  # the speedup is tests/test_e2e.py's: no baseline engine here
         cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
@@ -53,5 +54,7 @@ def test_whole_job_runs_on_a_qwen3_like_target(tmp_path, shared_ray):
     report = json.loads((out / "report.json").read_text())
     assert report["stages"]["extract"]["num_samples"] == tokens.num_rows
     assert report["stages"]["train"]["steps"] == 4
-    [ev] = json.loads((out / "eval.json").read_text())["acceptance"]
+    ev = json.loads((out / "eval.json").read_text())
+    assert ev["speed"] is None and [e["num_speculative_tokens"] for e in ev["engines"]] == [1]
+    [ev] = ev["acceptance"]
     assert ev["greedy"]["num_drafts"] > 0 and ev["greedy"]["num_generated_tokens"] == 4 * 16
