@@ -6,7 +6,7 @@ Started by ray_jobs/online.py (num_cpus=0, threaded: the training ranks' calls w
 condition while a loop thread dispatches). The decisions (what is asked for, admitted under the
 byte budget, dropped after a restart, handed out again after a lost engine) are
 eagle3.online.FeedState's; this actor does the Ray side: engine replicas on placement groups
-(ray_jobs.extract.ReplicaPool, as the extract stage), calls, waits, failure classification,
+(actors.replica_pool.ReplicaPool, as the extract stage), calls, waits, failure classification,
 reading committed shards back (train.online.epochs: keep) and writing them in the background,
 the job log's "who waits for whom" line and the Ray gauges.
 Why an actor and not Ray Data: see eagle3/online.py.
@@ -55,11 +55,11 @@ class OnlineFeed:
         import ray
 
         from actors.extractor import ExtractorActor, max_concurrency
+        from actors.replica_pool import ReplicaPool
         from eagle3.extract import target_text_config
         from eagle3.manifest import Manifest, ShardPlan
         from eagle3.online import FeedState
         from eagle3.schema import stored_bytes_per_token
-        from ray_jobs.extract import ReplicaPool
 
         ecfg, ocfg = self.cfg.extract, self.cfg.train.online
         self.tokens = pq.read_table(self.tokens_path)
@@ -157,8 +157,8 @@ class OnlineFeed:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        from actors.replica_pool import failure_reason, is_system_failure
         from actors.writer import write_shard
-        from ray_jobs.extract import failure_reason, is_system_failure
 
         ecfg, ocfg = self.cfg.extract, self.cfg.train.online
         writer = ray.remote(write_shard)

@@ -1,7 +1,7 @@
 """Ray actor hosting one regeneration engine replica (vLLM, plain generation).
 
 Placed by ray_jobs/regenerate.py on its own placement group, as extraction's replicas are
-(ray_jobs.extract.ReplicaPool). Delegates the work to eagle3.regenerate: this class starts
+(actors.replica_pool.ReplicaPool). Delegates the work to eagle3.regenerate: this class starts
 the engine and the tokenizer, drives the engine from one thread (eagle3.regenerate.TurnScheduler
 over compat.vllm_engine.VLLMStepEngine), writes each shard's file and reports stats; the
 driver commits the shard.

@@ -333,7 +333,7 @@ def acceptance_stderr(ev: dict) -> float | None:
 
 
 def engine_start_s(log_text: str) -> float | None:
-    """The engine replicas' start seconds from a job log (ray_jobs.extract.ReplicaPool's
+    """The engine replicas' start seconds from a job log (actors.replica_pool.ReplicaPool's
     'engine up in' lines), the longest; None when there is none."""
     found = [float(m) for m in ENGINE_UP.findall(log_text)]
     return max(found) if found else None

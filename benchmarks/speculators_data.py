@@ -70,7 +70,7 @@ def convert_shards(files: str | Path | Sequence[str | Path], data_path: str | Pa
     from datasets import Dataset
     from safetensors.torch import save_file
 
-    from eagle3.data.rows import resolve_files
+    from eagle3.manifest import resolve_files
     from eagle3.schema import hs_layout
     from eagle3.shards import ShardFile
 

@@ -32,6 +32,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 
+from compat.fp8 import quantize_fp8
+
 CONNECTOR_NAME = "RayHiddenStatesConnector"
 MODULE_PATH = __name__
 
@@ -114,8 +116,6 @@ class RayHiddenStatesConnector(ExampleHiddenStatesConnector):
         """[T, L, H] in the engine dtype -> what goes to host: bf16 as is, or e4m3 bytes + scales."""
         if self._hs_dtype == "bfloat16":
             return {"hidden_states": hs.to(torch.bfloat16)}
-        from eagle3.codec import quantize_fp8
-
         q, scale = quantize_fp8(hs)
         return {"hidden_states": q, "hs_scale": scale}
 

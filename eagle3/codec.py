@@ -3,8 +3,9 @@ ways, and the fp8 maths; the one decoder of the stored format.
 
 Owns: encoding a [T, L, D] tensor into the stored bytes (`encode_hidden_states`) and samples
 into the Arrow columns (`hidden_states_columns`, which the extract stage builds its tables with), fp8
-quantisation and dequantisation in torch on any device (`quantize_fp8` runs on the GPU in the
-hidden-states connector, on the host here; `dequantize_fp8` on the host in packing and on the
+quantisation and dequantisation in torch on any device (`quantize_fp8`, defined in compat.fp8 so
+that the hidden-states connector can run it on the GPU without importing the pipeline, and
+re-exported here, where it runs on the host; `dequantize_fp8` on the host in packing and on the
 device in the trainer's staging), and decoding a stored row back (`decode_row`, `decode_rows`),
 which training, the doctor, the tests and the benchmarks all read through.
 Does not own: the Arrow schema and its version check (eagle3.schema, which imports no torch),
@@ -30,19 +31,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from compat.fp8 import quantize_fp8
 from eagle3.schema import HS_DTYPES, hs_layout
-
-FP8_E4M3_MAX = 448.0
-
-
-def quantize_fp8(hs_TLD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A [T, L, D] torch tensor (any float dtype, any device) -> (e4m3 bytes as uint8 [T, L, D],
-    float32 scales [T, L]): one scale per token and layer, amax / 448. The one definition of the
-    fp8 encoding, used on the host here and on the device by the hidden-states connector."""
-    x = hs_TLD.float()
-    scale = x.abs().amax(dim=-1) / FP8_E4M3_MAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return (x / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).view(torch.uint8), scale
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None,

@@ -10,6 +10,8 @@ A shard counts only once its commit file exists. A data file without one is part
 themselves written to a temporary name and renamed, so a reader never sees half a file.
 Shard k always holds rows [k * samples_per_shard, (k + 1) * samples_per_shard) of the
 prepared tokens table, so each sample belongs to exactly one shard.
+Also which files a path given for training names (`resolve_files`: a run's committed shards, or a
+plain directory's shard files).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,6 +115,30 @@ class Manifest:
         """Data files of the committed shards, in shard order (each commit names its file)."""
         return [str(self.data_dir / rec["file"]) if "file" in rec else str(self.data_path(s))
                 for s, rec in sorted(self.committed().items())]
+
+
+def resolve_files(files: str | Path | Sequence[str | Path]) -> list[str]:
+    """An explicit list of shard files (kept in order), or a directory: an extraction output
+    (its committed shards only: Manifest.committed_files) or a plain directory of *.arrow / *.parquet
+    shard files (sorted)."""
+    if isinstance(files, (str, Path)):
+        root = Path(files)
+        if not root.is_dir():
+            raise ValueError(f"expected a directory of shard files or a list of files, found {str(root)!r}")
+        if (root / "MANIFEST.json").exists():
+            found = Manifest(root).committed_files()
+        else:
+            found = sorted(str(p) for p in root.iterdir() if p.suffix in (".arrow", ".parquet"))
+        if not found:
+            raise ValueError(f"no committed shard files in {str(root)!r}; run the extract stage first")
+        return found
+    out = [str(f) for f in files]
+    if not out:
+        raise ValueError("expected at least one hidden-states shard file, found an empty list")
+    missing = [f for f in out if not Path(f).is_file()]
+    if missing:
+        raise ValueError(f"hidden-states shards do not exist: {missing[:5]}; check the extract manifest")
+    return out
 
 
 def tokens_fingerprint(sample_ids: list[str], samples_per_shard: int, layer_ids: list[int], hs_dtype: str,

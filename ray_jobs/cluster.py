@@ -1,4 +1,5 @@
-"""Joining or starting the Ray cluster, and placement groups with a timeout that explains itself."""
+"""Joining or starting the Ray cluster: the job's runtime environment, compile caches and free ports.
+Placement groups with a timeout that explains itself are actors/replica_pool.py's."""
 
 from __future__ import annotations
 
@@ -54,39 +55,6 @@ def job_runtime_env(cache_dir: str | None = None) -> dict:
     if os.environ.get("EAGLE3_ENGINE_LOGS") != "1":
         env["worker_process_setup_hook"] = "actors.engine_logs.setup_worker"
     return env
-
-
-def wait_placement_groups(pgs: list, timeout_s: float, what: str, bundle: dict) -> list:
-    """Wait for placement groups; return those ready. None ready in time: a ValueError that says
-    what was asked, what the cluster has, and what to check."""
-    import ray
-
-    refs = {pg.ready(): pg for pg in pgs}
-    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-    got = [refs[r] for r in ready]
-    if not got:
-        total = ray.cluster_resources()
-        avail = ray.available_resources()
-        for pg in pgs:
-            ray.util.remove_placement_group(pg)
-        raise ValueError(
-            f"no {what} could be placed within {timeout_s:.0f}s: each needs {bundle} on ONE node; "
-            f"cluster total {_fmt(total)}, available now {_fmt(avail)}. Check `ray status` (are the GPU nodes up? "
-            "does one node have tensor_parallel_size * pipeline_parallel_size GPUs?), other jobs holding GPUs, "
-            "or raise the timeout (extract.placement_timeout_s)")
-    return got
-
-
-def node_of(pg) -> str:
-    import ray
-
-    table = ray.util.placement_group_table(pg)
-    return next(iter(table["bundles_to_node_id"].values()))
-
-
-def _fmt(res: dict) -> str:
-    keep = {k: v for k, v in res.items() if k in ("CPU", "GPU", "memory") or not k.startswith("node:")}
-    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(keep.items()) if k != "memory") + "}"
 
 
 def free_ports(n: int) -> list[int]:

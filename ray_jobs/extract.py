@@ -4,8 +4,10 @@ tables written (Arrow IPC or Parquet) by tasks next to their engine, each shard 
 What crosses this process is small: shard numbers, tokens slices (kilobytes), stats and
 object refs. Hidden states go engine actor -> object store -> writer task -> shard file.
 Which shard goes where, what is redone after a loss and when to give up are decided by
-eagle3.schedule.ShardScheduler; this module does the Ray side of it: placing and starting
-replicas (ReplicaPool, also used by the regenerate stage), calling them, classifying failures.
+eagle3.schedule.ShardScheduler; this module does the Ray side of it: how many replicas of what size
+(replica_layout), calling them and writing what they return. Placing and starting them and
+classifying failures is actors/replica_pool.py's (also used by the regenerate stage and the online
+feed; its names are importable from here too).
 Backpressure: a replica holds at most `max_inflight_shards` shards that are extracted
 but not yet written, so the object store holds a bounded number of tables.
 Failures: a shard whose replica or writer died is handed out again (the run stops once one
@@ -18,28 +20,15 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
+from actors.replica_pool import ReplicaPool, failure_reason, is_system_failure
 from eagle3.config import ExtractConfig, JobConfig
 from eagle3.manifest import Manifest, ShardPlan, tokens_fingerprint
 from eagle3.schedule import ShardScheduler
 from ray_jobs.metrics import extract_metrics
 
 log = logging.getLogger("eagle3.extract")
-
-
-@dataclass
-class Replica:
-    """The Ray side of one engine replica (its scheduling state is the scheduler's)."""
-
-    index: int
-    pg: object
-    actor: object
-    node_id: str
-    num_tokens: int = 0
-    busy_s: float = 0.0
 
 
 def replica_layout(ecfg: ExtractConfig, num_shards_to_do: int, *, engine: bool = True) -> tuple[dict, int]:
@@ -63,105 +52,6 @@ def gpu_share(n: int) -> float:
     """One of n equal shares of a GPU as a Ray resource, rounded down to Ray's 0.0001 granularity
     (n of them must fit in 1: 3 x 0.3333)."""
     return int(10_000 / n) / 10_000
-
-
-class ReplicaPool:
-    """Engine actors, each alone on a STRICT_PACK placement group of one bundle, numbered by the
-    scheduler. `start` raises the ValueError of ray_jobs.cluster.wait_placement_groups when no
-    replica can be placed in time: that is how a run with no replica left gives up."""
-
-    def __init__(self, sched: ShardScheduler, actor_cls: type, actor_args: Callable[[int], tuple[tuple, dict]],
-                 bundle: dict, *, max_concurrency: int, what: str, warm: Callable[[set], list] | None = None):
-        import ray
-
-        self.sched = sched
-        self.actor_cls = ray.remote(actor_cls)
-        self.actor_args = actor_args  # replica index -> (args, kwargs) of the actor's constructor
-        self.bundle = bundle
-        self.max_concurrency = max_concurrency
-        self.what = what
-        self.warm = warm  # new replicas' node ids -> refs of tasks to wait for along with the engines
-        self.replicas: dict[int, Replica] = {}
-        self.starts: list[dict] = []  # each engine start: replica, host, startup_s, dtype (the job's summary)
-
-    def start(self, n: int, timeout_s: float) -> list[Replica]:
-        import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from ray_jobs.cluster import node_of, wait_placement_groups
-
-        pgs = [placement_group([self.bundle], strategy="STRICT_PACK") for _ in range(n)]
-        ready = wait_placement_groups(pgs, timeout_s, self.what, self.bundle)
-        for pg in pgs:
-            if pg not in ready:
-                ray.util.remove_placement_group(pg)
-        ready.sort(key=node_of)  # replicas ordered by node
-        new = []
-        for pg in ready:
-            index = self.sched.add_replica()
-            args, kwargs = self.actor_args(index)
-            actor = self.actor_cls.options(
-                num_cpus=1, num_gpus=self.bundle.get("GPU", 0), max_restarts=0, max_concurrency=self.max_concurrency,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-            ).remote(*args, **kwargs)
-            new.append(Replica(index, pg, actor, node_of(pg)))
-            self.replicas[index] = new[-1]
-        warm = self.warm({r.node_id for r in new}) if self.warm else []
-        infos = ray.get([r.actor.info.remote() for r in new])  # engine start errors surface here
-        ray.get(warm)
-        for info in infos:
-            log.info("%s %d on %s (node %s): engine up in %.1fs, computing in %s", self.what, info["replica"],
-                     info["host"], info["node_id"], info["startup_s"], info.get("dtype"))
-            self.starts.append({k: info.get(k) for k in ("replica", "host", "startup_s", "dtype")})
-        return new
-
-    def replica_lost(self, index: int, timeout_s: float) -> None:
-        """Free a dead replica's placement group and try to place a replacement within timeout_s
-        (keep it short: the run goes on with the others when the cluster has no room)."""
-        import ray
-
-        ray.util.remove_placement_group(self.replicas[index].pg)
-        try:
-            self.start(1, timeout_s)
-        except ValueError as e:
-            log.warning("%s %d not replaced: %s", self.what, index, e)
-
-    def ensure_one(self, timeout_s: float) -> None:
-        """Shards are left and no replica is alive: place one, or give up (ValueError)."""
-        if self.sched.needs_replica():
-            self.start(1, timeout_s)
-
-    def shutdown(self, graceful: bool = True) -> None:
-        import ray
-
-        for r in self.replicas.values():
-            if not self.sched.replicas[r.index].alive:
-                continue
-            if graceful:
-                ray.get(r.actor.shutdown.remote())
-            ray.kill(r.actor)
-            ray.util.remove_placement_group(r.pg)
-
-    def summary(self) -> list[dict]:
-        return [{"replica": r.index, "node_id": r.node_id, "alive": self.sched.replicas[r.index].alive,
-                 "shards": self.sched.replicas[r.index].done, "num_tokens": r.num_tokens,
-                 "tokens_per_s": r.num_tokens / r.busy_s if r.busy_s else None} for r in self.replicas.values()]
-
-
-def is_system_failure(exc: BaseException) -> bool:
-    """A failure of the cluster (an actor, a node, an object lost), after which the work is redone;
-    anything else is an error in the work itself and ends the run."""
-    import ray.exceptions as rex
-
-    kinds = tuple(getattr(rex, n) for n in ("RayActorError", "ActorDiedError", "ActorUnavailableError",
-                                              "WorkerCrashedError", "ObjectLostError", "OwnerDiedError",
-                                              "NodeDiedError", "ObjectReconstructionFailedError") if hasattr(rex, n))
-    return isinstance(exc, kinds)
-
-
-def failure_reason(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
 def extraction_plan(ecfg, target_dir: str, tokens, tokens_source: str = "prepared"):

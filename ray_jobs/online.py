@@ -47,7 +47,7 @@ class GpuSplit:
 
     @property
     def engine_bundle(self) -> dict:
-        """The placement-group bundle of one replica (ray_jobs.extract.ReplicaPool)."""
+        """The placement-group bundle of one replica (actors.replica_pool.ReplicaPool)."""
         return {"CPU": 1, "GPU": self.engine_gpus} if self.engine_gpus else {"CPU": 1}
 
 

@@ -6,7 +6,7 @@ What crosses this process: sample ids, each shard's source messages (text, kilob
 conversation) and stats; each replica writes its shard's file itself, and the driver commits
 it (eagle3.manifest's protocol, so a crashed run resumes at the first uncommitted shard).
 Scheduling and failures as in extraction (eagle3.schedule.ShardScheduler, with
-ray_jobs.extract.ReplicaPool): a shard whose replica died is handed out again. Progress and
+actors.replica_pool.ReplicaPool): a shard whose replica died is handed out again. Progress and
 generated tokens/s go to the job log, a progress bar and Ray metrics.
 """
 
@@ -38,7 +38,8 @@ def run_regenerate(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: s
     from actors.regenerator import RegeneratorActor
     from eagle3.regenerate import (conversation_ids, cut_warning, fallback_warning, finalize, regenerate_fingerprint,
                                    resolve_sampling, sampling_fallbacks, source_messages)
-    from ray_jobs.extract import ReplicaPool, failure_reason, is_system_failure, replica_layout
+    from actors.replica_pool import ReplicaPool, failure_reason, is_system_failure
+    from ray_jobs.extract import replica_layout
 
     rcfg, ecfg = cfg.regenerate, cfg.extract
     t_start = time.perf_counter()

@@ -325,10 +325,10 @@ def test_shared_split_places_an_engine_replica_and_the_training_worker_group_on_
     from ray.train import RunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from actors.replica_pool import ReplicaPool
     from actors.trainer import scaling_config
     from eagle3.schedule import ShardScheduler
     from ray_jobs.cluster import job_runtime_env
-    from ray_jobs.extract import ReplicaPool
     from ray_jobs.online import split_gpus
 
     # Defined here: Ray pickles them by value (the workers cannot import this test module by name).

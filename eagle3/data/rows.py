@@ -1,12 +1,12 @@
 """Which hidden-states rows one data-parallel rank reads for training, in which order, and
 reading them.
 
-Owns: the shard files of a run (`resolve_files`), the seeded epoch-dependent shuffle, the split
-across data-parallel ranks, the resumable position, and streaming the rows a rank needs out of
-the shards without loading them whole, each decoded by eagle3.codec.decode_row as views of the
-shard's memory.
-Does not own: the schema (eagle3.schema), the stored encoding (eagle3.codec), packing rows into
-batches (eagle3.data.packing), moving batches to the device (eagle3.data.prefetch, .staging).
+Owns: the seeded epoch-dependent shuffle, the split across data-parallel ranks, the resumable
+position, and streaming the rows a rank needs out of the shards without loading them whole, each
+decoded by eagle3.codec.decode_row as views of the shard's memory.
+Does not own: which files are the shards of a run (eagle3.manifest.resolve_files), the schema
+(eagle3.schema), the stored encoding (eagle3.codec), packing rows into batches
+(eagle3.data.packing), moving batches to the device (eagle3.data.prefetch, .staging).
 
 Order of one epoch, for one rank (all of it derived from (seed, epoch, rank), no data read):
 1. the shards are permuted with rng(seed, epoch), identically on every rank;
@@ -38,34 +38,9 @@ import numpy as np
 import torch
 
 from eagle3.codec import StoredRow, decode_row, dequantize_fp8
+from eagle3.manifest import resolve_files
 from eagle3.schema import hs_layout
 from eagle3.shards import ShardFile, read_ahead
-
-
-def resolve_files(files: str | Path | Sequence[str | Path]) -> list[str]:
-    """An explicit list of shard files (kept in order), or a directory: an extraction output
-    (its committed shards only, per eagle3.manifest) or a plain directory of *.arrow / *.parquet
-    shard files (sorted)."""
-    if isinstance(files, (str, Path)):
-        root = Path(files)
-        if not root.is_dir():
-            raise ValueError(f"expected a directory of shard files or a list of files, found {str(root)!r}")
-        if (root / "MANIFEST.json").exists():
-            from eagle3.manifest import Manifest
-
-            found = Manifest(root).committed_files()
-        else:
-            found = sorted(str(p) for p in root.iterdir() if p.suffix in (".arrow", ".parquet"))
-        if not found:
-            raise ValueError(f"no committed shard files in {str(root)!r}; run the extract stage first")
-        return found
-    out = [str(f) for f in files]
-    if not out:
-        raise ValueError("expected at least one hidden-states shard file, found an empty list")
-    missing = [f for f in out if not Path(f).is_file()]
-    if missing:
-        raise ValueError(f"hidden-states shards do not exist: {missing[:5]}; check the extract manifest")
-    return out
 
 
 def rank_shards(num_shards: int, seed: int, epoch: int, rank: int, world_size: int) -> list[int]:

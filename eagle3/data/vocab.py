@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eagle3.data.rows import resolve_files
+from eagle3.manifest import resolve_files
 from eagle3.schema import hs_layout
 from eagle3.shards import ShardFile
 
