@@ -67,11 +67,12 @@ def test_job_reports_its_startup_and_compute_dtype_and_logs_training_quietly(dem
     report = json.loads((out / "report.json").read_text())
     startup = report["startup"]
     assert [s["replica"] for s in startup["extract"]] == [0] and startup["extract"][0]["startup_s"] > 0
-    assert [e["num_speculative_tokens"] for e in startup["eval"]] == [1, 3]
+    # one engine per k, then the target alone (the speedup's baseline: eval.speed_batch_sizes)
+    assert [e["num_speculative_tokens"] for e in startup["eval"]] == [1, 3, 0]
     assert startup["doctor_dry_run"][0]["startup_s"] > 0 and startup["train"]["setup_s"] > 0
     want = resolve_dtype("auto", on_gpu=False)  # this machine's CPU decides
     assert {s["dtype"].split()[0] for s in startup["extract"] + startup["eval"]} == {want}
-    assert re.search(r"start-up +doctor dry run \d+s; extract engine \d+s; eval engines \d+s, \d+s; trainer set-up "
+    assert re.search(r"start-up +doctor dry run \d+s; extract engine \d+s; eval engines \d+s, \d+s, \d+s; trainer set-up "
                      r"\d+s, first step [\d.]+s", stdout)
     assert f"compute dtype    engines {want} (auto: CPU" in stdout and "trainer float32" in stdout
     assert json.loads((out / "provenance.json").read_text())["startup"] == startup
