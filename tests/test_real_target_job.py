@@ -63,7 +63,9 @@ def test_whole_job_on_smollm2_and_sharegpt(tmp_path, smollm2_target, shared_ray)
             "prepare.leading_assistant=drop", "prepare.num_eval_prompts=4",
             "regenerate.enabled=true", "regenerate.max_tokens=48", "regenerate.cut=end",
             "extract.samples_per_shard=8", f"train.num_steps={STEPS}",
-            "eval.num_speculative_tokens=[2]", "eval.num_prompts=4", "eval.max_tokens=32"]
+            "eval.num_speculative_tokens=[2]", "eval.num_prompts=4", "eval.max_tokens=32",
+            # acceptance only: the speedup is test_e2e's, and a baseline engine is one more start
+            "eval.speed_batch_sizes=[]"]
     proc = subprocess.run([sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml",
                            *[arg for s in sets for arg in ("--set", s)]],
                           cwd=REPO, capture_output=True, text=True, timeout=1500)
@@ -91,9 +93,16 @@ def test_whole_job_on_smollm2_and_sharegpt(tmp_path, smollm2_target, shared_ray)
     assert draft["transformer_layer_config"]["hidden_size"] == 576
     assert (out / "draft" / "model.safetensors").stat().st_size > 0
 
-    [ev] = json.loads((out / "eval.json").read_text())
-    assert ev["num_speculative_tokens"] == 2 and ev["num_drafts"] > 0
-    assert 1.0 <= ev["acceptance_length"] <= 3.0
+    ev = json.loads((out / "eval.json").read_text())
+    assert ev["speed"] is None and [e["num_speculative_tokens"] for e in ev["engines"]] == [2]
+    # the sampled mode is the target's published sampling, as regeneration's
+    assert ev["samplings"]["sampled"] == {"temperature": 0.2, "top_p": 0.9}
+    [acc] = ev["acceptance"]
+    assert acc["num_speculative_tokens"] == 2
+    for mode in ("greedy", "sampled"):
+        a = acc[mode]
+        assert a["num_drafts"] > 0 and len(a["num_accepted_tokens_per_pos"]) == 2
+        assert a["acceptance_length"] == 1.0 + a["num_accepted_tokens"] / a["num_drafts"]
     print(f"\nreal-target job: {prepared['num_samples']} samples, {regen['num_generated_tokens']} tokens regenerated, "
           f"{extract['num_shards']} shards, loss {train['loss_first']:.3f} -> {train['loss_last']:.3f}, "
-          f"AL(k=2) {ev['acceptance_length']:.2f}; seconds {report['seconds']}")
+          f"AL(k=2) {acc['greedy']['acceptance_length']:.2f}; seconds {report['seconds']}")
