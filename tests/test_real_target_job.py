@@ -101,8 +101,9 @@ def test_whole_job_on_smollm2_and_sharegpt(tmp_path, smollm2_target, shared_ray)
     assert acc["num_speculative_tokens"] == 2
     for mode in ("greedy", "sampled"):
         a = acc[mode]
-        assert a["num_drafts"] > 0 and len(a["num_accepted_tokens_per_pos"]) == 2
-        assert a["acceptance_length"] == 1.0 + a["num_accepted_tokens"] / a["num_drafts"]
+        # vLLM's two counters agree: the accepted tokens per draft position add up to all accepted tokens
+        per_pos = a["num_accepted_tokens_per_pos"]
+        assert a["num_drafts"] > 0 and len(per_pos) == 2 and sum(per_pos) == a["num_accepted_tokens"]
     print(f"\nreal-target job: {prepared['num_samples']} samples, {regen['num_generated_tokens']} tokens regenerated, "
           f"{extract['num_shards']} shards, loss {train['loss_first']:.3f} -> {train['loss_last']:.3f}, "
           f"AL(k=2) {acc['greedy']['acceptance_length']:.2f}; seconds {report['seconds']}")
