@@ -22,9 +22,11 @@ derived default and speculators'). Sizes for ~8 minutes (estimated from quality-
 a 175M target; each part prints its wall time, and state.json keeps them): data ~2.5 min (1,000
 ShareGPT records: ~580 conversations after prepare, regenerated at the target's published
 sampling with turns of at most 512 tokens), train ~2.5 min (300 steps of 8,192 tokens, ours and
-speculators' trainer at once on the one GPU), eval ~3 min (the 9 acceptance-only engines at once,
-then the target alone and our draft at k=3, each alone with CUDA graphs). To fit a shorter lease:
---num-conversations 600 --num-steps 200, or --ks 1 3 5 (5 acceptance-only engines).
+speculators' trainer at once on the one GPU), eval ~3 min (the target alone and our draft at k=3,
+each alone with CUDA graphs, first: the speedup is what a cut run should keep; then the 9
+acceptance-only engines at once). On the 1.5B target each engine start took 107-112 s and the
+whole of 2,500 records / 500 steps 920 s (results/quality-h200-qwen2.5-coder-1.5b.md). To fit a
+shorter lease: --num-conversations 600 --num-steps 200, or --ks 1 3 5 (5 acceptance-only engines).
 
 1. target: with --target, the given directory (linked as --out/target; its real_target.json's
    note, that the weights are dequantized from 4 bits, goes into the report). Without: a Llama
@@ -93,6 +95,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONVERSATIONS = REPO_ROOT / "data" / "demo_conversations.jsonl"
 PARTS = ("target", "data", "train", "eval", "report")
 DRAFTS = ("ours", "theirs", "ours_original")
+ENDS_AT_EOS = "greedy_eos"
+"""The acceptance mode beside greedy and sampled: greedy, each answer ending at the target's EOS."""
+ACCEPTANCE_MODES = ("greedy", "sampled", ENDS_AT_EOS)
 """ours: our trainer on regenerated data; theirs: speculators' trainer on the same hidden states;
 ours_original: our trainer on the original (not regenerated) responses."""
 
@@ -530,6 +535,7 @@ def train_theirs(plan: Plan, out: Path, gpu: bool, timeout_s: float) -> dict:
     from benchmarks.train_bench import (SPECULATORS_NEEDS_ACCELERATOR, MAX_DRAFT_VOCAB, run_speculators,
                                         speculators_command, speculators_flags)
     from compat.speculators_verifier import verifier_text_config
+    from eagle3.data.heldout import training_threshold
     from eagle3.data.vocab import draft_vocab_mapping
     from eagle3.schema import hs_layout
     from eagle3.shards import ShardFile
@@ -542,10 +548,12 @@ def train_theirs(plan: Plan, out: Path, gpu: bool, timeout_s: float) -> dict:
     vocab = int(verifier_text_config(target).vocab_size)
     draft_vocab = min(MAX_DRAFT_VOCAB, vocab)
     data = work / "data"
+    # The held-out split stays out of both trainers' data and vocabularies (our trainer leaves it out).
+    threshold = training_threshold(out / "job_regen" / "prepared")
     if not (data / "dataset_info.json").exists():
-        convert_shards(files, data)
+        convert_shards(files, data, heldout_threshold=threshold)
     d2t_path = t2d_path = None
-    d2t, t2d = draft_vocab_mapping(files, draft_vocab, vocab)  # as our trainer computes it
+    d2t, t2d = draft_vocab_mapping(files, draft_vocab, vocab, heldout_threshold=threshold)  # as our trainer does
     if d2t is not None:
         d2t_path, t2d_path = str(work / "d2t.npy"), str(work / "t2d.npy")
         np.save(d2t_path, d2t.cpu().numpy())
@@ -590,6 +598,7 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def part_train(plan: Plan, out: Path, gpu: bool, speculators_timeout_s: float, acc_batches: int) -> dict:
+    from eagle3.data.heldout import training_threshold
     from eagle3.evaluate import draft_accuracy
 
     def timed(fn, *args) -> dict:
@@ -611,14 +620,24 @@ def part_train(plan: Plan, out: Path, gpu: bool, speculators_timeout_s: float, a
             res: dict = {name: f.result() for name, f in futures.items()}
     else:
         res = {name: timed(*job) for name, job in jobs.items()}
-    # The trainer's metric on each draft's own training data, through the exported files.
+    # The trainer's metric on each draft's own training data and on the held-out split (conversations
+    # neither trainer saw, prepared and regenerated like the rest: the like-with-like side of vLLM's
+    # acceptance), through the exported files.
     for name, job in (("ours", "job_regen"), ("theirs", "job_regen"), ("ours_original", "job_original")):
         if "draft_dir" in res.get(name, {}):
-            t = time.perf_counter()
-            res[name]["train_data_accuracy"] = draft_accuracy(
-                res[name]["draft_dir"], out / "target", committed_files(out / job),
-                micro_batch_tokens=plan.micro_batch_tokens, max_batches=acc_batches)
-            res[name]["train_data_accuracy"]["seconds"] = time.perf_counter() - t
+            threshold = training_threshold(out / job / "prepared")
+            splits = {"train_data_accuracy": {"heldout_threshold": threshold}}
+            if threshold:
+                splits["heldout_accuracy"] = {"heldout_threshold": threshold, "heldout": True}
+            for key, split in splits.items():
+                t = time.perf_counter()
+                try:
+                    res[name][key] = draft_accuracy(
+                        res[name]["draft_dir"], out / "target", committed_files(out / job),
+                        micro_batch_tokens=plan.micro_batch_tokens, max_batches=acc_batches, **split)
+                except Exception as e:  # noqa: BLE001 - recorded; the drafts are trained and eval can go on
+                    res[name][key] = {"error": repr(e)[:500]}
+                res[name][key]["seconds"] = time.perf_counter() - t
     if gpu:  # the eval part's engines get the device (this process keeps only its CUDA context)
         import torch
 
@@ -700,9 +719,18 @@ def run_wave(ray, wave: list[dict], plan: Plan, out: Path, drafts: dict[str, str
         measured = [(a, r) for a, r in zip(actors, results) if r["draft"] is not None]
         refs = {s.mode: [a.acceptance.remote(prompts, max_tokens=plan.eval_max_tokens, temperature=s.temperature,
                                              top_p=s.top_p, seed=1234) for a, _ in measured] for s in modes}
+        # Greedy again, each answer ending where the target ends it: no position after the end of
+        # turn (text no draft trained on) is counted, as in the held-out accuracy.
+        refs[ENDS_AT_EOS] = [a.acceptance.remote(prompts, max_tokens=plan.eval_max_tokens, temperature=0.0,
+                                                 ignore_eos=False) for a, _ in measured]
         for mode, got in refs.items():
-            for (_, res), acc in zip(measured, ray.get(got)):
-                res[mode] = acc
+            for (_, res), ref in zip(measured, got):
+                try:
+                    res[mode] = ray.get(ref)
+                except Exception as e:  # noqa: BLE001 - a side measurement never costs the wave's others
+                    if mode != ENDS_AT_EOS:
+                        raise
+                    res[f"{mode}_error"] = repr(e)[:500]
         for a, res in zip(actors, results):
             if res["throughput"]:
                 res["speed"] = ray.get(a.speed.remote(prompts, speed_windows(plan), timed_modes))
@@ -736,11 +764,13 @@ def part_eval(plan: Plan, out: Path, gpu: bool, deadline_s: float) -> dict:
     done_dir.mkdir(exist_ok=True)
     todo = [u for u in units if not (done_dir / f"{u['name']}.json").exists()]
     print(f"eval: {len(units)} engines planned, {len(units) - len(todo)} done before, {len(todo)} to run", flush=True)
-    # The acceptance-only engines plan.parallel_engines at once, then the throughput engines one at a time.
+    # The throughput engines one at a time first (the speedup is the figure a user runs this for, so
+    # a deadline cuts acceptance-only engines first), then the acceptance-only ones
+    # plan.parallel_engines at once.
     serving = [u for u in todo if u["throughput"]]
     eager = [u for u in todo if not u["throughput"]]
-    waves = [eager[i:i + plan.parallel_engines] for i in range(0, len(eager), plan.parallel_engines)] + [
-        [u] for u in serving]
+    waves = [[u] for u in serving] + [eager[i:i + plan.parallel_engines]
+                                      for i in range(0, len(eager), plan.parallel_engines)]
     if todo:
         from ray_jobs.cluster import init_ray
 
@@ -755,7 +785,7 @@ def part_eval(plan: Plan, out: Path, gpu: bool, deadline_s: float) -> dict:
                     (done_dir / f"{res['name']}.json").write_text(json.dumps(res, indent=1))
                     print(f"eval: {res['name']}: engine {res['engine_start_s']:.0f} s ({res['engines_at_once']} at once), "
                           f"{res['wall_s']:.0f} s wall"
-                          + "".join(f", AL {m} {res[m]['acceptance_length']:.3f}" for m in ("greedy", "sampled")
+                          + "".join(f", AL {m} {res[m]['acceptance_length']:.3f}" for m in ACCEPTANCE_MODES
                                     if m in res)
                           + "".join(f", b{r['batch_size']} {r['mode']} {r['tokens_per_s']['mean']:.0f}"
                                     f"+-{r['tokens_per_s']['std']:.0f} tok/s" for r in res.get("speed", [])),
@@ -787,7 +817,7 @@ def collect(out: Path, plan: Plan) -> dict:
     for u in units.values():
         if u.get("draft") is None:
             continue
-        for mode in ("greedy", "sampled"):
+        for mode in ACCEPTANCE_MODES:
             if mode not in u:
                 continue
             modes[mode] = {"temperature": u[mode]["temperature"], "top_p": u[mode].get("top_p", 1.0)}
@@ -857,12 +887,40 @@ def judge(al: dict, speedup: dict, plan: Plan) -> list[dict]:
     return out
 
 
+def train_serve_lines(res: dict) -> list[str]:
+    """The train/serve check, like with like: each draft's accuracy per draft position on the
+    held-out split (conversations no trainer saw, regenerated by the target) and on its training data,
+    beside vLLM's acceptance per position (greedy, answers ending at EOS, at the largest k measured)."""
+    lines = ["## Train/serve check (like with like)", "",
+             "Per draft position i, the fraction of positions whose draft tokens 0..i all equal the target's "
+             "argmax: offline, speculators' full_acc_i on stored hidden states (the TTT unroll feeds the draft its "
+             "own tokens, as serving does); in vLLM, the fraction of drafts whose first i+1 tokens were accepted "
+             "(greedy, each answer ending at the target's EOS, the largest k measured). Offline counts every "
+             "position of an answer, vLLM only those where a draft starts.", "",
+             "| draft | held-out accuracy (i=0, 1, 2) | training-data accuracy (i=0, 1, 2) | "
+             "vLLM accepted (i=0, 1, 2) |", "|---|---|---|---|"]
+
+    def fmt(xs):
+        return ", ".join("-" if x is None else f"{x:.3f}" for x in (xs or [])[:3]) or "-"
+
+    for d in DRAFTS:
+        t = res.get("train", {}).get(d, {})
+        row = res.get("acceptance_length", {}).get(d, {}).get(ENDS_AT_EOS, {})
+        served = row[max(row, key=int)]["acceptance_rate_per_pos"] if row else None
+        if "heldout_accuracy" in t or "train_data_accuracy" in t:
+            lines.append(f"| {LABELS[d]} | {fmt(t.get('heldout_accuracy', {}).get('full_acc'))} | "
+                         f"{fmt(t.get('train_data_accuracy', {}).get('full_acc'))} | {fmt(served)} |")
+    return lines
+
+
 LABELS = {"ours": "ours (regenerated)", "theirs": "speculators' trainer (regenerated)",
           "ours_original": "ours (original responses)"}
 
 
 def _mode_label(mode: str, samplings: dict) -> str:
     s = samplings.get(mode, {})
+    if mode == ENDS_AT_EOS:
+        return "greedy, ends at EOS"
     return "greedy" if mode == "greedy" else f"T={s.get('temperature', '?'):g} top_p={s.get('top_p', 1.0):g}"
 
 
@@ -888,7 +946,7 @@ def markdown(res: dict) -> str:
               f"{plan['micro_batch_tokens']} tokens, lr {plan['lr']}, warmup {plan['warmup_steps']}, TTT 3, kl_div, "
               "the same for every draft. Acceptance: "
               f"{res.get('data', {}).get('num_eval_prompts', plan['num_eval_prompts'])} held-out prompts x "
-              f"{plan['eval_max_tokens']} tokens, ignore_eos; sampled at "
+              f"{plan['eval_max_tokens']} tokens, ignore_eos (and greedy again ending at EOS); sampled at "
               f"{_mode_label('sampled', modes) if 'sampled' in modes else '-'} with a seed per request.", ""]
     for name, d in res.get("data", {}).items():
         if isinstance(d, dict) and "extract" in d:
@@ -902,13 +960,14 @@ def markdown(res: dict) -> str:
               "data (trainer's metric) |", "|---|---|" + "---|" * len(plan["ks"]) + "---|"]
     for d in DRAFTS:
         acc = res.get("train", {}).get(d, {}).get("train_data_accuracy", {}).get("full_acc", [None])[0]
-        for mode in ("greedy", "sampled"):
+        for mode in ACCEPTANCE_MODES:
             row = res["acceptance_length"].get(d, {}).get(mode)
             if not row:
                 continue
             cells = [f"{row[str(k)]['acceptance_length']:.3f}" if str(k) in row else "-" for k in plan["ks"]]
             lines.append(f"| {LABELS[d]} | {_mode_label(mode, modes)} | " + " | ".join(cells) + " | "
                          + (f"{acc:.3f}" if acc is not None and mode == "greedy" else "") + " |")
+    lines += ["", *train_serve_lines(res)]
     for d in DRAFTS:
         r = res.get("train", {}).get(d, {})
         if "skipped" in r or "error" in r:

@@ -59,17 +59,20 @@ def _rows(files: Sequence[str]):
 
 
 def convert_shards(files: str | Path | Sequence[str | Path], data_path: str | Path, *,
-                   expected_input_ids: Mapping[str, Sequence[int]] | None = None) -> dict:
+                   expected_input_ids: Mapping[str, Sequence[int]] | None = None, heldout_threshold: int = 0) -> dict:
     """Write the samples of our shard files (a list, or an extraction output directory) to
     `data_path` in speculators' layout (see the module docstring). Returns {"sample_ids" (row order),
     "num_samples", "num_tokens", "hidden_states_bytes", "layer_ids", "hidden_size"}.
 
     expected_input_ids: sample_id -> the token ids that were sent to extraction. When given, every
     sample must be there exactly once with exactly these ids, else ValueError.
+    heldout_threshold > 0: the held-out split's samples (eagle3.data.heldout) are left out, as our
+    trainer leaves them out, so both trainers see the same training samples.
     """
     from datasets import Dataset
     from safetensors.torch import save_file
 
+    from eagle3.data.heldout import is_heldout
     from eagle3.manifest import resolve_files
     from eagle3.schema import hs_layout
     from eagle3.shards import ShardFile
@@ -92,7 +95,10 @@ def convert_shards(files: str | Path | Sequence[str | Path], data_path: str | Pa
     num_tokens = 0
     writes: deque = deque()
     with ThreadPoolExecutor(max_workers=WRITES_IN_FLIGHT, thread_name_prefix="convert-write") as pool:
-        for i, (sample_id, ids, mask, hs_TLD) in enumerate(_rows(files)):
+        for sample_id, ids, mask, hs_TLD in _rows(files):
+            if heldout_threshold and is_heldout(sample_id, heldout_threshold):
+                continue
+            i = len(sample_ids)
             if expected_input_ids is not None:
                 want = expected_input_ids.get(sample_id)
                 if want is None or sample_id in seen:

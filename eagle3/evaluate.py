@@ -164,11 +164,11 @@ class SpecDecodeEngine:
         self.close()
 
     def _generate(self, prompts: list[list[int]], *, max_tokens: int, temperature: float, top_p: float = 1.0,
-                  seed: int | None = None):
+                  seed: int | None = None, ignore_eos: bool = True):
         """seed None: unseeded requests (as served); else request i of a sampled call gets seed + i."""
         from vllm import SamplingParams
 
-        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, ignore_eos=True,
+        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, ignore_eos=ignore_eos,
                                  seed=None if temperature == 0 or seed is None else seed + i)
                   for i in range(len(prompts))]
         return self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -185,7 +185,7 @@ class SpecDecodeEngine:
         return spec_decode_counters(self.llm)
 
     def acceptance(self, prompts: list[list[int]], *, max_tokens: int, temperature: float = 0.0,
-                   top_p: float = 1.0, seed: int = 0) -> dict:
+                   top_p: float = 1.0, seed: int = 0, ignore_eos: bool = True) -> dict:
         """Acceptance of this engine's draft on `prompts`. Also per draft position i (0-based)
         vLLM's count of accepted tokens (num_accepted_tokens_per_pos) and the fraction of drafts
         whose first i+1 tokens were all accepted, and from it `acceptance_length_prefix[j-1]` = 1 +
@@ -196,7 +196,8 @@ class SpecDecodeEngine:
             raise ValueError("acceptance needs an engine with a draft; this one serves the target alone")
         before = self._counters()
         t = time.perf_counter()
-        outs = self._generate(prompts, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        outs = self._generate(prompts, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                              ignore_eos=ignore_eos)
         gen_s = time.perf_counter() - t
         after = self._counters()
         drafts = after["num_drafts"] - before["num_drafts"]
@@ -213,6 +214,7 @@ class SpecDecodeEngine:
             "temperature": temperature,
             "top_p": top_p,
             "seed": seed if temperature else None,
+            "ignore_eos": ignore_eos,
             "acceptance_length": 1.0 + accepted / drafts,
             "num_drafts": drafts,
             "num_draft_tokens": after["num_draft_tokens"] - before["num_draft_tokens"],
@@ -343,12 +345,14 @@ def eval_report(engines: list[dict], *, samplings: tuple[DecodeSampling, ...], s
 
 
 def draft_accuracy(draft_dir: str | Path, target_dir: str | Path, data_files, *, micro_batch_tokens: int = 4096,
-                   ttt_steps: int = 3, loss: str = "kl_div", max_batches: int | None = None) -> dict:
+                   ttt_steps: int = 3, loss: str = "kl_div", max_batches: int | None = None,
+                   heldout_threshold: int = 0, heldout: bool = False) -> dict:
     """An exported draft's accuracy on hidden-state shards, one pass over every sample: full_acc_i
     (i = 0..ttt_steps-1) as the trainer computes it (speculators' compute_metrics, teacher-forced
     inputs), summed over batches: {"full_acc": [...], "num_positions": [...], "num_samples",
     "num_batches"}. The verifier's norm and lm_head, which the export leaves out, are read from
-    `target_dir` (compat.speculators_verifier)."""
+    `target_dir` (compat.speculators_verifier). heldout_threshold / heldout: only the rows outside
+    (or, with `heldout`, inside) the held-out split (eagle3.data.heldout), as the trainer reads them."""
     import torch
     from speculators.losses import resolve_loss_config
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
@@ -368,7 +372,8 @@ def draft_accuracy(draft_dir: str | Path, target_dir: str | Path, data_files, *,
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     model = model.to(device=device, dtype=dtype).eval()
     loss_config = resolve_loss_config(loss, loss_implementation())
-    dataset = HiddenStatesDataset(data_files, seed=0, shuffle_buffer_size=1)
+    dataset = HiddenStatesDataset(data_files, seed=0, shuffle_buffer_size=1, heldout_threshold=heldout_threshold,
+                                  heldout=heldout)
     batches = PackedBatches(dataset, micro_batch_tokens, dtype)
     correct = [0.0] * ttt_steps
     total = [0.0] * ttt_steps

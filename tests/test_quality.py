@@ -222,9 +222,13 @@ def test_quality_bench_report_from_engine_files(tmp_path):
               "engine_start_s": 50.0, "greedy": acc(2.6), "sampled": acc(2.2, 0.7),
               "speed": tput([180.0, 178.0, 182.0], [1500.0, 1490.0, 1510.0])},
              {"name": "ours-k1", "draft": "ours", "k": 1, "eager": True, "throughput": False,
-              "engine_start_s": 30.0, "greedy": acc(1.7), "sampled": acc(1.5, 0.7)}]
+              "engine_start_s": 30.0, "greedy": acc(1.7), "sampled": acc(1.5, 0.7), "greedy_eos": acc(1.8)}]
     for u in units:
         (tmp_path / "eval" / f"{u['name']}.json").write_text(json.dumps(u))
+    # The train part's accuracies of the exported draft: on its training data and on the held-out split.
+    (tmp_path / "train.json").write_text(json.dumps({"ours": {
+        "draft_dir": "d", "train_data_accuracy": {"full_acc": [0.9, 0.7, 0.5]},
+        "heldout_accuracy": {"full_acc": [0.81, 0.6, 0.42]}}}))
     files = part_report(plan, tmp_path, tmp_path / "results", "t")["files"]
     res = json.loads((tmp_path / "results" / "quality-t.json").read_text())
     s1 = res["speedup"]["ours"]["1"]["greedy"]
@@ -237,6 +241,9 @@ def test_quality_bench_report_from_engine_files(tmp_path):
     assert "| ours (regenerated) | greedy | 1.700 | 2.600 |" in md
     assert "| ours (regenerated) | T=0.7 top_p=0.9 | 1.500 | 2.200 |" in md
     assert "180 +- 2 (1.80x [1.75-1.86]*)" in md
+    # Acceptance with answers ending at EOS, and the train/serve check beside it (k=1: one position).
+    assert "| ours (regenerated) | greedy, ends at EOS | 1.800 | - |" in md
+    assert "| ours (regenerated) | 0.810, 0.600, 0.420 | 0.900, 0.700, 0.500 | 0.800 |" in md
     assert (tmp_path / "results" / "quality-t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(files) == sorted(str(tmp_path / "results" / f"quality-t.{e}") for e in ("json", "md", "png"))
 

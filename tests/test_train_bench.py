@@ -95,6 +95,22 @@ def test_converted_samples_read_back_by_speculators_equal_ours(tmp_path, hs_dtyp
             assert torch.equal(raw["verifier_last_hidden_states"], ref[:, 3, :])
 
 
+def test_convert_leaves_the_heldout_split_out(tmp_path):
+    """With the job's held-out threshold, speculators' copy holds exactly our trainer's training rows
+    (the held-out split is what both drafts are measured on), numbered without gaps."""
+    from benchmarks.speculators_data import convert_shards
+    from eagle3.data.heldout import conversation_id, split_key
+
+    files, samples = _write_shards(tmp_path, "bfloat16")
+    keys = sorted(split_key(conversation_id(sid)) for sid in samples)
+    threshold = keys[3]  # the 3 samples of lowest key are held out
+    out = convert_shards(files, tmp_path / "spec", heldout_threshold=threshold)
+    kept = {sid for sid in samples if split_key(conversation_id(sid)) >= threshold}
+    assert len(kept) == len(samples) - 3 and set(out["sample_ids"]) == kept
+    assert sorted(p.name for p in (tmp_path / "spec" / "hidden_states").iterdir()) == sorted(
+        f"hs_{i}.safetensors" for i in range(len(kept)))
+
+
 def test_convert_refuses_samples_that_do_not_match_the_prompts(tmp_path):
     from benchmarks.speculators_data import convert_shards
 

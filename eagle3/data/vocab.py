@@ -84,12 +84,15 @@ def _add_counts(counts: np.ndarray, batch, vocab_size: int | None, path: str) ->
     return counts
 
 
-def draft_vocab_mapping(files: str | Path | Sequence[str | Path], draft_vocab_size: int, target_vocab_size: int):
+def draft_vocab_mapping(files: str | Path | Sequence[str | Path], draft_vocab_size: int, target_vocab_size: int, *,
+                        heldout_threshold: int = 0):
     """(d2t, t2d) torch tensors for a draft vocabulary of the `draft_vocab_size` most frequent
     loss-masked tokens of the shards (speculators' build_vocab_mappings_from_distribution over
-    `token_frequencies`), or (None, None) when the draft keeps the whole target vocabulary."""
-    return draft_vocab_mapping_from_counts(lambda: token_frequencies(files, target_vocab_size), draft_vocab_size,
-                                           target_vocab_size)
+    `token_frequencies`, the held-out split left out), or (None, None) when the draft keeps the
+    whole target vocabulary."""
+    return draft_vocab_mapping_from_counts(
+        lambda: token_frequencies(files, target_vocab_size, heldout_threshold=heldout_threshold), draft_vocab_size,
+        target_vocab_size)
 
 
 def draft_vocab_mapping_from_counts(counts_fn, draft_vocab_size: int, target_vocab_size: int):
