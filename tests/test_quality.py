@@ -15,6 +15,8 @@ baseline engine's settings.
 
 from __future__ import annotations
 
+import os
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -49,6 +51,9 @@ def _engine(ray, target_dir: str, draft_dir: str | None, k: int, max_model_len: 
 
 @pytest.mark.slow
 def test_vllm_first_token_acceptance_matches_training_accuracy(tiny_target, ray_local, tmp_path):
+    """EAGLE3_TRAIN_SERVE_TARGET=DIR runs the same check on another target (an HF directory, e.g. a
+    real one from benchmarks/real_targets.py: results/train-serve-smollm2-cpu.md); the suite uses
+    the tiny one."""
     from actors.trainer import run_training
     from eagle3.config import load_job_config
     from eagle3.evaluate import draft_accuracy
@@ -57,6 +62,7 @@ def test_vllm_first_token_acceptance_matches_training_accuracy(tiny_target, ray_
     from ray_jobs.extract import run_extract
 
     ray = ray_local
+    tiny_target = os.environ.get("EAGLE3_TRAIN_SERVE_TARGET") or tiny_target
     prompts = _first_turn_prompts(tiny_target, NUM_PROMPTS)
     max_model_len = max(map(len, prompts)) + MAX_TOKENS + 8
 
