@@ -34,7 +34,8 @@ def demo_run(tmp_path_factory, tiny_target, shared_ray):
     proc = subprocess.run(
         [sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml", "--set", f"output_dir={out}",
          "--set", f"target.model={out / 'target'}", "--set", f"ray.address={shared_ray}",
-         "--set", "eval.num_speculative_tokens=[1, 3]", "--set", "train.num_steps=20",
+         "--set", "eval.num_speculative_tokens=[1, 3]", "--set", "eval.speed_batch_sizes=[1, 16]",
+         "--set", "train.num_steps=20",
          "--set", "train.online.record_sample_ids=true"],
         cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
