@@ -215,7 +215,7 @@ def main(argv=None) -> int:
     ap.add_argument("--micro-batch-tokens", type=int, default=8192)
     ap.add_argument("--hs-dtype", choices=("bfloat16", "float8_e4m3fn"), default="bfloat16")
     ap.add_argument("--work-dir", default=tempfile.gettempdir())
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="benchmarks/results/training")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
     hidden, layer_ids, seq = SHAPES[args.shape]

@@ -38,7 +38,7 @@ def gflops(dtype_name: str, tokens: int, k: int, n: int, min_s: float = 0.5) -> 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.dtype_bench")
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="benchmarks/results/dtype")
     ap.add_argument("--tag", default="cpu")
     args = ap.parse_args(argv)
 

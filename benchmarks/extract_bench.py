@@ -381,7 +381,7 @@ def main(argv=None) -> int:
     ap.add_argument("--object-store-gib", type=float, default=None,
                     help="object store of the local Ray instance (default: Ray's, 30%% of memory); smaller than "
                          "one pass's bytes, the last pass of (2) sees the store's steady state")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="benchmarks/results/extraction")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
 

@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {list(PARTS)}")
     ap.add_argument("--summarize", nargs="+", metavar="JSON", help="build the report from these part results")
     ap.add_argument("--disk-dir", default=tempfile.gettempdir())
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="benchmarks/results/job")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
     out = Path(args.out)

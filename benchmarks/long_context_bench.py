@@ -509,7 +509,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--draft-attn-impl", choices=("auto", "simple_flex_attention", "sdpa", "eager"), default="auto",
                     help="part train: the draft's attention (auto: the trainer's own choice per length, "
                          "eagle3.train_config.resolve_draft_attn_impl)")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=None,
+                    help="default: benchmarks/results/extraction (part extract) or /training (part train)")
     ap.add_argument("--tag", default="")
     # internal: one training length in this process (part train starts these)
     ap.add_argument("--train-one", type=int, default=None, help=argparse.SUPPRESS)
@@ -520,6 +521,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.plan = "cpu-smoke"
     if args.train_one is None and args.part is None:
         ap.error("--part is required: extract or train")
+    if args.out is None:
+        args.out = f"benchmarks/results/{'extraction' if args.part == 'extract' else 'training'}"
     return args
 
 

@@ -103,7 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--cpu-kv-gib", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work-dir", default=None, help="scratch (default: a new temp dir)")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="benchmarks/results/training")
     ap.add_argument("--tag", default="")
     one = ap.add_argument_group("one GPU (--one-gpu): the whole job, offline then online, on GPU 0")
     one.add_argument("--one-gpu", action="store_true")

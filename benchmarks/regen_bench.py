@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="tiny run on the CPU: 8 prompts, 16 tokens, 4 sequences, shards of 2, eager, float32, "
                          "1 GiB KV cache")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="benchmarks/results/regeneration")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
     if args.cpu_smoke:

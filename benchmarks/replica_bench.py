@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     ap.add_argument("--samples-per-shard", type=int, default=64)
     ap.add_argument("--hs-dtype", default="bfloat16")
     ap.add_argument("--disk-dir", default=tempfile.gettempdir())
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="benchmarks/results/extraction")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
 

@@ -8,7 +8,7 @@ part-carrying commands of ../shared/gpu/README.md, then as the fourth (carry [".
     . .gpu3/unpack.sh .gpu3 && python -m benchmarks.train_bench --shape 1b --tag h200-1b --out $OUT
 
 and copy the files that come back (train-h200-1b.json / .md, and -ours_steps.jsonl,
--speculators_steps.jsonl, -speculators.log beside them) into benchmarks/results/. 1b preset: 161
+-speculators_steps.jsonl, -speculators.log beside them) into benchmarks/results/training/. 1b preset: 161
 random-token prompts x 1024 tokens, 8 samples = 8184 tokens per optimizer step, 20 steps per
 trainer, steps 6..20 measured, draft attention simple_flex_attention. The exit status is 0 unless
 our trainer failed; a speculators failure is recorded in the result (its first exception line in
@@ -71,7 +71,7 @@ run_training and theirs' own profile (sum of tokens / sum of step_ms over the sa
 Settings kept equal: one draft layer (full attention), TTT 3 steps with loss decay 1.0, kl_div
 with speculators' "eager" loss in both (compat/speculators_loss.py: its fused Triton loss fails to
 trace under torch 2.11's compile; the first GPU run of this script, with "fused" for speculators,
-died of exactly that, benchmarks/results/train-h200-1b-speculators.log), draft attention --draft-attn-impl in both (auto: flex
+died of exactly that, benchmarks/results/training/train-h200-1b-speculators.log), draft attention --draft-attn-impl in both (auto: flex
 attention on GPU, both trainers' default there; sdpa on CPU), speculators' torch.compile of the
 draft's forward on CUDA (its code, in both),
 draft vocabulary min(32000, target vocab) with the same d2t/t2d (computed once, as our trainer
@@ -89,7 +89,7 @@ Train worker of 1 CPU, so torch runs 1 host thread there); theirs = DDP over fp3
 torch.autocast(bf16), torch AdamW, one safetensors file per sample read by its DataLoader's
 worker processes (speculators' default 12).
 
-Time (one H200, measured 2026-11-30, benchmarks/results/train-h200-1b.json; that run's speculators
+Time (one H200, measured 2026-11-30, benchmarks/results/training/train-h200-1b.json; that run's speculators
 trainer died of the fused-loss trace failure at its first step, so its part is not a full run):
 451 s in all: Ray start 9 s, target build 19 s, vLLM extraction 38 s (engine start included),
 conversion 25 s, ours 211 s (Ray Train start, FusedAdam build ~38 s once per machine,
@@ -643,7 +643,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--work-dir", default=None, help="scratch (default: a new temp dir, removed at the end)")
     ap.add_argument("--keep-work", action="store_true")
     ap.add_argument("--cpu-kv-gib", type=int, default=2)
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="benchmarks/results/training")
     ap.add_argument("--tag", default="")
     return ap.parse_args(argv)
 

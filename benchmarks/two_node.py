@@ -72,7 +72,7 @@ then restarts on the head (train.checkpoint.max_failures) while `keep` keeps the
 Outputs: <out>/two-node-<cpu|gpu|gpu-shared>.json and .md (machine, mode, commit, per-run wall times, shards
 per node, sample-id counts, each check's pass/fail), the jobs' logs beside them. Exit status 1
 when a check fails. Both nodes are stopped at the end, whatever happened. The CPU mode takes
-minutes on 2 cores (benchmarks/results/two-node-cpu.md has a run's figures); the GPU mode has
+minutes on 2 cores (benchmarks/results/job/two-node-cpu.md has a run's figures); the GPU mode has
 defaults for 2 x H200 and has not run on them yet.
 """
 
@@ -150,7 +150,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "shared, epochs keep): tables cross the raylets to the training worker through the object store")
     ap.add_argument("--target", default=None, help="a HF model dir instead of the mode's built target")
     ap.add_argument("--max-records", type=int, default=None, help="prepare.max_samples")
-    ap.add_argument("--out", default="benchmarks/results", help="where the result JSON/markdown and logs go")
+    ap.add_argument("--out", default="benchmarks/results/job", help="where the result JSON/markdown and logs go")
     ap.add_argument("--work-dir", default=None, help="the jobs' output dirs and the target (default: a new temp dir, "
                     "removed at the end unless --keep-work)")
     ap.add_argument("--keep-work", action="store_true")

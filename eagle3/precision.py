@@ -9,7 +9,7 @@ Imports no torch: drivers call it.
 
 Why: on an x86 CPU without AVX512-BF16 or AMX, torch's bf16 matmul is emulated (a lead measured
 0.6-1.6 GFLOP/s against ~30 for float32 on one AVX2 EPYC thread; benchmarks/dtype_bench.py, results
-in benchmarks/results/dtype-*.md), and vLLM's CPU engine logs "Failed to create oneDNN linear,
+in benchmarks/results/dtype/dtype-*.md), and vLLM's CPU engine logs "Failed to create oneDNN linear,
 fallback to torch linear" for bf16 weights.
 """
 

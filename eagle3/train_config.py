@@ -119,7 +119,7 @@ FLEX_ATTN_MAX_TOKENS = 8192
 speculators 0.9, the 8B shape): 8,192 tokens at 63,954 tokens/s. At 16,384 the first step's
 compile (inductor/Triton: one kernel's ptxas alone ran over a minute) did not end in 229 s, and in
 another run the process died of SIGSEGV there; sdpa trained 16,384, 32,768 and 49,152 tokens
-(benchmarks/results/long-context-train-h200-8b-*.md)."""
+(benchmarks/results/training/long-context-train-h200-8b-*.md)."""
 
 
 def resolve_draft_attn_impl(impl: DraftAttnImpl | None, micro_batch_tokens: int, cuda: bool) -> DraftAttnImpl:
@@ -153,7 +153,7 @@ class DataConfig:
     each packing every k-th batch straight into a shared page-locked ring; the order is
     unchanged). None: min(4, this rank's share of the node's CPUs // 4), at least 1. On the H200
     host 1, 2 and 4 workers built cold 1B batches at 0.93, 1.19 and 1.39 GB/s against the disk's
-    1.59 (benchmarks/results/batch-h200-1b-run5.md), and 4 of them cost the step's kernel launches
+    1.59 (benchmarks/results/training/batch-h200-1b-run5.md), and 4 of them cost the step's kernel launches
     nothing measurable. 0: a thread of the trainer instead, whose GIL slows those launches (the
     fallback, with a warning, where /dev/shm cannot hold the ring)."""
 

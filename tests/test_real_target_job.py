@@ -5,7 +5,7 @@ eval) on a real pretrained model, SmolLM2-135M-Instruct as benchmarks.real_targe
 Kept short (a few dozen conversations, 10 training steps, one eval engine): it checks that a
 real model's shape (30 layers, hidden 576, tied embeddings, a 49,152-token vocabulary, its own
 chat template and published sampling) goes through every stage, not what acceptance a real
-training run reaches (benchmarks/results/ has those figures)."""
+training run reaches (benchmarks/results/quality/ has those figures)."""
 
 from __future__ import annotations
 

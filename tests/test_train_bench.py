@@ -241,7 +241,7 @@ def test_report_renders_a_committed_result():
 
     # A result written by an earlier version of the benchmark still renders; the figures
     # expected are read from that file, not copied from it.
-    res = json.loads((Path(__file__).parents[1] / "benchmarks/results/train-h200-1b-run4.json").read_text())
+    res = json.loads((Path(__file__).parents[1] / "benchmarks/results/training/train-h200-1b-run4.json").read_text())
     md = markdown(res)
     s = res["settings"]
     assert (f"{s['micro_batch_tokens']} tokens per step budget = {s['samples_per_step']} samples = "

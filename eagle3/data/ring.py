@@ -33,7 +33,7 @@ class BatchRing:
     batch on the H200 host, 11.5 ms on the CI machine (`batch_bench`'s drop probe), during which
     the training loop launches no kernel. In a profile of 9 training steps on the H200, 7 had a
     15-22 ms GPU-idle gap, each just after the pinning thread's last call
-    (benchmarks/results/train-h200-1b-prof-gaps.md), and steps 6..20 varied from 63 to 95 ms; read
+    (benchmarks/results/training/train-h200-1b-prof-gaps.md), and steps 6..20 varied from 63 to 95 ms; read
     from this ring they took 73-82 ms (train-h200-1b-run7). Its
     pin_memory thread also copied every batch once more, serially: ~1.1 GB/s (batch-h200-1b-run4).
     Here the file is page-locked once with cudaHostRegister (`page_lock`), so the copy to the
