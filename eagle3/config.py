@@ -31,7 +31,7 @@ OverLength = Literal["truncate", "reject"]
 TinyChatTemplate = Literal["simple", "qwen3"]
 LeadingAssistant = Literal["reject", "drop"]
 RegenerateCut = Literal["reject", "end"]
-"""Names in eagle3.chat_template.TEMPLATES (a test keeps them equal)."""
+"""Names in eagle3.prepare.chat_template.TEMPLATES (a test keeps them equal)."""
 
 
 def _fail(section: str, name: str, value: Any, fix: str) -> None:
@@ -107,7 +107,7 @@ class PrepareConfig:
     heldout_fraction: float = 0.02
     """Fraction of the kept conversations held out of training, in [0, 0.5]: prepared, regenerated
     and extracted with the rest, never trained on; the trainer measures the draft's accuracy per
-    TTT position on them every train.eval_every_steps (eagle3.data.heldout: a hash of the
+    TTT position on them every train.eval_every_steps (eagle3.prepare.heldout: a hash of the
     conversation id decides, so all samples of a conversation are on one side, on every run).
     0 = no split (no held-out accuracy). Unlike num_eval_prompts, which holds out prompts for
     vLLM's acceptance, this holds out whole conversations with their hidden states. Offline
@@ -302,7 +302,7 @@ class RegenerateConfig:
     prepared conversations with its own sampling, so the draft learns the target's text (on-policy
     data). Runs on extraction's replica layout (extract.num_replicas, tensor_parallel_size,
     pipeline_parallel_size, gpu_memory_utilization, cpu_kvcache_space_gib, placement_timeout_s).
-    See eagle3/regenerate.py."""
+    See eagle3/prepare/regenerate.py."""
 
     enabled: bool = False
     """Train on regenerated responses: the stage runs (or resumes) before extract whenever extract or

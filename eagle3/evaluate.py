@@ -352,7 +352,7 @@ def draft_accuracy(draft_dir: str | Path, target_dir: str | Path, data_files, *,
     inputs), summed over batches: {"full_acc": [...], "num_positions": [...], "num_samples",
     "num_batches"}. The verifier's norm and lm_head, which the export leaves out, are read from
     `target_dir` (compat.speculators_verifier). heldout_threshold / heldout: only the rows outside
-    (or, with `heldout`, inside) the held-out split (eagle3.data.heldout), as the trainer reads them."""
+    (or, with `heldout`, inside) the held-out split (eagle3.prepare.heldout), as the trainer reads them."""
     import torch
     from speculators.losses import resolve_loss_config
     from speculators.models.eagle3 import Eagle3SpeculatorConfig

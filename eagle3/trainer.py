@@ -89,7 +89,7 @@ class Eagle3Trainer:
                  dataset=None, heldout_threshold: int = 0):
         """`data_files`: committed shards (offline); or None with `dataset`, a rank's rows from
         elsewhere (online: eagle3.data.online.OnlineDataset), ordered and resumed the same way.
-        `heldout_threshold` (prepared/heldout.json, eagle3.data.heldout; 0: no split), with shards:
+        `heldout_threshold` (prepared/heldout.json, eagle3.prepare.heldout; 0: no split), with shards:
         the held-out conversations are left out of training and measured every cfg.eval_every_steps."""
         from speculators.models.eagle3.core import Eagle3DraftModel
 

@@ -1,5 +1,5 @@
 """Regenerate driver: the target rewrites every assistant turn of the prepared conversations
-(eagle3/regenerate.py says how), on engine replicas placed as extraction's are, each shard
+(eagle3/prepare/regenerate.py says how), on engine replicas placed as extraction's are, each shard
 committed exactly once; then regenerated/tokens.parquet for extraction.
 
 What crosses this process: sample ids, each shard's source messages (text, kilobytes per
@@ -36,7 +36,7 @@ def run_regenerate(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: s
     import ray
 
     from actors.regenerator import RegeneratorActor
-    from eagle3.regenerate import (conversation_ids, cut_warning, fallback_warning, finalize, regenerate_fingerprint,
+    from eagle3.prepare.regenerate import (conversation_ids, cut_warning, fallback_warning, finalize, regenerate_fingerprint,
                                    resolve_sampling, sampling_fallbacks, source_messages)
     from actors.replica_pool import ReplicaPool, failure_reason, is_system_failure
     from ray_jobs.extract import replica_layout

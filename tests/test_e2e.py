@@ -180,7 +180,7 @@ def test_heldout_accuracy_every_n_steps_and_never_trained(demo_run):
     trained, step by step), and measured at steps 10 and 20 (demo.yaml's eval_every_steps: 10):
     in metrics.jsonl, the train summary and the job's printed summary, beside the training
     accuracy and vLLM's acceptance per position."""
-    from eagle3.data.heldout import read_split
+    from eagle3.prepare.heldout import read_split
     from eagle3.manifest import Manifest
     from eagle3.shards import read_shards
 

@@ -1,4 +1,4 @@
-"""The held-out split (eagle3.data.heldout): which conversations it holds, that prepare records it,
+"""The held-out split (eagle3.prepare.heldout): which conversations it holds, that prepare records it,
 and that the training dataset leaves it out of the shards while the held-out view reads exactly
 it (online mode trains on every sample: ray_jobs/run.py warns). Fast tier: no Ray, no DeepSpeed,
 no vLLM. The trainer's evaluation on the split: tests/test_train.py, and in the slow tier
@@ -16,7 +16,7 @@ import pytest
 
 from eagle3 import tiny
 from eagle3.config import PrepareConfig, load_job_config
-from eagle3.data.heldout import HELDOUT_FILE, choose_split, conversation_id, is_heldout, read_split, split_key
+from eagle3.prepare.heldout import HELDOUT_FILE, choose_split, conversation_id, is_heldout, read_split, split_key
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "data" / "demo_conversations.jsonl"
@@ -98,7 +98,7 @@ def tok_dir(tmp_path_factory) -> str:
 
 
 def test_prepare_records_the_split_and_keeps_held_out_samples_in_the_tokens(tok_dir, tmp_path):
-    from eagle3.prepare import prepare_dataset
+    from eagle3.prepare.tokens import prepare_dataset
 
     cfg = PrepareConfig(conversations=str(DEMO), max_length=512, num_eval_prompts=16, heldout_fraction=0.05)
     summary = prepare_dataset(cfg, tok_dir, str(tmp_path / "a"))

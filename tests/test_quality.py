@@ -26,9 +26,9 @@ MAX_TOKENS = 48
 
 
 def _first_turn_prompts(target_dir: str, n: int) -> list[list[int]]:
-    from eagle3.chat_template import eval_prompt
-    from eagle3.conversations import load_conversations
-    from eagle3.prepare import load_tokenizer
+    from eagle3.prepare.chat_template import eval_prompt
+    from eagle3.prepare.conversations import load_conversations
+    from eagle3.prepare.tokens import load_tokenizer
 
     tok = load_tokenizer(target_dir)
     prompts = []

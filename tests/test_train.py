@@ -642,7 +642,7 @@ def test_heldout_evaluation_divides_the_batches_among_ranks(tiny):
     from speculators.losses import resolve_loss_config
 
     from compat.speculators_loss import loss_implementation
-    from eagle3.data.heldout import choose_split
+    from eagle3.prepare.heldout import choose_split
     from eagle3.trainer import Eagle3Trainer
 
     target, files, samples, _ = tiny
@@ -917,7 +917,7 @@ def test_ray_train_two_workers_checkpoint_resume_export(tiny, tmp_path, ray_loca
     to start and stop): nothing here kills or inspects the cluster's processes."""
     from actors.trainer import run_training
 
-    from eagle3.data.heldout import choose_split
+    from eagle3.prepare.heldout import choose_split
     from eagle3.shards import read_shards
 
     target, files, _, _ = tiny

@@ -99,7 +99,7 @@ def test_convert_leaves_the_heldout_split_out(tmp_path):
     """With the job's held-out threshold, speculators' copy holds exactly our trainer's training rows
     (the held-out split is what both drafts are measured on), numbered without gaps."""
     from benchmarks.speculators_data import convert_shards
-    from eagle3.data.heldout import conversation_id, split_key
+    from eagle3.prepare.heldout import conversation_id, split_key
 
     files, samples = _write_shards(tmp_path, "bfloat16")
     keys = sorted(split_key(conversation_id(sid)) for sid in samples)

@@ -15,7 +15,7 @@ Order of one epoch, for one rank (all of it derived from (seed, epoch, rank), no
    ranks can get one shard more than others, which is harmless because training length
    is counted in optimizer steps and each rank cycles its own epochs;
 3. the rank's rows, in file order (without those of the other side of the held-out split,
-   eagle3.data.heldout, when a threshold is given), go through a shuffle buffer of `shuffle_buffer_size`
+   eagle3.prepare.heldout, when a threshold is given), go through a shuffle buffer of `shuffle_buffer_size`
    samples (rng(seed, epoch, rank)): fill, then emit a random slot and refill it.
 Because the order is computed from indices alone, resuming at `samples_seen` skips the
 consumed rows without decoding them and skips Parquet row groups that hold none of the
@@ -99,7 +99,7 @@ class HiddenStatesDataset:
     def __init__(self, files: str | Path | Sequence[str | Path], *, seed: int = 0, rank: int = 0,
                  world_size: int = 1, shuffle_buffer_size: int = 256, heldout_threshold: int = 0,
                  heldout: bool = False):
-        """heldout_threshold > 0: only the rows outside the held-out split (eagle3.data.heldout), or
+        """heldout_threshold > 0: only the rows outside the held-out split (eagle3.prepare.heldout), or
         with `heldout` only those inside it; found from each shard's sample_id column, so a resume
         or another rank finds the same rows. 0: every row (`heldout` must then be False)."""
         if heldout and not heldout_threshold:
@@ -123,7 +123,7 @@ class HiddenStatesDataset:
                 )
             kept = None
             if heldout_threshold:
-                from eagle3.data.heldout import is_heldout
+                from eagle3.prepare.heldout import is_heldout
 
                 ids = pf.read(columns=["sample_id"]).column("sample_id").to_pylist()
                 kept = [r for r, sid in enumerate(ids) if is_heldout(sid, heldout_threshold) == heldout]

@@ -6,7 +6,7 @@ prepare as prepared/heldout.json). Does not own: the config fields (eagle3.confi
 heldout_fraction, heldout_min_conversations), measuring accuracy on the split (eagle3.trainer).
 
 The mark is a function, not a column: a conversation is held out when a hash of its id (the
-sample id without the '#t<k>' suffix, eagle3.chat_template.Sample.id_suffix) falls below a
+sample id without the '#t<k>' suffix, eagle3.prepare.chat_template.Sample.id_suffix) falls below a
 threshold. Sample ids pass unchanged through regenerate (a regenerated conversation keeps its id,
 its samples '<id>#t<k>') and extract (the shards keep the sample_id column), so every stage after
 prepare keeps the held-out conversations with the rest (they are regenerated and extracted like
