@@ -24,7 +24,7 @@ log = logging.getLogger("eagle3.online")
 
 def read_shard_table(path: str):
     """A committed shard file's table, into the object store (train.online.epochs: keep)."""
-    from eagle3.shards import read_shards
+    from eagle3.extract.shards import read_shards
 
     return read_shards([path])
 
@@ -56,8 +56,8 @@ class OnlineFeed:
 
         from actors.extractor import ExtractorActor, max_concurrency
         from actors.replica_pool import ReplicaPool
-        from eagle3.extract import target_text_config
-        from eagle3.manifest import Manifest, ShardPlan
+        from eagle3.extract.extractor import target_text_config
+        from eagle3.extract.manifest import Manifest, ShardPlan
         from eagle3.online import FeedState
         from eagle3.schema import stored_bytes_per_token
 

@@ -29,7 +29,7 @@ class RegeneratorActor:
         from transformers import AutoTokenizer
 
         from compat.vllm_engine import Engine, VLLMStepEngine, engine_env, generation_engine_kwargs
-        from eagle3.extract import target_text_config
+        from eagle3.extract.extractor import target_text_config
         from eagle3.prepare.regenerate import TurnScheduler
         from eagle3.precision import engine_dtype
 

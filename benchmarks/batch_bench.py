@@ -1,6 +1,6 @@
 """How long the trainer's input pipeline takes to build one packed micro-batch, side by side:
   collate  speculators' per-sample tensors (shift_batch; fp8 dequantised on the host by
-           eagle3.codec) + CollateFn, then a copy into pinned memory where there is CUDA (the
+           eagle3.extract.codec) + CollateFn, then a copy into pinned memory where there is CUDA (the
            trainer's path until this benchmark)
   pack     eagle3.data.packing.pack: one copy per value from the shard into the (pinned)
            batch; fp8 dequantised on the way on a CPU-only machine, and left e4m3 with its scales
@@ -39,7 +39,7 @@ from eagle3.data.packing import PackedBatches
 from eagle3.data.pipeline import batch_source
 from eagle3.data.rows import HiddenStatesDataset
 from eagle3.schema import hidden_states_schema, stored_bytes_per_token
-from eagle3.shards import write_shard_file
+from eagle3.extract.shards import write_shard_file
 
 SHAPES = {"tiny": (256, [2, 4, 5, 8], 256), "1b": (2048, [2, 8, 13, 16], 1024), "8b": (4096, [2, 16, 29, 32], 1024)}
 

@@ -78,7 +78,7 @@ def write_result(out_dir: str | Path, kind: str, tag: str, result: dict, md: str
 
 def drop_cache(files: list[str]) -> None:
     """Drop the files' pages from the page cache (written back first): the next read is cold."""
-    from eagle3.shards import advise_page_cache
+    from eagle3.extract.shards import advise_page_cache
 
     for f in files:
         advise_page_cache(f, "dontneed")

@@ -27,7 +27,7 @@ would go past --budget-s. Recorded per length: peak GPU memory (allocated and re
 counters, reset after the DeepSpeed engine is built, so model + optimizer state are in it),
 steady-state tokens/s (train_bench.steady_state over the steps after --skip-steps), input wait.
 The training data are synthetic: random bf16 hidden states of the shape extraction writes, in
-shard files written with the product's writer (eagle3.shards.write_shard_file), --train-samples
+shard files written with the product's writer (eagle3.extract.shards.write_shard_file), --train-samples
 samples per length, read again each epoch. Values do not change a step's memory or time; the
 data's disk path at long context is part `extract`'s. The target is the 8B shape's config with
 only the tensors the trainer reads from a target (embed_tokens, lm_head, final norm), random.
@@ -251,16 +251,16 @@ def write_heads_target(shape: str, out_dir: Path, max_positions: int, seed: int 
 def write_synthetic_shards(out_dir: Path, *, length: int, num_samples: int, layer_ids: list[int], hidden: int,
                            vocab: int, seed: int = 0) -> list[str]:
     """`num_samples` samples of `length` tokens in the extract stage's schema (bf16 hidden states,
-    one Arrow IPC shard per sample, written by eagle3.shards.write_shard_file). The hidden states
+    one Arrow IPC shard per sample, written by eagle3.extract.shards.write_shard_file). The hidden states
     repeat one random block of 256 tokens (values do not change a training step's time or memory)."""
     import numpy as np
     import pyarrow as pa
     import torch
 
     from benchmarks.common import random_prompts
-    from eagle3.codec import encode_hidden_states, hidden_states_columns
+    from eagle3.extract.codec import encode_hidden_states, hidden_states_columns
     from eagle3.schema import hidden_states_schema
-    from eagle3.shards import write_shard_file
+    from eagle3.extract.shards import write_shard_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
     schema = hidden_states_schema(layer_ids=layer_ids, hidden_size=hidden, hs_dtype="bfloat16")

@@ -483,7 +483,7 @@ def part_data(plan: Plan, out: Path, gpu: bool, conversations: str) -> dict:
 
 
 def committed_files(job_dir: Path) -> list[str]:
-    from eagle3.manifest import Manifest
+    from eagle3.extract.manifest import Manifest
 
     files = Manifest(job_dir / "hidden_states").committed_files()
     if not files:
@@ -508,7 +508,7 @@ def speculators_settings(plan: Plan, files: list[str], gpu: bool, out: Path):
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
     from benchmarks.train_bench import BenchSettings
-    from eagle3.shards import read_shards
+    from eagle3.extract.shards import read_shards
     from eagle3.train_config import resolve_draft_attn_impl
 
     lengths = np.asarray(read_shards(files, ["num_tokens"]).column("num_tokens").to_numpy(), dtype=np.int64)
@@ -538,7 +538,7 @@ def train_theirs(plan: Plan, out: Path, gpu: bool, timeout_s: float) -> dict:
     from eagle3.prepare.heldout import training_threshold
     from eagle3.data.vocab import draft_vocab_mapping
     from eagle3.schema import hs_layout
-    from eagle3.shards import ShardFile
+    from eagle3.extract.shards import ShardFile
 
     work = out / "speculators"
     work.mkdir(exist_ok=True)

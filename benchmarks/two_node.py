@@ -297,7 +297,7 @@ def sample_id_counts(out_dir: Path) -> dict:
     rejects once (ok), more than once (duplicated), never (missing), or are not prepared ids (extra)."""
     import pyarrow.parquet as pq
 
-    from eagle3.shards import read_shards
+    from eagle3.extract.shards import read_shards
 
     prepared = pq.read_table(out_dir / "prepared" / "tokens.parquet", columns=["sample_id"]).column(
         "sample_id").to_pylist()

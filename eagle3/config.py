@@ -174,7 +174,7 @@ class ExtractConfig:
     """Storage of hidden states: bfloat16 (lossless) or float8_e4m3fn (per-token scale, half the bytes)."""
     file_format: FileFormat = "arrow"
     """Shard files: 'arrow' (Arrow IPC, memory-mapped by the trainer, written at near disk speed)
-    or 'parquet' (smaller with compression, ~3x slower to write). See eagle3/shards.py."""
+    or 'parquet' (smaller with compression, ~3x slower to write). See eagle3/extract/shards.py."""
     direct_io: bool = True
     """Write Arrow shards with O_DIRECT (near the disk's raw bandwidth; buffered writes + fsync
     measured 0.2-0.5x of it), falling back to buffered writes where the file system refuses it.
@@ -242,7 +242,7 @@ class ExtractConfig:
                 _fail("extract", name, getattr(self, name), "must be >= 1 (GPUs per engine replica along this axis)")
         if self.sink == "memory" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
             # The memory sink hands tensors over inside the engine's process; tp*pp > 1 runs the model in
-            # other processes (eagle3.extract.VLLMBackend refuses it at engine start).
+            # other processes (eagle3.extract.extractor.VLLMBackend refuses it at engine start).
             _fail("extract", "sink", self.sink, f"'memory' needs tensor_parallel_size * pipeline_parallel_size == 1, "
                   f"found {self.tensor_parallel_size} * {self.pipeline_parallel_size}; use 'shm' or 'auto'")
         if self.replicas_per_gpu < 1:

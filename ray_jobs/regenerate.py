@@ -4,8 +4,8 @@ committed exactly once; then regenerated/tokens.parquet for extraction.
 
 What crosses this process: sample ids, each shard's source messages (text, kilobytes per
 conversation) and stats; each replica writes its shard's file itself, and the driver commits
-it (eagle3.manifest's protocol, so a crashed run resumes at the first uncommitted shard).
-Scheduling and failures as in extraction (eagle3.schedule.ShardScheduler, with
+it (eagle3.extract.manifest's protocol, so a crashed run resumes at the first uncommitted shard).
+Scheduling and failures as in extraction (eagle3.extract.schedule.ShardScheduler, with
 actors.replica_pool.ReplicaPool): a shard whose replica died is handed out again. Progress and
 generated tokens/s go to the job log, a progress bar and Ray metrics.
 """
@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from eagle3.config import JobConfig
-from eagle3.manifest import Manifest, ShardPlan
-from eagle3.schedule import ShardScheduler
+from eagle3.extract.manifest import Manifest, ShardPlan
+from eagle3.extract.schedule import ShardScheduler
 from ray_jobs.metrics import regenerate_metrics
 
 log = logging.getLogger("eagle3.regenerate")

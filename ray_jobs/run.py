@@ -176,7 +176,7 @@ def run(cfg: JobConfig) -> dict:
     if cfg.train.source == "offline" and ("train" in cfg.stages or "export" in cfg.stages):
         from actors.trainer import run_training
         from eagle3.prepare.heldout import training_threshold
-        from eagle3.manifest import Manifest
+        from eagle3.extract.manifest import Manifest
 
         files = Manifest(out / "hidden_states", cfg.extract.file_format).committed_files()
         if not files:

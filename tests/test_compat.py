@@ -518,7 +518,7 @@ def test_multimodal_wrapper_implements_eagle3_and_cuts_to_its_text_model(tmp_pat
     `text_config` and keep MoE, MLA and vision settings. Fails when vLLM drops the interface
     (then Kimi targets cannot be captured) or the config layout changes."""
     from eagle3.doctor import cut_config
-    from eagle3.extract import target_text_config
+    from eagle3.extract.extractor import target_text_config
 
     kimi = model_configs.write_kimi_k25_target(tmp_path / "kimi")
     out = _run_py(f"from compat.probes import probe_target_arch; print(probe_target_arch({kimi!r}))")

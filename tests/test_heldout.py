@@ -122,9 +122,9 @@ HIDDEN = 8
 
 
 def _write_shards(root: Path, ids: list[str], num_shards: int) -> list[str]:
-    from eagle3.codec import encode_hidden_states
+    from eagle3.extract.codec import encode_hidden_states
     from eagle3.schema import hidden_states_schema
-    from eagle3.shards import write_shard_file
+    from eagle3.extract.shards import write_shard_file
 
     rng = np.random.default_rng(0)
     schema = hidden_states_schema(layer_ids=LAYER_IDS, hidden_size=HIDDEN)
@@ -177,7 +177,7 @@ def test_datasets_leave_the_split_out_of_training_and_read_it_back(tmp_path):
 
 
 def _lengths(files) -> dict[str, int]:
-    from eagle3.shards import read_shards
+    from eagle3.extract.shards import read_shards
 
     t = read_shards(files)
     return dict(zip(t.column("sample_id").to_pylist(), t.column("num_tokens").to_pylist(), strict=True))

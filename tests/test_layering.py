@@ -4,7 +4,7 @@ compat/ at the bottom, the seams with vLLM, speculators and Ray Train (shared/ST
 Read from the source with `ast`, so an import inside a function (the lazy ones this codebase uses
 to keep drivers light) counts as much as one at the top of a module, and nothing is imported.
 When one of these fails: move the piece that both sides need down into the lower layer (as
-compat/fp8.py, actors/replica_pool.py and eagle3.manifest.resolve_files were), or pass it in.
+compat/fp8.py, actors/replica_pool.py and eagle3.extract.manifest.resolve_files were), or pass it in.
 """
 
 import ast

@@ -159,7 +159,7 @@ def test_keep_writes_each_shard_once_and_serves_later_epochs_from_disk():
 
 def _tokens_and_shards(tmp_path: Path, rng, n: int = 30, per_shard: int = 7):
     from eagle3.schema import TOKENS_SCHEMA, hidden_states_schema
-    from eagle3.shards import write_shard_file
+    from eagle3.extract.shards import write_shard_file
 
     ids = [rng.integers(0, 50, size=int(rng.integers(3, 20))).astype(np.int32) for _ in range(n)]
     masks = [(rng.random(len(x)) < 0.6).astype(np.int8) for x in ids]
@@ -197,7 +197,7 @@ def test_online_order_is_the_offline_order_of_the_same_shards(tmp_path):
     extract stage would write from the same tokens (same plan, seed, shuffle window)."""
     from eagle3.data.online import OnlineDataset
     from eagle3.data.rows import HiddenStatesDataset
-    from eagle3.shards import read_shards
+    from eagle3.extract.shards import read_shards
 
     tokens_path, files = _tokens_and_shards(tmp_path, np.random.default_rng(1), n=30, per_shard=7)
     ids_of_file = [read_shards([f], columns=["sample_id"]).column(0).to_pylist() for f in files]
@@ -327,7 +327,7 @@ def test_shared_split_places_an_engine_replica_and_the_training_worker_group_on_
 
     from actors.replica_pool import ReplicaPool
     from actors.trainer import scaling_config
-    from eagle3.schedule import ShardScheduler
+    from eagle3.extract.schedule import ShardScheduler
     from ray_jobs.cluster import job_runtime_env
     from ray_jobs.online import split_gpus
 
@@ -521,7 +521,7 @@ def test_online_driver_killed_then_resubmitted_resumes_and_keeps_shards(tiny_tar
     import signal
     import time
 
-    from eagle3.manifest import Manifest
+    from eagle3.extract.manifest import Manifest
 
     out = tmp_path / "out"
     data = _conversations(tmp_path / "conversations.jsonl", 41)

@@ -393,7 +393,7 @@ def test_regenerate_stage_needs_the_switch():
 
 
 def test_finalize_writes_tokens_in_shard_order_with_the_tokens_schema(tok, tmp_path):
-    from eagle3.manifest import Manifest
+    from eagle3.extract.manifest import Manifest
     from eagle3.prepare.tokens import read_tokens
 
     manifest = Manifest(tmp_path, "parquet")

@@ -157,8 +157,8 @@ def test_job_keeps_sample_ids_out_of_paths_and_the_auth_token_out_of_its_outputs
     rejects, and the token is in no output, log or report of the job, nor in its printed output."""
     import pyarrow.parquet as pq
 
-    from eagle3.manifest import Manifest
-    from eagle3.shards import read_shards
+    from eagle3.extract.manifest import Manifest
+    from eagle3.extract.shards import read_shards
 
     tag = os.urandom(4).hex()
     root = Path(tempfile.mkdtemp(prefix=f"e3sec-{tag}-"))  # the ids climb out of out/ into here

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eagle3.codec import encode_hidden_states
+from eagle3.extract.codec import encode_hidden_states
 from eagle3.schema import hidden_states_schema
 from eagle3.config import config_from_dict
 from eagle3.train_config import LOSS_NAMES, DataConfig, DraftConfig, OptimizerConfig, ProfilingConfig, TrainConfig
@@ -457,13 +457,13 @@ def test_dataset_fp8_is_dequantised(tiny, tmp_path):
 
 def test_fp8_batches_equal_the_batches_of_samples_dequantised_on_the_host(tiny, tmp_path):
     """fp8 shards are dequantised where the batch is packed (eagle3.data.packing.pack); the
-    batches equal speculators' CollateFn over samples dequantised by eagle3.codec (the path the
+    batches equal speculators' CollateFn over samples dequantised by eagle3.extract.codec (the path the
     trainer used before), in bf16 and in float32."""
     import torch
     from speculators.train.data import CollateFn
 
     from compat.speculators_batch import speculators_sample
-    from eagle3.codec import decode_hidden_states, dequantize_fp8
+    from eagle3.extract.codec import decode_hidden_states, dequantize_fp8
     from eagle3.data.packing import PackedBatches
     from eagle3.data.rows import HiddenStatesDataset
     from eagle3.data.staging import MODEL_INPUTS, device_inputs
@@ -918,7 +918,7 @@ def test_ray_train_two_workers_checkpoint_resume_export(tiny, tmp_path, ray_loca
     from actors.trainer import run_training
 
     from eagle3.prepare.heldout import choose_split
-    from eagle3.shards import read_shards
+    from eagle3.extract.shards import read_shards
 
     target, files, _, _ = tiny
     out = tmp_path / "run"

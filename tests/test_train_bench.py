@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from eagle3.codec import encode_hidden_states
+from eagle3.extract.codec import encode_hidden_states
 from eagle3.schema import hidden_states_schema
 
 LAYER_IDS = [2, 4, 5, 8]
@@ -26,7 +26,7 @@ HIDDEN = 32
 def _write_shards(root, hs_dtype: str, file_format: str = "arrow", seed: int = 0):
     """Two shard files of random samples (lengths 3..20, partial loss masks), written as the extract
     stage writes them. Returns (files, {sample_id: (input_ids, loss_mask, float32 hs [T, L, H])})."""
-    from eagle3.shards import SUFFIX, write_shard_file
+    from eagle3.extract.shards import SUFFIX, write_shard_file
 
     rng = np.random.default_rng(seed)
     schema = hidden_states_schema(layer_ids=LAYER_IDS, hidden_size=HIDDEN, hs_dtype=hs_dtype)

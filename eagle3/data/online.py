@@ -2,10 +2,10 @@
 come from the engines through the Ray object store instead of shard files.
 
 Owns: a rank's order of an epoch, computed from the prepared tokens alone (the shard plan of the
-extract stage: eagle3.manifest.ShardPlan; the same shards per rank, the same seeded shuffle
+extract stage: eagle3.extract.manifest.ShardPlan; the same shards per rank, the same seeded shuffle
 window, as offline: eagle3.data.rows.epoch_order), asking the feed (actors/online_feed.py,
 eagle3.online) for the shards still needed from a position, in that order, and decoding each
-table's rows (eagle3.codec) as views of the object store's memory. A sample the engine rejected
+table's rows (eagle3.extract.codec) as views of the object store's memory. A sample the engine rejected
 (longer than it takes) is a row of zero tokens, which packing skips and counts, so positions stay
 those of the plan and a checkpoint's (epoch, samples_seen) means the same samples on a restart.
 Does not own: packing and prefetching (eagle3.data.packing, .prefetch: this dataset is read in a
@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eagle3.codec import StoredRow, decode_row
+from eagle3.extract.codec import StoredRow, decode_row
 from eagle3.data.rows import epoch_order, rank_shards
-from eagle3.manifest import ShardPlan
+from eagle3.extract.manifest import ShardPlan
 from eagle3.schema import hs_layout
 
 TAKE_POLL_S = 1.0

@@ -3,9 +3,9 @@ reading them.
 
 Owns: the seeded epoch-dependent shuffle, the split across data-parallel ranks, the resumable
 position, and streaming the rows a rank needs out of the shards without loading them whole, each
-decoded by eagle3.codec.decode_row as views of the shard's memory.
-Does not own: which files are the shards of a run (eagle3.manifest.resolve_files), the schema
-(eagle3.schema), the stored encoding (eagle3.codec), packing rows into batches
+decoded by eagle3.extract.codec.decode_row as views of the shard's memory.
+Does not own: which files are the shards of a run (eagle3.extract.manifest.resolve_files), the schema
+(eagle3.schema), the stored encoding (eagle3.extract.codec), packing rows into batches
 (eagle3.data.packing), moving batches to the device (eagle3.data.prefetch, .staging).
 
 Order of one epoch, for one rank (all of it derived from (seed, epoch, rank), no data read):
@@ -37,10 +37,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eagle3.codec import StoredRow, decode_row, dequantize_fp8
-from eagle3.manifest import resolve_files
+from eagle3.extract.codec import StoredRow, decode_row, dequantize_fp8
+from eagle3.extract.manifest import resolve_files
 from eagle3.schema import hs_layout
-from eagle3.shards import ShardFile, read_ahead
+from eagle3.extract.shards import ShardFile, read_ahead
 
 
 def rank_shards(num_shards: int, seed: int, epoch: int, rank: int, world_size: int) -> list[int]:
@@ -183,7 +183,7 @@ class HiddenStatesDataset:
             yield speculators_sample(row.input_ids, row.loss_mask, hs)
 
     def rows(self, epoch: int, start: int = 0) -> Iterator[StoredRow]:
-        """The same samples as `samples`, as stored and unshifted (eagle3.codec.StoredRow: input_ids
+        """The same samples as `samples`, as stored and unshifted (eagle3.extract.codec.StoredRow: input_ids
         [T], loss_mask [T], hidden states [T, L, H], fp8 scales [T, L] or None), views of the shard's
         memory."""
         order = self.epoch_order(epoch)[start:]

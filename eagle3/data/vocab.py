@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from eagle3.manifest import resolve_files
+from eagle3.extract.manifest import resolve_files
 from eagle3.schema import hs_layout
-from eagle3.shards import ShardFile
+from eagle3.extract.shards import ShardFile
 
 
 def token_frequencies(files: str | Path | Sequence[str | Path], vocab_size: int | None = None, *,

@@ -11,7 +11,7 @@ most turns cut at max_tokens), a `<think>` block split into `reasoning_content`,
 per-turn seeds, the sampling defaults read from the target's generation_config.json, the
 shard file, and the output layout:
     regenerated/
-      MANIFEST.json                     the input's fingerprint (eagle3.manifest's protocol:
+      MANIFEST.json                     the input's fingerprint (eagle3.extract.manifest's protocol:
       data/shard-000003.parquet         a shard counts once its commit file exists)
       committed/shard-000003.json
       tokens.parquet                    TOKENS_SCHEMA rows of all shards, in shard order (written last)
@@ -22,7 +22,7 @@ loss_mask, num_tokens), with its conversation's messages. That is one row per co
 for a prefix-stable template, and one per assistant turn (ids suffixed '#t<k>', as prepare
 names them) for a template that rewrites earlier turns.
 Does not own: the engine and its arguments (compat.vllm_engine, actors/regenerator.py),
-placement, retries and commits (ray_jobs/regenerate.py, eagle3.schedule, eagle3.manifest),
+placement, retries and commits (ray_jobs/regenerate.py, eagle3.extract.schedule, eagle3.extract.manifest),
 rendering and masks (eagle3.prepare.chat_template), reading sources (eagle3.prepare.conversations).
 
 The source messages are read again from prepare.conversations by sample id rather than kept

@@ -14,9 +14,9 @@ HIDDEN = 256
 
 
 def fp8_shard(path, lengths=(37, 120, 90, 64, 200), seed=0) -> str:
-    from eagle3.codec import encode_hidden_states
+    from eagle3.extract.codec import encode_hidden_states
     from eagle3.schema import hidden_states_schema
-    from eagle3.shards import write_shard_file
+    from eagle3.extract.shards import write_shard_file
 
     rng = np.random.default_rng(seed)
     cols = {"sample_id": [], "input_ids": [], "loss_mask": [], "num_tokens": [], "hidden_states": [], "hs_scale": []}

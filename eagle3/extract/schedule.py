@@ -16,7 +16,7 @@ shards done) and these rules:
   or end the run (it gives up when none can be placed).
 Shards committed before this run (a resume) are never handed out.
 Does not own: actors, placement groups, object refs and what a shard's work is (ray_jobs/),
-the files and the commit protocol (eagle3.manifest).
+the files and the commit protocol (eagle3.extract.manifest).
 """
 
 from __future__ import annotations
