@@ -16,7 +16,7 @@ of exactly L tokens, --tokens-per-length tokens in all (so ~equal work per lengt
       max_num_batched_tokens as (1); shard bytes per sample from the manifest
 and the ratio (3)/(1) per length.
 
-Part `train`: our trainer (eagle3.trainer.Eagle3Trainer on eagle3.deepspeed_backend, the code
+Part `train`: our trainer (eagle3.train.trainer.Eagle3Trainer on eagle3.train.deepspeed_backend, the code
 every Ray Train worker runs, actors.trainer.train_loop_per_worker, without Ray Train around it)
 at each length of --train-lengths in turn, one sample of L tokens per optimizer step
 (micro_batch_tokens = L), each length in its own subprocess: a torch.cuda.OutOfMemoryError (or
@@ -288,11 +288,11 @@ def train_one(args) -> dict:
 
     from benchmarks.shapes import SHAPES
     from benchmarks.train_bench import steady_state
-    from eagle3 import deepspeed_backend
+    from eagle3.train import deepspeed_backend
     from eagle3.config import ExtractConfig
-    from eagle3.train_config import (CheckpointConfig, DataConfig, DraftConfig, OptimizerConfig, TrainConfig,
+    from eagle3.train.config import (CheckpointConfig, DataConfig, DraftConfig, OptimizerConfig, TrainConfig,
                                      resolve_draft_attn_impl)
-    from eagle3.trainer import Eagle3Trainer
+    from eagle3.train.trainer import Eagle3Trainer
 
     plan, n = resolve_plan(args), args.train_one
     if not torch.cuda.is_available():  # as actors.trainer.run_training sets it for a CPU worker
@@ -508,7 +508,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "<work>/train-L.json.stacks.txt (where a length runs long, what it is doing)")
     ap.add_argument("--draft-attn-impl", choices=("auto", "simple_flex_attention", "sdpa", "eager"), default="auto",
                     help="part train: the draft's attention (auto: the trainer's own choice per length, "
-                         "eagle3.train_config.resolve_draft_attn_impl)")
+                         "eagle3.train.config.resolve_draft_attn_impl)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
     # internal: one training length in this process (part train starts these)

@@ -509,7 +509,7 @@ def speculators_settings(plan: Plan, files: list[str], gpu: bool, out: Path):
 
     from benchmarks.train_bench import BenchSettings
     from eagle3.extract.shards import read_shards
-    from eagle3.train_config import resolve_draft_attn_impl
+    from eagle3.train.config import resolve_draft_attn_impl
 
     lengths = np.asarray(read_shards(files, ["num_tokens"]).column("num_tokens").to_numpy(), dtype=np.int64)
     n = len(lengths)
@@ -536,7 +536,7 @@ def train_theirs(plan: Plan, out: Path, gpu: bool, timeout_s: float) -> dict:
                                         speculators_command, speculators_flags)
     from compat.speculators_verifier import verifier_text_config
     from eagle3.prepare.heldout import training_threshold
-    from eagle3.data.vocab import draft_vocab_mapping
+    from eagle3.train.data.vocab import draft_vocab_mapping
     from eagle3.schema import hs_layout
     from eagle3.extract.shards import ShardFile
 

@@ -20,7 +20,7 @@ Owns:
    to STEP_LOG as a JSON line (the record's time stamp, the step, its tokens and speculators' own
    step profile).
 Does not own: the benchmark flow and the flags (benchmarks/train_bench.py), our shard schema and formats,
-the draft vocabulary (eagle3.data.vocab.draft_vocab_mapping, which both trainers' runs use).
+the draft vocabulary (eagle3.train.data.vocab.draft_vocab_mapping, which both trainers' runs use).
 One file per sample is speculators' format, not ours; fine for a benchmark's few hundred samples.
 """
 

@@ -3,7 +3,7 @@
 Owns: the shape of a job config file, validation with errors that name the field, the
 value and the fix, and the derived settings (aux layer ids from num_hidden_layers).
 Imports neither torch nor vllm: drivers load configs before any heavy import.
-The training stage's dataclass lives in `eagle3.train_config` (its consumer) and is
+The training stage's dataclass lives in `eagle3.train.config` (its consumer) and is
 composed here.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from eagle3.train_config import TrainConfig
+from eagle3.train.config import TrainConfig
 from eagle3.typed_config import check_types, field_hints
 
 # Choices, each defined once: the field's hint is the check (eagle3.typed_config).

@@ -359,9 +359,9 @@ def draft_accuracy(draft_dir: str | Path, target_dir: str | Path, data_files, *,
     from speculators.models.eagle3.core import Eagle3DraftModel
 
     from compat.speculators_loss import loss_implementation
-    from eagle3.data.packing import PackedBatches
-    from eagle3.data.rows import HiddenStatesDataset
-    from eagle3.data.staging import device_inputs
+    from eagle3.train.data.packing import PackedBatches
+    from eagle3.train.data.rows import HiddenStatesDataset
+    from eagle3.train.data.staging import device_inputs
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = Eagle3SpeculatorConfig.from_pretrained(str(draft_dir))

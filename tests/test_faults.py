@@ -194,7 +194,7 @@ def test_writer_killed_mid_write_loses_and_duplicates_nothing(tiny_target, tmp_p
 
 def test_max_failures_is_checked():
     from eagle3.config import config_from_dict
-    from eagle3.train_config import TrainConfig
+    from eagle3.train.config import TrainConfig
 
     assert config_from_dict(TrainConfig, {}, "train").checkpoint.max_failures == 3
     with pytest.raises(ValueError, match=r"checkpoint.max_failures.*-2.*>= 0, or -1"):

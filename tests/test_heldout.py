@@ -145,8 +145,8 @@ def _write_shards(root: Path, ids: list[str], num_shards: int) -> list[str]:
 
 
 def test_datasets_leave_the_split_out_of_training_and_read_it_back(tmp_path):
-    from eagle3.data.rows import HiddenStatesDataset
-    from eagle3.data.vocab import token_frequencies
+    from eagle3.train.data.rows import HiddenStatesDataset
+    from eagle3.train.data.vocab import token_frequencies
 
     ids = _ids(60)
     split = choose_split(ids, 0.1, 8)

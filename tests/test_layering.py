@@ -47,9 +47,9 @@ def test_the_reader_sees_top_level_and_lazy_imports():
     """The checks below can only fail if the reader finds imports inside functions too."""
     imports = _imports()
     assert "compat.fp8.quantize_fp8" in imports["compat.hidden_states_connector"]  # top level
-    assert "eagle3.data.vocab" in imports["eagle3.data.rows"]  # inside ShardRows.token_frequencies
+    assert "eagle3.train.data.vocab" in imports["eagle3.train.data.rows"]  # inside ShardRows.token_frequencies
     assert "actors.replica_pool" in imports["actors.online_feed"]  # inside OnlineFeed.start
-    assert {"compat", "actors", "eagle3.data", "ray_jobs.extract"} <= set(imports)
+    assert {"compat", "actors", "eagle3.train.data", "ray_jobs.extract"} <= set(imports)
 
 
 def test_compat_imports_nothing_of_the_pipeline():
@@ -68,7 +68,7 @@ def test_eagle3_imports_no_actor_and_no_driver():
 
 
 def test_eagle3_modules_import_no_cycle():
-    """No two eagle3 modules import each other, directly or around a longer loop (eagle3/data/rows.py
+    """No two eagle3 modules import each other, directly or around a longer loop (eagle3/train/data/rows.py
     and vocab.py did)."""
     imports = _imports()
     graph = {m: {n for n in names if n in imports and n != m} for m, names in imports.items()

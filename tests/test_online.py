@@ -1,7 +1,7 @@
 """Online mode (`train.source: online`): the engines extract while the trainer trains; tables
 reach the training ranks through the Ray object store.
 
-Fast tier: the feed's bookkeeping (eagle3.online.FeedState: back-pressure, a restart's new
+Fast tier: the feed's bookkeeping (eagle3.train.online_feed.FeedState: back-pressure, a restart's new
 session, a lost engine), the online order against the offline one, the draft vocabulary from the
 prepared tokens against the one from the shards, the config switch.
 Slow tier (real Ray, the hf extraction backend, real DeepSpeed): the whole job online, every
@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eagle3.online import DROPPED, FeedState
+from eagle3.train.online_feed import DROPPED, FeedState
 from tests.conftest import REPO
 
 
@@ -180,7 +180,7 @@ def _tokens_and_shards(tmp_path: Path, rng, n: int = 30, per_shard: int = 7):
 
 
 def test_draft_vocab_from_prepared_tokens_equals_the_one_from_the_shards(tmp_path):
-    from eagle3.data.vocab import draft_vocab_mapping, draft_vocab_mapping_from_counts, token_frequencies, \
+    from eagle3.train.data.vocab import draft_vocab_mapping, draft_vocab_mapping_from_counts, token_frequencies, \
         tokens_frequencies
 
     tokens_path, files = _tokens_and_shards(tmp_path, np.random.default_rng(0))
@@ -195,8 +195,8 @@ def test_draft_vocab_from_prepared_tokens_equals_the_one_from_the_shards(tmp_pat
 def test_online_order_is_the_offline_order_of_the_same_shards(tmp_path):
     """A rank's samples, epoch after epoch, are those offline training reads from the shards the
     extract stage would write from the same tokens (same plan, seed, shuffle window)."""
-    from eagle3.data.online import OnlineDataset
-    from eagle3.data.rows import HiddenStatesDataset
+    from eagle3.train.data.online import OnlineDataset
+    from eagle3.train.data.rows import HiddenStatesDataset
     from eagle3.extract.shards import read_shards
 
     tokens_path, files = _tokens_and_shards(tmp_path, np.random.default_rng(1), n=30, per_shard=7)
@@ -304,7 +304,7 @@ def test_gpu_split_shared_is_checked_at_load_and_placed_one_replica_and_one_work
 
 
 def test_online_driver_imports_no_heavy_packages():
-    code = ("import sys\nimport ray_jobs.online, actors.online_feed, eagle3.online\n"
+    code = ("import sys\nimport ray_jobs.online, actors.online_feed, eagle3.train.online_feed\n"
             "print(','.join(sorted(m for m in ('vllm', 'torch', 'deepspeed', 'transformers') if m in sys.modules)))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -53,7 +53,7 @@ def test_vllm_first_token_acceptance_matches_training_accuracy(tiny_target, ray_
     from eagle3.config import load_job_config
     from eagle3.evaluate import draft_accuracy
     from eagle3.schema import TOKENS_SCHEMA
-    from eagle3.train_config import CheckpointConfig, DataConfig, DraftConfig, OptimizerConfig, TrainConfig
+    from eagle3.train.config import CheckpointConfig, DataConfig, DraftConfig, OptimizerConfig, TrainConfig
     from ray_jobs.extract import run_extract
 
     ray = ray_local

@@ -59,7 +59,7 @@ def test_converted_samples_read_back_by_speculators_equal_ours(tmp_path, hs_dtyp
     from speculators.train.data import ArrowDataset
 
     from benchmarks.speculators_data import convert_shards
-    from eagle3.data.rows import HiddenStatesDataset
+    from eagle3.train.data.rows import HiddenStatesDataset
 
     files, samples = _write_shards(tmp_path, hs_dtype, file_format)
     out = convert_shards(files, tmp_path / "spec",

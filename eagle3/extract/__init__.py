@@ -6,6 +6,6 @@
 - manifest: the output directory's layout and its exactly-once commit protocol
 - shards: shard files (Arrow IPC or Parquet), written and read
 - codec: how hidden states are stored in a shard's columns, both ways; the one decoder
-The regenerate stage (eagle3.prepare.regenerate) and online mode (eagle3.online) run their
+The regenerate stage (eagle3.prepare.regenerate) and online mode (eagle3.train.online_feed) run their
 engines on the same schedule and, for regeneration, the same commit protocol.
 """

@@ -82,7 +82,7 @@ class ShardScheduler:
     # Shards -------------------------------------------------------------------------------------
     def add(self, shards: Iterable[int]) -> None:
         """Work that arrives while the run goes on, queued after what is there (online mode: a unit is
-        one training rank's request for a shard, numbered by the caller, eagle3.online.FeedState)."""
+        one training rank's request for a shard, numbered by the caller, eagle3.train.online_feed.FeedState)."""
         for s in shards:
             if s in self.committed or s in self.inflight or s in self.todo:
                 raise AssertionError(f"work {s} is already queued, in flight or committed")

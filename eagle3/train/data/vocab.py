@@ -2,7 +2,7 @@
 target, and the d2t / t2d mapping of the draft's LM head built from those counts by speculators
 (the trainer and the benchmarks that train speculators side by side call `draft_vocab_mapping`,
 so both train the same head).
-Does not own: choosing the draft vocabulary's size (eagle3.trainer, train.draft.draft_vocab_size).
+Does not own: choosing the draft vocabulary's size (eagle3.train.trainer, train.draft.draft_vocab_size).
 """
 
 from __future__ import annotations

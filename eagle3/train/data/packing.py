@@ -2,10 +2,10 @@
 
 Owns: the micro-batch of speculators' Eagle3DraftModel built straight from the stored rows
 (`pack`, into buffers of `batch_layout` that a caller may provide: pinned memory, or a slot of
-eagle3.data.ring.BatchRing), fp8 batches kept as stored and dequantised where they land
+eagle3.train.data.ring.BatchRing), fp8 batches kept as stored and dequantised where they land
 (`dequantize_batch`), and the endless, resumable stream of a rank's batches (`PackedBatches`).
-Does not own: which rows come in which order (eagle3.data.rows), building batches ahead or in
-other processes (eagle3.data.prefetch), the batch format itself: it is speculators' (shift_batch
+Does not own: which rows come in which order (eagle3.train.data.rows), building batches ahead or in
+other processes (eagle3.train.data.prefetch), the batch format itself: it is speculators' (shift_batch
 + CollateFn), and compat/speculators_batch.py with its test in tests/test_compat.py checks that
 `pack` still builds exactly that batch.
 
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from eagle3.extract.codec import StoredRow, dequantize_fp8
-from eagle3.data.rows import HiddenStatesDataset
+from eagle3.train.data.rows import HiddenStatesDataset
 
 logger = logging.getLogger(__name__)
 

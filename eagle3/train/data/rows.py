@@ -6,7 +6,7 @@ position, and streaming the rows a rank needs out of the shards without loading 
 decoded by eagle3.extract.codec.decode_row as views of the shard's memory.
 Does not own: which files are the shards of a run (eagle3.extract.manifest.resolve_files), the schema
 (eagle3.schema), the stored encoding (eagle3.extract.codec), packing rows into batches
-(eagle3.data.packing), moving batches to the device (eagle3.data.prefetch, .staging).
+(eagle3.train.data.packing), moving batches to the device (eagle3.train.data.prefetch, .staging).
 
 Order of one epoch, for one rank (all of it derived from (seed, epoch, rank), no data read):
 1. the shards are permuted with rng(seed, epoch), identically on every rank;
@@ -52,7 +52,7 @@ def rank_shards(num_shards: int, seed: int, epoch: int, rank: int, world_size: i
 def epoch_order(shard_rows: Sequence[int], shards: Sequence[int], shuffle_buffer_size: int, seed: int, epoch: int,
                 rank: int) -> list[tuple[int, int]]:
     """(shard, row) in the order a rank yields the rows of `shards` (of shard_rows[s] rows each, read
-    in this order) in `epoch` (step 3 above). Online training (eagle3.data.online) orders the same way."""
+    in this order) in `epoch` (step 3 above). Online training (eagle3.train.data.online) orders the same way."""
     rng = np.random.default_rng([seed, epoch, rank])
     size = max(1, shuffle_buffer_size)
     buffer: list[tuple[int, int]] = []
@@ -94,7 +94,7 @@ class HiddenStatesDataset:
     """
 
     forkable = True
-    """DataLoader worker processes may read it (each opens the shards itself); eagle3.data.pipeline."""
+    """DataLoader worker processes may read it (each opens the shards itself); eagle3.train.data.pipeline."""
 
     def __init__(self, files: str | Path | Sequence[str | Path], *, seed: int = 0, rank: int = 0,
                  world_size: int = 1, shuffle_buffer_size: int = 256, heldout_threshold: int = 0,
@@ -167,15 +167,15 @@ class HiddenStatesDataset:
 
     def token_frequencies(self, vocab_size: int):
         """Counts of every loss-masked token id of these shards outside the held-out split
-        (eagle3.data.vocab)."""
-        from eagle3.data.vocab import token_frequencies
+        (eagle3.train.data.vocab)."""
+        from eagle3.train.data.vocab import token_frequencies
 
         return token_frequencies(self.files, vocab_size, heldout_threshold=self.heldout_threshold)
 
     def samples(self, epoch: int, start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
         """This rank's samples of `epoch` in shuffled order, skipping the first `start`, each shifted
         by speculators' own shift_batch (compat.speculators_batch.speculators_sample), fp8 dequantised
-        to bf16. Training packs `rows` instead (eagle3.data.packing), to the same values."""
+        to bf16. Training packs `rows` instead (eagle3.train.data.packing), to the same values."""
         from compat.speculators_batch import speculators_sample
 
         for row in self.rows(epoch, start):
