@@ -1,5 +1,6 @@
 """Imports run one way: drivers (ray_jobs/) -> actors (actors/) -> plain classes (eagle3/), and
 compat/ at the bottom, the seams with vLLM, speculators and Ray Train (shared/STYLE.md, issue 30).
+Inside eagle3/, the stage folders run in pipeline order: prepare -> extract -> train -> evaluate.
 
 Read from the source with `ast`, so an import inside a function (the lazy ones this codebase uses
 to keep drivers light) counts as much as one at the top of a module, and nothing is imported.
@@ -65,6 +66,26 @@ def test_actors_import_no_driver():
 def test_eagle3_imports_no_actor_and_no_driver():
     found = _violations(_imports(), "eagle3", ("actors", "ray_jobs"))
     assert found == [], "eagle3/ runs back up (see this module's docstring for the fix):\n" + "\n".join(found)
+
+
+STAGES = ("eagle3.prepare", "eagle3.extract", "eagle3.train", "eagle3.evaluate")  # eagle3/__init__.py
+
+
+def _stage(name: str) -> int | None:
+    """The position in STAGES of the stage a module belongs to; None for eagle3's shared top level."""
+    return next((i for i, stage in enumerate(STAGES) if name == stage or name.startswith(stage + ".")), None)
+
+
+def test_eagle3_stages_import_no_later_stage():
+    """eagle3/'s stage folders follow the pipeline: a stage may import an earlier one (training reads
+    prepare's held-out split and extract's shards), never a later one. The shared top level
+    (config, schema, ...) may import any stage."""
+    imports = _imports()
+    assert "eagle3.prepare.heldout" in imports["eagle3.train.data.rows"]  # the reader sees cross-stage imports
+    found = sorted(f"{module} imports {name}" for module, names in imports.items() for name in names
+                   if _stage(module) is not None and _stage(name) is not None and _stage(name) > _stage(module))
+    assert found == [], "an eagle3 stage imports a later one (move the shared piece to the earlier stage " \
+                        "or to eagle3/'s top level):\n" + "\n".join(found)
 
 
 def test_eagle3_modules_import_no_cycle():
