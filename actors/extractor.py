@@ -26,7 +26,7 @@ class ExtractorActor:
                  replica: int):
         import ray
 
-        from eagle3.extract import Extractor
+        from eagle3.extract.extractor import Extractor
 
         self.replica = replica
         self.node_id = ray.get_runtime_context().get_node_id()

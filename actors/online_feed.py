@@ -5,11 +5,11 @@ asked for it.
 Started by ray_jobs/online.py (num_cpus=0, threaded: the training ranks' calls wait on a
 condition while a loop thread dispatches). The decisions (what is asked for, admitted under the
 byte budget, dropped after a restart, handed out again after a lost engine) are
-eagle3.online.FeedState's; this actor does the Ray side: engine replicas on placement groups
+eagle3.train.online_feed.FeedState's; this actor does the Ray side: engine replicas on placement groups
 (actors.replica_pool.ReplicaPool, as the extract stage), calls, waits, failure classification,
 reading committed shards back (train.online.epochs: keep) and writing them in the background,
 the job log's "who waits for whom" line and the Ray gauges.
-Why an actor and not Ray Data: see eagle3/online.py.
+Why an actor and not Ray Data: see eagle3/train/online_feed.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ log = logging.getLogger("eagle3.online")
 
 def read_shard_table(path: str):
     """A committed shard file's table, into the object store (train.online.epochs: keep)."""
-    from eagle3.shards import read_shards
+    from eagle3.extract.shards import read_shards
 
     return read_shards([path])
 
@@ -56,9 +56,9 @@ class OnlineFeed:
 
         from actors.extractor import ExtractorActor, max_concurrency
         from actors.replica_pool import ReplicaPool
-        from eagle3.extract import target_text_config
-        from eagle3.manifest import Manifest, ShardPlan
-        from eagle3.online import FeedState
+        from eagle3.extract.extractor import target_text_config
+        from eagle3.extract.manifest import Manifest, ShardPlan
+        from eagle3.train.online_feed import FeedState
         from eagle3.schema import stored_bytes_per_token
 
         ecfg, ocfg = self.cfg.extract, self.cfg.train.online

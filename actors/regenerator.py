@@ -1,8 +1,8 @@
 """Ray actor hosting one regeneration engine replica (vLLM, plain generation).
 
 Placed by ray_jobs/regenerate.py on its own placement group, as extraction's replicas are
-(actors.replica_pool.ReplicaPool). Delegates the work to eagle3.regenerate: this class starts
-the engine and the tokenizer, drives the engine from one thread (eagle3.regenerate.TurnScheduler
+(actors.replica_pool.ReplicaPool). Delegates the work to eagle3.prepare.regenerate: this class starts
+the engine and the tokenizer, drives the engine from one thread (eagle3.prepare.regenerate.TurnScheduler
 over compat.vllm_engine.VLLMStepEngine), writes each shard's file and reports stats; the
 driver commits the shard.
 Several shards are in flight at once: run with max_concurrency >= the driver's shards per
@@ -29,8 +29,8 @@ class RegeneratorActor:
         from transformers import AutoTokenizer
 
         from compat.vllm_engine import Engine, VLLMStepEngine, engine_env, generation_engine_kwargs
-        from eagle3.extract import target_text_config
-        from eagle3.regenerate import TurnScheduler
+        from eagle3.extract.extractor import target_text_config
+        from eagle3.prepare.regenerate import TurnScheduler
         from eagle3.precision import engine_dtype
 
         self.replica = replica
@@ -107,7 +107,7 @@ class RegeneratorActor:
     def regenerate_shard(self, shard: int, samples: list, path: str) -> dict:
         """Regenerate `samples` [(sample_id, messages)], write the shard file at `path`; return stats.
         Returns when the shard's last conversation is done; other shards keep the engine busy meanwhile."""
-        from eagle3.regenerate import render_shard, write_shard_table
+        from eagle3.prepare.regenerate import render_shard, write_shard_table
 
         fut: Future = Future()
         with self._cv:

@@ -6,7 +6,7 @@ Owns: placing each replica alone on a STRICT_PACK placement group of one bundle,
 that explains itself (`wait_placement_groups`), starting, replacing and shutting down its actor
 (`ReplicaPool`), and telling a lost actor, node or object from an error in the work
 (`is_system_failure`). Does not own: which shard goes where, what is redone and when to give up
-(eagle3.schedule.ShardScheduler), how many replicas of what size (ray_jobs.extract.replica_layout).
+(eagle3.extract.schedule.ShardScheduler), how many replicas of what size (ray_jobs.extract.replica_layout).
 Here rather than in ray_jobs/ because an actor (the online feed) runs a pool, and actors/ imports
 no driver (tests/test_layering.py).
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
-    from eagle3.schedule import ShardScheduler
+    from eagle3.extract.schedule import ShardScheduler
 
 log = logging.getLogger("eagle3.extract")  # the extract stage's logger, as before the move
 

@@ -3,11 +3,11 @@
 Route: `ray.train.torch.TorchTrainer` (Ray Train V2 in Ray 2.60) with
 ScalingConfig(num_workers, use_gpu) and TorchConfig(backend="gloo" on CPU, "nccl" on GPU).
 Ray Train creates the torch.distributed process group; `deepspeed.initialize` (through
-eagle3.deepspeed_backend) joins it. This worked with DeepSpeed 0.19 on CPU as is, so no
+eagle3.train.deepspeed_backend) joins it. This worked with DeepSpeed 0.19 on CPU as is, so no
 own placement group is needed. On CPU the workers get DS_ACCELERATOR=cpu through
 RunConfig(worker_runtime_env=...) before anything imports deepspeed.
 
-Each worker only does process setup and delegates to the plain eagle3.trainer.Eagle3Trainer:
+Each worker only does process setup and delegates to the plain eagle3.train.trainer.Eagle3Trainer:
 build the draft, take the engine, resume, train cfg.num_steps, export. Rank 0 logs every
 step; `ray.train.report` is called only with checkpoints and once at the end, because each
 call is a barrier across workers (~1.9 s per call measured with Ray 2.60 on 2 CPU workers,
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from compat.ray_train import read_snapshot
-from eagle3.train_config import TrainConfig
+from eagle3.train.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +45,8 @@ def train_loop_per_worker(config: dict) -> None:
     t_start = time.perf_counter()
     import ray.train
 
-    from eagle3 import deepspeed_backend
-    from eagle3.trainer import Eagle3Trainer
+    from eagle3.train import deepspeed_backend
+    from eagle3.train.trainer import Eagle3Trainer
 
     logging.basicConfig(level=logging.INFO)
     cfg: TrainConfig = config["cfg"]
@@ -55,7 +55,7 @@ def train_loop_per_worker(config: dict) -> None:
     online = config.get("online")
     dataset = None
     if online is not None:  # train.source: online (ray_jobs/online.py): tables from the feed actor
-        from eagle3.data.online import OnlineDataset
+        from eagle3.train.data.online import OnlineDataset
 
         dataset = OnlineDataset(online["feed"], online["tokens_path"], online["samples_per_shard"], online["layout"],
                                 seed=cfg.seed, rank=rank, world_size=world_size,
@@ -352,12 +352,12 @@ def run_training(cfg: TrainConfig, data_files: list[str] | None, target_dir: str
     fewer than 2 steps), setup_s (rank 0, from the worker's start to its first step: draft,
     DeepSpeed engine, input pipeline, resume), checkpoint (latest
     checkpoint directory, taken after the last step), draft_dir (the speculators-format export,
-    eagle3.export; default <out_dir>/draft),
+    eagle3.train.export; default <out_dir>/draft),
     resumed_from_step (None for a fresh run), num_workers, workers (each rank's node_id, host, pid, backend
-    and device: actors.trainer.worker_placement), heldout (the last held-out evaluation, eagle3.trainer
+    and device: actors.trainer.worker_placement), heldout (the last held-out evaluation, eagle3.train.trainer
     Eagle3Trainer._heldout_record: step, full_acc and cond_acc per TTT step, train_full_acc averaged
     over the steps since the evaluation before, num_positions, num_samples; None without a split:
-    heldout_threshold 0, from prepared/heldout.json, eagle3.data.heldout). Also written to
+    heldout_threshold 0, from prepared/heldout.json, eagle3.prepare.heldout). Also written to
     <out_dir>/train_summary.json. use_gpu None: when the Ray cluster has GPUs. gpus_per_worker < 1:
     each worker takes that share of one GPU (Ray resource and torch memory cap), the rest of it
     being an engine replica's (online mode's train.online.gpu_split shared).

@@ -1,8 +1,8 @@
 """How long the trainer's input pipeline takes to build one packed micro-batch, side by side:
   collate  speculators' per-sample tensors (shift_batch; fp8 dequantised on the host by
-           eagle3.codec) + CollateFn, then a copy into pinned memory where there is CUDA (the
+           eagle3.extract.codec) + CollateFn, then a copy into pinned memory where there is CUDA (the
            trainer's path until this benchmark)
-  pack     eagle3.data.packing.pack: one copy per value from the shard into the (pinned)
+  pack     eagle3.train.data.packing.pack: one copy per value from the shard into the (pinned)
            batch; fp8 dequantised on the way on a CPU-only machine, and left e4m3 with its scales
            where there is CUDA (the trainer dequantises on the device)
 over the same shard files (written by the product's shard writer, direct I/O), each read cold
@@ -35,11 +35,11 @@ from speculators.models.eagle3.data import shift_batch  # noqa: F401 - imported 
 from speculators.train.data import CollateFn
 
 from benchmarks.common import direct_read_gb_s, drop_cache, result_meta, write_result
-from eagle3.data.packing import PackedBatches
-from eagle3.data.pipeline import batch_source
-from eagle3.data.rows import HiddenStatesDataset
+from eagle3.train.data.packing import PackedBatches
+from eagle3.train.data.pipeline import batch_source
+from eagle3.train.data.rows import HiddenStatesDataset
 from eagle3.schema import hidden_states_schema, stored_bytes_per_token
-from eagle3.shards import write_shard_file
+from eagle3.extract.shards import write_shard_file
 
 SHAPES = {"tiny": (256, [2, 4, 5, 8], 256), "1b": (2048, [2, 8, 13, 16], 1024), "8b": (4096, [2, 16, 29, 32], 1024)}
 
@@ -106,7 +106,7 @@ def measure(make, files, micro: int, batches: int, pin: bool, cold: bool) -> lis
 
 
 def _source(files, micro: int, pin: bool, depth: int, workers: int):
-    """The trainer's batch source over `files` (eagle3.data.pipeline.batch_source): `workers` DataLoader
+    """The trainer's batch source over `files` (eagle3.train.data.pipeline.batch_source): `workers` DataLoader
     processes, or a thread where 0, `depth` batches ahead; fp8 left for the device where there is CUDA."""
     ds = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=1)  # file order: reading is the cost measured
     return ds, batch_source(ds, micro, torch.bfloat16, depth, workers, on_gpu=pin, dequantize=not pin)

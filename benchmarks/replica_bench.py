@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     from benchmarks.common import random_prompts, result_meta, steady_tok_s, tokens_table, write_result
     from benchmarks.shapes import SHAPES, write_shape
     from eagle3.config import load_job_config
-    from eagle3.manifest import Manifest
+    from eagle3.extract.manifest import Manifest
     from ray_jobs.cluster import init_ray
     from ray_jobs.extract import run_extract
 

@@ -3,7 +3,7 @@ format, and its trainer launched with a per-step clock.
 
 Owns:
 1. `convert_shards`: our hidden-states shard files (eagle3.schema; Arrow IPC or Parquet, see
-   eagle3.shards) -> the layout speculators 0.9's own trainer reads (`speculators.train.data.
+   eagle3.extract.shards) -> the layout speculators 0.9's own trainer reads (`speculators.train.data.
    ArrowDataset` with `hs_connectors.FileTransfer`), the same samples in shard order:
      <data_path>/                      a `datasets` directory (save_to_disk, torch format) with
                                        input_ids int64, loss_mask int64, seq_len int: the columns
@@ -20,7 +20,7 @@ Owns:
    to STEP_LOG as a JSON line (the record's time stamp, the step, its tokens and speculators' own
    step profile).
 Does not own: the benchmark flow and the flags (benchmarks/train_bench.py), our shard schema and formats,
-the draft vocabulary (eagle3.data.vocab.draft_vocab_mapping, which both trainers' runs use).
+the draft vocabulary (eagle3.train.data.vocab.draft_vocab_mapping, which both trainers' runs use).
 One file per sample is speculators' format, not ours; fine for a benchmark's few hundred samples.
 """
 
@@ -43,13 +43,13 @@ optimizer step, packed tokens of that step."""
 
 def _rows(files: Sequence[str]):
     """(sample_id, input_ids int64 [T], loss_mask int64 [T], hidden_states bf16 [T, L, H]) per row
-    of our shard files (either format, eagle3.shards), in file and row order, decoded by
-    eagle3.codec (fp8 shards dequantised: speculators' files hold bf16)."""
+    of our shard files (either format, eagle3.extract.shards), in file and row order, decoded by
+    eagle3.extract.codec (fp8 shards dequantised: speculators' files hold bf16)."""
     import numpy as np
     import torch
 
-    from eagle3.codec import decode_rows
-    from eagle3.shards import ShardFile
+    from eagle3.extract.codec import decode_rows
+    from eagle3.extract.shards import ShardFile
 
     for path in files:
         for batch in ShardFile(path).iter_batches():
@@ -66,16 +66,16 @@ def convert_shards(files: str | Path | Sequence[str | Path], data_path: str | Pa
 
     expected_input_ids: sample_id -> the token ids that were sent to extraction. When given, every
     sample must be there exactly once with exactly these ids, else ValueError.
-    heldout_threshold > 0: the held-out split's samples (eagle3.data.heldout) are left out, as our
+    heldout_threshold > 0: the held-out split's samples (eagle3.prepare.heldout) are left out, as our
     trainer leaves them out, so both trainers see the same training samples.
     """
     from datasets import Dataset
     from safetensors.torch import save_file
 
-    from eagle3.data.heldout import is_heldout
-    from eagle3.manifest import resolve_files
+    from eagle3.prepare.heldout import is_heldout
+    from eagle3.extract.manifest import resolve_files
     from eagle3.schema import hs_layout
-    from eagle3.shards import ShardFile
+    from eagle3.extract.shards import ShardFile
 
     files = resolve_files(files if isinstance(files, (str, Path)) else list(files))
     layouts = [hs_layout(ShardFile(f).schema) for f in files]

@@ -124,7 +124,7 @@ STEP_LOG_ENV = "EAGLE3_TRAIN_BENCH_STEP_LOG"
 OUR_STEP_FORMAT = "step %d/%d loss %.4f full_acc_0 %.3f lr %.2e tokens %d input_wait_ms %.1f"
 """actors.trainer's rank-0 per-step log line, whose arguments the step clock reads;
 tests/test_train_bench.py fails if actors/trainer.py stops logging it."""
-MAX_DRAFT_VOCAB = 32000  # eagle3.trainer.DEFAULT_MAX_DRAFT_VOCAB (the trainer module imports torch)
+MAX_DRAFT_VOCAB = 32000  # eagle3.train.trainer.DEFAULT_MAX_DRAFT_VOCAB (the trainer module imports torch)
 SPECULATORS_NEEDS_ACCELERATOR = (
     "speculators' trainer needs an accelerator as shipped (model.to(local_rank), "
     "torch.accelerator.synchronize(), Triton fused losses); not run on this CPU-only machine")
@@ -456,13 +456,13 @@ DIRECT_READ_BYTES = 8 << 30
 
 
 def data_vs_ring(s: BenchSettings, args, ext: dict, num_layers: int, hidden: int) -> dict:
-    """Our shards' bytes against our trainer's prefetch ring (eagle3.data.pipeline: prefetch_depth
+    """Our shards' bytes against our trainer's prefetch ring (eagle3.train.data.pipeline: prefetch_depth
     packed batches of batch_bytes): a data set that fits in the ring is all read ahead during the
     first step's compile, and a measured step then never reads the disk."""
     import torch
 
-    from eagle3.data.pipeline import batch_bytes, prefetch_depth
-    from eagle3.train_config import DataConfig
+    from eagle3.train.data.pipeline import batch_bytes, prefetch_depth
+    from eagle3.train.config import DataConfig
 
     dcfg = DataConfig(micro_batch_tokens=s.micro_batch_tokens,
                       **({} if args.prefetch_batches is None else {"prefetch_batches": args.prefetch_batches}))
@@ -613,7 +613,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--draft-attn-impl", choices=("auto", "sdpa", "simple_flex_attention", "eager"), default="auto",
                     help="draft attention in both trainers; auto: our trainer's default for the step's token budget "
-                         "(eagle3.train_config.resolve_draft_attn_impl: flex attention on a GPU up to 8,192 "
+                         "(eagle3.train.config.resolve_draft_attn_impl: flex attention on a GPU up to 8,192 "
                          "tokens, sdpa above or without one)")
     ap.add_argument("--extract-backend", choices=("vllm", "hf"), default="vllm")
     ap.add_argument("--hs-dtype", choices=("bfloat16", "float8_e4m3fn"), default="bfloat16",
@@ -692,13 +692,13 @@ def prepare_speculators_data(s: BenchSettings, work: Path, target_dir: str, ext:
                              sample_ids: list, draft_vocab: int, vocab: int,
                              convert: bool = True) -> tuple[dict, list[str]]:
     """Step 3: the same samples in speculators' layout, the draft vocabulary mapping both trainers
-    use (eagle3.data.vocab.draft_vocab_mapping, as our trainer computes it), and speculators' flags.
+    use (eagle3.train.data.vocab.draft_vocab_mapping, as our trainer computes it), and speculators' flags.
     Returns (the result's "speculators_data" record, the flags). convert False (speculators' trainer
     not run): the flags only, no data written."""
     import numpy as np
 
     from benchmarks.speculators_data import convert_shards
-    from eagle3.data.vocab import draft_vocab_mapping
+    from eagle3.train.data.vocab import draft_vocab_mapping
 
     spec_data = work / "speculators_data"
     conv = convert_shards(ext["files"], spec_data, expected_input_ids=dict(zip(sample_ids, prompts, strict=True))) \
@@ -722,7 +722,7 @@ def run_ours(s: BenchSettings, args, work: Path, target_dir: str, files: list[st
     """Step 4a: our trainer through Ray Train (actors.trainer.run_training), its steady state read
     from `step_log`. A failure is recorded in the returned dict ("failed"), not raised."""
     from actors.trainer import run_training
-    from eagle3.train_config import (CheckpointConfig, DataConfig, DraftConfig, OptimizerConfig, ProfilingConfig,
+    from eagle3.train.config import (CheckpointConfig, DataConfig, DraftConfig, OptimizerConfig, ProfilingConfig,
                                      TrainConfig)
 
     tcfg = TrainConfig(
@@ -857,7 +857,7 @@ def main(argv=None) -> int:
     gpu = start_ray(our_step_log)
     phases["ray_init"] = time.perf_counter() - t
     if s.draft_attn_impl == "auto":  # the trainer's own default for this token budget, given to both trainers
-        from eagle3.train_config import resolve_draft_attn_impl
+        from eagle3.train.config import resolve_draft_attn_impl
 
         s = replace(s, draft_attn_impl=resolve_draft_attn_impl(None, s.micro_batch_tokens, gpu))
     res["settings"]["draft_attn_impl"] = s.draft_attn_impl

@@ -297,7 +297,7 @@ def sample_id_counts(out_dir: Path) -> dict:
     rejects once (ok), more than once (duplicated), never (missing), or are not prepared ids (extra)."""
     import pyarrow.parquet as pq
 
-    from eagle3.shards import read_shards
+    from eagle3.extract.shards import read_shards
 
     prepared = pq.read_table(out_dir / "prepared" / "tokens.parquet", columns=["sample_id"]).column(
         "sample_id").to_pylist()
@@ -663,7 +663,7 @@ def online_num_steps(mode: str, work: Path, target: str, conversations: str, max
     import pyarrow.parquet as pq
 
     from eagle3.config import load_job_config
-    from eagle3.prepare import prepare_dataset
+    from eagle3.prepare.tokens import prepare_dataset
 
     raw = job_config(mode, output_dir=str(work / "precount"), target_dir=target, conversations=conversations,
                      max_records=max_records)

@@ -20,7 +20,7 @@ import functools
 
 def safe_globals() -> list:
     """What a checkpoint of ours holds beyond tensors and plain containers: numpy's RNG state
-    (eagle3.trainer's client state), DeepSpeed's loss scaler, ZeRO stage enum and parameter
+    (eagle3.train.trainer's client state), DeepSpeed's loss scaler, ZeRO stage enum and parameter
     fragment addresses (ZeRO optimizer files)."""
     import numpy as np
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler

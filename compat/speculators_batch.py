@@ -4,7 +4,7 @@ speculators 0.9.x (checked against 0.9.0): samples are shifted by
 `speculators.models.eagle3.data.shift_batch` (position t pairs token x_{t+1}, target y_{t+1}
 and hidden state g_t) and packed by `speculators.train.data.CollateFn` into [1, max_len]
 tensors, with `document_ids` (-1 for padding) and the last sample truncated to fit.
-Our trainer builds that batch straight from the stored rows (eagle3.data.packing.pack, which
+Our trainer builds that batch straight from the stored rows (eagle3.train.data.packing.pack, which
 copies each value once; why: its module docstring). This module holds only what follows
 speculators' version: `speculators_sample`, one stored row as speculators' own sample (through
 shift_batch). tests/test_compat.py checks that `pack` returns exactly what shift_batch +

@@ -110,7 +110,7 @@ def prefill_max_model_len(max_length: int, max_position_embeddings: int | None) 
     tokens (at least 1) is longer than the maximum model length of 2048"; 0.32 checks the prompt
     alone), so a sample of exactly max_length tokens needs max_length + 1, within the target's
     position table. The longest sample such an engine takes is one less than this
-    (eagle3.extract.VLLMBackend.max_len): a longer one is a reject with its reason before it
+    (eagle3.extract.extractor.VLLMBackend.max_len): a longer one is a reject with its reason before it
     reaches the engine. On 0.26 a prompt refused there also crashed the stock hidden-states
     connector (KeyError in ExampleHiddenStatesConnector.request_finished for a request it never
     saw), which ended the extraction replica: seen on the H200, 2026-12-01."""
@@ -184,7 +184,7 @@ def generate_texts(llm, prompts: list[list[int]], params: list[dict]) -> list[di
 
 
 class VLLMStepEngine:
-    """An `LLM`'s engine driven request by request (eagle3.regenerate.StepEngine), so that a
+    """An `LLM`'s engine driven request by request (eagle3.prepare.regenerate.StepEngine), so that a
     conversation's next turn joins the running batch as soon as its previous turn is back,
     instead of waiting for a whole `LLM.generate` call to end.
 

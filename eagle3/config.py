@@ -3,7 +3,7 @@
 Owns: the shape of a job config file, validation with errors that name the field, the
 value and the fix, and the derived settings (aux layer ids from num_hidden_layers).
 Imports neither torch nor vllm: drivers load configs before any heavy import.
-The training stage's dataclass lives in `eagle3.train_config` (its consumer) and is
+The training stage's dataclass lives in `eagle3.train.config` (its consumer) and is
 composed here.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from eagle3.train_config import TrainConfig
+from eagle3.train.config import TrainConfig
 from eagle3.typed_config import check_types, field_hints
 
 # Choices, each defined once: the field's hint is the check (eagle3.typed_config).
@@ -31,7 +31,7 @@ OverLength = Literal["truncate", "reject"]
 TinyChatTemplate = Literal["simple", "qwen3"]
 LeadingAssistant = Literal["reject", "drop"]
 RegenerateCut = Literal["reject", "end"]
-"""Names in eagle3.chat_template.TEMPLATES (a test keeps them equal)."""
+"""Names in eagle3.prepare.chat_template.TEMPLATES (a test keeps them equal)."""
 
 
 def _fail(section: str, name: str, value: Any, fix: str) -> None:
@@ -107,7 +107,7 @@ class PrepareConfig:
     heldout_fraction: float = 0.02
     """Fraction of the kept conversations held out of training, in [0, 0.5]: prepared, regenerated
     and extracted with the rest, never trained on; the trainer measures the draft's accuracy per
-    TTT position on them every train.eval_every_steps (eagle3.data.heldout: a hash of the
+    TTT position on them every train.eval_every_steps (eagle3.prepare.heldout: a hash of the
     conversation id decides, so all samples of a conversation are on one side, on every run).
     0 = no split (no held-out accuracy). Unlike num_eval_prompts, which holds out prompts for
     vLLM's acceptance, this holds out whole conversations with their hidden states. Offline
@@ -174,7 +174,7 @@ class ExtractConfig:
     """Storage of hidden states: bfloat16 (lossless) or float8_e4m3fn (per-token scale, half the bytes)."""
     file_format: FileFormat = "arrow"
     """Shard files: 'arrow' (Arrow IPC, memory-mapped by the trainer, written at near disk speed)
-    or 'parquet' (smaller with compression, ~3x slower to write). See eagle3/shards.py."""
+    or 'parquet' (smaller with compression, ~3x slower to write). See eagle3/extract/shards.py."""
     direct_io: bool = True
     """Write Arrow shards with O_DIRECT (near the disk's raw bandwidth; buffered writes + fsync
     measured 0.2-0.5x of it), falling back to buffered writes where the file system refuses it.
@@ -242,7 +242,7 @@ class ExtractConfig:
                 _fail("extract", name, getattr(self, name), "must be >= 1 (GPUs per engine replica along this axis)")
         if self.sink == "memory" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
             # The memory sink hands tensors over inside the engine's process; tp*pp > 1 runs the model in
-            # other processes (eagle3.extract.VLLMBackend refuses it at engine start).
+            # other processes (eagle3.extract.extractor.VLLMBackend refuses it at engine start).
             _fail("extract", "sink", self.sink, f"'memory' needs tensor_parallel_size * pipeline_parallel_size == 1, "
                   f"found {self.tensor_parallel_size} * {self.pipeline_parallel_size}; use 'shm' or 'auto'")
         if self.replicas_per_gpu < 1:
@@ -302,7 +302,7 @@ class RegenerateConfig:
     prepared conversations with its own sampling, so the draft learns the target's text (on-policy
     data). Runs on extraction's replica layout (extract.num_replicas, tensor_parallel_size,
     pipeline_parallel_size, gpu_memory_utilization, cpu_kvcache_space_gib, placement_timeout_s).
-    See eagle3/regenerate.py."""
+    See eagle3/prepare/regenerate.py."""
 
     enabled: bool = False
     """Train on regenerated responses: the stage runs (or resumes) before extract whenever extract or

@@ -179,8 +179,8 @@ def dry_run(target_dir: str, extract_cfg, *, dtype: str, trust_remote_code: bool
 
     import pyarrow as pa
 
-    from eagle3.codec import decode_rows
-    from eagle3.extract import Extractor, target_text_config
+    from eagle3.extract.codec import decode_rows
+    from eagle3.extract.extractor import Extractor, target_text_config
     from eagle3.schema import TOKENS_SCHEMA, hs_layout
 
     t0 = time.perf_counter()

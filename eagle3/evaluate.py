@@ -352,16 +352,16 @@ def draft_accuracy(draft_dir: str | Path, target_dir: str | Path, data_files, *,
     inputs), summed over batches: {"full_acc": [...], "num_positions": [...], "num_samples",
     "num_batches"}. The verifier's norm and lm_head, which the export leaves out, are read from
     `target_dir` (compat.speculators_verifier). heldout_threshold / heldout: only the rows outside
-    (or, with `heldout`, inside) the held-out split (eagle3.data.heldout), as the trainer reads them."""
+    (or, with `heldout`, inside) the held-out split (eagle3.prepare.heldout), as the trainer reads them."""
     import torch
     from speculators.losses import resolve_loss_config
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
     from speculators.models.eagle3.core import Eagle3DraftModel
 
     from compat.speculators_loss import loss_implementation
-    from eagle3.data.packing import PackedBatches
-    from eagle3.data.rows import HiddenStatesDataset
-    from eagle3.data.staging import device_inputs
+    from eagle3.train.data.packing import PackedBatches
+    from eagle3.train.data.rows import HiddenStatesDataset
+    from eagle3.train.data.staging import device_inputs
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = Eagle3SpeculatorConfig.from_pretrained(str(draft_dir))

@@ -4,7 +4,7 @@ float32 where bf16 would be emulated.
 Owns: reading the CPU's bf16 flags (once per process) and resolving "auto" for an engine or a
 trainer on a GPU or on the CPU. Does not own the storage dtype of hidden states
 (extract.hs_dtype: bf16 whatever the engine computes in) nor the trainer's precision switch
-(train.optimizer.bf16, resolved by eagle3.deepspeed_backend.resolve_bf16 with the same rule).
+(train.optimizer.bf16, resolved by eagle3.train.deepspeed_backend.resolve_bf16 with the same rule).
 Imports no torch: drivers call it.
 
 Why: on an x86 CPU without AVX512-BF16 or AMX, torch's bf16 matmul is emulated (a lead measured

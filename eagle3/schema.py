@@ -3,7 +3,7 @@
 Owns: the prepared-token schema (prepare -> extract) and the hidden-states schema
 (extract -> train), their metadata, and the reader check that refuses a version mismatch.
 Does not own: how hidden states are encoded in the `hidden_states` / `hs_scale` columns
-(eagle3.codec, the one encoder and decoder, which imports torch; this module imports none,
+(eagle3.extract.codec, the one encoder and decoder, which imports torch; this module imports none,
 so drivers can check a schema without it).
 
 Layer order inside a token is the order of `layer_ids` in the schema metadata; the last

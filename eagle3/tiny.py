@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from eagle3.chat_template import TEMPLATES
+from eagle3.prepare.chat_template import TEMPLATES
 
 # The tiny target's template and tokens are TEMPLATES["simple"]: one definition.
 CHAT_TEMPLATE = TEMPLATES["simple"].template
@@ -110,7 +110,7 @@ def _pretrain(model, tok, conversations_path, steps: int, seed: int) -> None:
     AdamW 3e-3 (~0.4 s a step on 2 CPU cores; loss ~7.0 -> ~0.4 in 100 steps at size 1)."""
     import torch
 
-    from eagle3.conversations import load_conversations
+    from eagle3.prepare.conversations import load_conversations
 
     texts = [tok.apply_chat_template(msgs, tokenize=False) for _, msgs in load_conversations(conversations_path)]
     data = torch.tensor([i for t in texts for i in tok(t, add_special_tokens=False)["input_ids"]])
@@ -131,11 +131,11 @@ def build_tiny_target(out_dir: str | Path, conversations_path: str | Path, *, si
                       pretrain_steps: int = 100, chat_template: str = "simple") -> Path:
     """Write a tokenizer + seeded Llama (bf16 safetensors) to `out_dir`; return it.
 
-    `chat_template` names one of `eagle3.chat_template.TEMPLATES` ("qwen3": a template that
+    `chat_template` names one of `eagle3.prepare.chat_template.TEMPLATES` ("qwen3": a template that
     rewrites earlier turns, so the whole job runs on one). Reuses `out_dir` when it already
     holds a model built with the same settings.
     """
-    from eagle3.chat_template import TEMPLATES
+    from eagle3.prepare.chat_template import TEMPLATES
 
     import torch
     from transformers import LlamaForCausalLM

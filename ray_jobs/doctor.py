@@ -45,7 +45,7 @@ def node_report(cfg: JobConfig, target_dir: str, num_tokens: int, with_dry_run: 
     import threading
 
     from eagle3 import doctor
-    from eagle3.extract import target_text_config
+    from eagle3.extract.extractor import target_text_config
 
     t0 = time.perf_counter()
     host = platform.node()

@@ -4,14 +4,14 @@ tables written (Arrow IPC or Parquet) by tasks next to their engine, each shard 
 What crosses this process is small: shard numbers, tokens slices (kilobytes), stats and
 object refs. Hidden states go engine actor -> object store -> writer task -> shard file.
 Which shard goes where, what is redone after a loss and when to give up are decided by
-eagle3.schedule.ShardScheduler; this module does the Ray side of it: how many replicas of what size
+eagle3.extract.schedule.ShardScheduler; this module does the Ray side of it: how many replicas of what size
 (replica_layout), calling them and writing what they return. Placing and starting them and
 classifying failures is actors/replica_pool.py's (also used by the regenerate stage and the online
 feed; its names are importable from here too).
 Backpressure: a replica holds at most `max_inflight_shards` shards that are extracted
 but not yet written, so the object store holds a bounded number of tables.
 Failures: a shard whose replica or writer died is handed out again (the run stops once one
-shard has been lost max_attempts times: eagle3.schedule); a dead replica is replaced if the
+shard has been lost max_attempts times: eagle3.extract.schedule); a dead replica is replaced if the
 cluster still has room, and the job goes on with the others if not.
 """
 
@@ -24,8 +24,8 @@ from pathlib import Path
 
 from actors.replica_pool import ReplicaPool, failure_reason, is_system_failure
 from eagle3.config import ExtractConfig, JobConfig
-from eagle3.manifest import Manifest, ShardPlan, tokens_fingerprint
-from eagle3.schedule import ShardScheduler
+from eagle3.extract.manifest import Manifest, ShardPlan, tokens_fingerprint
+from eagle3.extract.schedule import ShardScheduler
 from ray_jobs.metrics import extract_metrics
 
 log = logging.getLogger("eagle3.extract")
@@ -60,7 +60,7 @@ def extraction_plan(ecfg, target_dir: str, tokens, tokens_source: str = "prepare
     (ray_jobs/online.py): online ranks compute their order from this plan, and online `keep`
     shards must resume as offline ones. tokens_source names where the tokens came from
     ('prepared', or 'regenerated'); it is part of the fingerprint, so a resume never mixes the two."""
-    from eagle3.extract import target_text_config
+    from eagle3.extract.extractor import target_text_config
     from eagle3.schema import stored_bytes_per_token
 
     text_cfg = target_text_config(target_dir)
@@ -178,7 +178,7 @@ def _extract_loop(sched: ShardScheduler, pool: ReplicaPool, plan: ShardPlan, tok
                 wstats = ray.get(ref)
             except Exception as exc:  # noqa: BLE001
                 if not is_system_failure(exc):
-                    # The writer's own exception (e.g. eagle3.shards.disk_full_error), not Ray's wrapper of it.
+                    # The writer's own exception (e.g. eagle3.extract.shards.disk_full_error), not Ray's wrapper of it.
                     cause = getattr(exc, "cause", None) or exc
                     raise RuntimeError(f"writing shard {shard} to {manifest.data_path(shard)} failed: {cause}") from exc
                 lose(shard, exc, replica_died=False)

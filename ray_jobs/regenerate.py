@@ -1,11 +1,11 @@
 """Regenerate driver: the target rewrites every assistant turn of the prepared conversations
-(eagle3/regenerate.py says how), on engine replicas placed as extraction's are, each shard
+(eagle3/prepare/regenerate.py says how), on engine replicas placed as extraction's are, each shard
 committed exactly once; then regenerated/tokens.parquet for extraction.
 
 What crosses this process: sample ids, each shard's source messages (text, kilobytes per
 conversation) and stats; each replica writes its shard's file itself, and the driver commits
-it (eagle3.manifest's protocol, so a crashed run resumes at the first uncommitted shard).
-Scheduling and failures as in extraction (eagle3.schedule.ShardScheduler, with
+it (eagle3.extract.manifest's protocol, so a crashed run resumes at the first uncommitted shard).
+Scheduling and failures as in extraction (eagle3.extract.schedule.ShardScheduler, with
 actors.replica_pool.ReplicaPool): a shard whose replica died is handed out again. Progress and
 generated tokens/s go to the job log, a progress bar and Ray metrics.
 """
@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from eagle3.config import JobConfig
-from eagle3.manifest import Manifest, ShardPlan
-from eagle3.schedule import ShardScheduler
+from eagle3.extract.manifest import Manifest, ShardPlan
+from eagle3.extract.schedule import ShardScheduler
 from ray_jobs.metrics import regenerate_metrics
 
 log = logging.getLogger("eagle3.regenerate")
@@ -36,7 +36,7 @@ def run_regenerate(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: s
     import ray
 
     from actors.regenerator import RegeneratorActor
-    from eagle3.regenerate import (conversation_ids, cut_warning, fallback_warning, finalize, regenerate_fingerprint,
+    from eagle3.prepare.regenerate import (conversation_ids, cut_warning, fallback_warning, finalize, regenerate_fingerprint,
                                    resolve_sampling, sampling_fallbacks, source_messages)
     from actors.replica_pool import ReplicaPool, failure_reason, is_system_failure
     from ray_jobs.extract import replica_layout

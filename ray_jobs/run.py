@@ -33,7 +33,7 @@ log = logging.getLogger("eagle3")
 
 
 def _prepare(cfg: JobConfig, target_dir: str, out: Path) -> dict:
-    from eagle3.prepare import prepare_dataset_ray
+    from eagle3.prepare.tokens import prepare_dataset_ray
 
     # The driver reads the source and assembles the output; Ray tasks on the cluster's CPUs tokenize.
     summary = prepare_dataset_ray(cfg.prepare, target_dir, str(out))
@@ -48,14 +48,14 @@ def _evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[lis
 
     from actors.evaluator import EvaluatorActor
     from eagle3.evaluate import eval_report, eval_samplings, resolve_enforce_eager, speed_windows
-    from eagle3.regenerate import resolve_sampling
+    from eagle3.prepare.regenerate import resolve_sampling
 
     ev = cfg.eval
     gpu = ray.cluster_resources().get("GPU", 0) >= 1
     served = resolve_sampling(cfg.regenerate, target_dir)
     samplings = eval_samplings(served.temperature, served.top_p)
     source = ("regenerate.temperature/top_p where set, else the target's generation_config.json, else 1.0 "
-              "(eagle3.regenerate.resolve_sampling)")
+              "(eagle3.prepare.regenerate.resolve_sampling)")
     speed_k = ev.resolved_speed_k
     windows = speed_windows(ev.speed_batch_sizes, gpu=gpu)
     serving_eager = resolve_enforce_eager(ev.enforce_eager, gpu=gpu)
@@ -150,7 +150,7 @@ def run(cfg: JobConfig) -> dict:
     if cfg.train.source == "online" and "train" in cfg.stages:
         # Extraction runs inside training: tables go from the engines to the ranks through the object
         # store (ray_jobs/online.py); no extract stage, no shards unless train.online.epochs is keep.
-        from eagle3.data.heldout import read_split
+        from eagle3.prepare.heldout import read_split
         from ray_jobs.online import run_online
 
         split_file = read_split(out / "prepared")
@@ -175,8 +175,8 @@ def run(cfg: JobConfig) -> dict:
 
     if cfg.train.source == "offline" and ("train" in cfg.stages or "export" in cfg.stages):
         from actors.trainer import run_training
-        from eagle3.data.heldout import training_threshold
-        from eagle3.manifest import Manifest
+        from eagle3.prepare.heldout import training_threshold
+        from eagle3.extract.manifest import Manifest
 
         files = Manifest(out / "hidden_states", cfg.extract.file_format).committed_files()
         if not files:
@@ -189,7 +189,7 @@ def run(cfg: JobConfig) -> dict:
         report["draft"] = str(out / "draft")
 
     if "eval" in cfg.stages and cfg.eval.enabled:
-        from eagle3.prepare import read_eval_prompts
+        from eagle3.prepare.tokens import read_eval_prompts
 
         prompts = read_eval_prompts(out / "prepared")[: cfg.eval.num_prompts]
         if not prompts:

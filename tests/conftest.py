@@ -38,7 +38,7 @@ def tiny_target() -> str:
     """eagle3.tiny.build_tiny_target(size=1, seed=0), built once per machine: its pretraining
     takes ~40 s on 2 idle cores and minutes on a busy machine, most of the fast tier otherwise.
     Kept under EAGLE3_TEST_CACHE in a directory named by what its bytes depend on (eagle3/tiny.py,
-    eagle3/conversations.py, the conversations, the torch/transformers/tokenizers versions), so a
+    eagle3/prepare/conversations.py, the conversations, the torch/transformers/tokenizers versions), so a
     change to any of them builds a new one; a file lock lets concurrent sessions share the build."""
     import fcntl
     import hashlib
@@ -47,7 +47,7 @@ def tiny_target() -> str:
     from eagle3.tiny import build_tiny_target
 
     key = hashlib.sha256()
-    for path in (REPO / "eagle3" / "tiny.py", REPO / "eagle3" / "conversations.py", DEMO):
+    for path in (REPO / "eagle3" / "tiny.py", REPO / "eagle3" / "prepare" / "conversations.py", DEMO):
         key.update(path.read_bytes())
     key.update(" ".join(version(p) for p in ("torch", "transformers", "tokenizers")).encode())
     out = TEST_CACHE / f"tiny-target-s1-seed0-{key.hexdigest()[:16]}"

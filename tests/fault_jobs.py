@@ -59,7 +59,7 @@ def output(job: subprocess.Popen, timeout: float | None = None) -> str:
 
 def committed_shards(out: Path) -> dict[int, dict]:
     """The shards the job's manifest counts as committed ({} before extraction has begun)."""
-    from eagle3.manifest import Manifest
+    from eagle3.extract.manifest import Manifest
 
     root = out / "hidden_states"
     return Manifest(root).committed() if root.is_dir() else {}
@@ -118,7 +118,7 @@ def shard_mtimes(out: Path) -> dict[str, int]:
 def committed_mtimes(out: Path) -> dict[int, int]:
     """{shard: mtime in ns of its data file} of the committed shards (other files in data/, such as
     a shard written but never committed, are not counted)."""
-    from eagle3.manifest import Manifest
+    from eagle3.extract.manifest import Manifest
 
     manifest = Manifest(out / "hidden_states")
     return {shard: manifest.data_path(shard).stat().st_mtime_ns for shard in manifest.committed()}
@@ -128,8 +128,8 @@ def check_every_sample_once(out: Path) -> dict:
     """Every prepared sample is in the committed shards exactly once, with its own tokens (sha256
     of input_ids, loss_mask) and hidden states of its length; returns {sample_id: sha256 of its
     hidden-states bytes}."""
-    from eagle3.manifest import Manifest
-    from eagle3.shards import read_shards
+    from eagle3.extract.manifest import Manifest
+    from eagle3.extract.shards import read_shards
 
     tokens = pq.read_table(out / "prepared" / "tokens.parquet")
     want = {sid: hashlib.sha256(json.dumps([ids, mask]).encode()).hexdigest() for sid, ids, mask in

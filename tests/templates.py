@@ -3,7 +3,7 @@ copied from any model), and a tokenizer to render them with, trained locally in 
 second. Each family's `generated` says what the target writes for an assistant turn: the text
 a correct mask covers, turn by turn.
 
-Families not in eagle3.chat_template.TEMPLATES (which holds what a local target is built with)
+Families not in eagle3.prepare.chat_template.TEMPLATES (which holds what a local target is built with)
 live here: they only test how masks are found.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from eagle3.chat_template import TEMPLATES, ChatTemplate
+from eagle3.prepare.chat_template import TEMPLATES, ChatTemplate
 
 # Prefix-stable: every turn renders the same whatever follows (Llama-3's layout).
 LLAMA3_LIKE = ChatTemplate(

@@ -10,7 +10,7 @@ import pytest
 from templates import FAMILIES, LLAMA3_LIKE, make_tokenizer, spans
 
 from eagle3 import tiny
-from eagle3.chat_template import TEMPLATES, RenderReject, prompt_ids, render_conversation, tokenize_conversation
+from eagle3.prepare.chat_template import TEMPLATES, RenderReject, prompt_ids, render_conversation, tokenize_conversation
 from eagle3.config import TinyChatTemplate
 
 SYSTEM = {"role": "system", "content": "You are a concise assistant."}
@@ -253,7 +253,7 @@ def test_prepare_trains_every_turn_of_a_qwen3_like_target_and_counts_cuts_and_re
     import json
 
     from eagle3.config import PrepareConfig
-    from eagle3.prepare import prepare_dataset, read_tokens
+    from eagle3.prepare.tokens import prepare_dataset, read_tokens
 
     fam = FAMILIES["qwen3-thinking"]
     tok = make_tokenizer(fam.template)

@@ -518,7 +518,7 @@ def test_multimodal_wrapper_implements_eagle3_and_cuts_to_its_text_model(tmp_pat
     `text_config` and keep MoE, MLA and vision settings. Fails when vLLM drops the interface
     (then Kimi targets cannot be captured) or the config layout changes."""
     from eagle3.doctor import cut_config
-    from eagle3.extract import target_text_config
+    from eagle3.extract.extractor import target_text_config
 
     kimi = model_configs.write_kimi_k25_target(tmp_path / "kimi")
     out = _run_py(f"from compat.probes import probe_target_arch; print(probe_target_arch({kimi!r}))")
@@ -589,7 +589,7 @@ def test_speculators_torch_version_string_compare():
 def test_speculators_trainer_is_accelerator_only_and_unused():
     """speculators 0.9.0, train/trainer.py: `self.model.to(self.local_rank)` (an int device means the
     current accelerator: RuntimeError on CPU-only torch) and `torch.accelerator.synchronize()` in
-    its step timer. We train with our own DeepSpeed loop (eagle3/trainer.py) and use speculators
+    its step timer. We train with our own DeepSpeed loop (eagle3/train/trainer.py) and use speculators
     only for the draft model, its config, data collation and vocab mapping. Fails when those
     paths go (then speculators' trainer might run on CPU) or when our code starts using it."""
     import speculators.train.trainer as trainer
@@ -599,7 +599,7 @@ def test_speculators_trainer_is_accelerator_only_and_unused():
     assert "torch.accelerator.synchronize()" in src
     # Importing our training path (trainer, export, DeepSpeed backend, actor) never loads speculators' trainer.
     code = ("import sys\n"
-            "import actors.trainer, eagle3.trainer, eagle3.export, eagle3.deepspeed_backend, compat.speculators_loss\n"
+            "import actors.trainer, eagle3.train.trainer, eagle3.train.export, eagle3.train.deepspeed_backend, compat.speculators_loss\n"
             "print(sorted(m for m in sys.modules if m.startswith('speculators.train.trainer')))")
     out = _run_py(code)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -621,7 +621,7 @@ def test_speculators_fused_loss_kernels_share_their_autotune_configs():
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float32"])
 def test_pack_builds_the_batch_speculators_collate_builds(dtype_name):
-    """speculators 0.9.0: eagle3.data.packing.pack must return exactly what shift_batch +
+    """speculators 0.9.0: eagle3.train.data.packing.pack must return exactly what shift_batch +
     CollateFn return for the same samples: keys, shapes, dtypes, values, padding, the last sample
     truncated, document ids. When this fails, speculators changed its batch format: follow it in
     pack (or go back to CollateFn, at the cost of two more copies per batch)."""
@@ -630,7 +630,7 @@ def test_pack_builds_the_batch_speculators_collate_builds(dtype_name):
     from speculators.train.data import CollateFn
 
     from compat.speculators_batch import speculators_sample
-    from eagle3.data.packing import pack
+    from eagle3.train.data.packing import pack
 
     dtype = getattr(torch, dtype_name)
     rng = np.random.default_rng(0)

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from eagle3.config import ExtractConfig, JobConfig, load_job_config
-from eagle3.train_config import OptimizerConfig, ProfilingConfig, TrainConfig
+from eagle3.train.config import OptimizerConfig, ProfilingConfig, TrainConfig
 from eagle3.typed_config import choices, field_hints
 
 REPO = Path(__file__).resolve().parents[1]

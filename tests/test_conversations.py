@@ -11,8 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eagle3 import conversations
-from eagle3.conversations import iter_records, load_conversations
+from eagle3.prepare import conversations
+from eagle3.prepare.conversations import iter_records, load_conversations
 
 CONV = [
     {"role": "system", "content": "You are terse."},

@@ -90,14 +90,14 @@ def test_job_reports_its_startup_and_compute_dtype_and_logs_training_quietly(dem
 def test_hidden_states_rows_line_up_with_tokens_and_match_transformers(demo_run):
     import torch
 
-    from eagle3.manifest import Manifest
+    from eagle3.extract.manifest import Manifest
     from eagle3.schema import hs_layout
     from tests.test_extract import decoded_rows, reference_hidden_states
 
     out, _, _ = demo_run
     tokens = pq.read_table(out / "prepared" / "tokens.parquet")
     files = Manifest(out / "hidden_states").committed_files()
-    from eagle3.shards import read_shards
+    from eagle3.extract.shards import read_shards
 
     table = read_shards(files)
     assert table.num_rows == tokens.num_rows == 232
@@ -181,9 +181,9 @@ def test_heldout_accuracy_every_n_steps_and_never_trained(demo_run):
     trained, step by step), and measured at steps 10 and 20 (demo.yaml's eval_every_steps: 10):
     in metrics.jsonl, the train summary and the job's printed summary, beside the training
     accuracy and vLLM's acceptance per position."""
-    from eagle3.data.heldout import read_split
-    from eagle3.manifest import Manifest
-    from eagle3.shards import read_shards
+    from eagle3.prepare.heldout import read_split
+    from eagle3.extract.manifest import Manifest
+    from eagle3.extract.shards import read_shards
 
     out, stdout, _ = demo_run
     split = read_split(out / "prepared")

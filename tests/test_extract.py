@@ -14,7 +14,7 @@ import pyarrow.compute  # noqa: F401 - pa.compute
 import pyarrow.parquet as pq
 import pytest
 
-from eagle3.codec import decode_rows
+from eagle3.extract.codec import decode_rows
 from eagle3.config import ExtractConfig, load_job_config
 from eagle3.schema import TOKENS_SCHEMA, hs_layout
 
@@ -65,7 +65,7 @@ def _in_engine_process(ray, tiny_target, cfg: ExtractConfig, *calls):
     """Run Extractor calls, each (method, *args), in order on one engine in its own Ray actor; returns
     their results. vLLM keeps one KV-connector per process (a process-global), so each extraction
     engine needs a fresh process, as in production."""
-    from eagle3.extract import Extractor
+    from eagle3.extract.extractor import Extractor
 
     class Host:
         def __init__(self):
@@ -166,7 +166,7 @@ def test_vllm_fp8_is_quantised_in_the_connector(tiny_target, ray_shared):
 
 
 def test_fp8_storage_halves_bytes_within_tolerance(tiny_target):
-    from eagle3.extract import Extractor
+    from eagle3.extract.extractor import Extractor
 
     tokens = tokens_table(LENGTHS)
     tables = {}
@@ -187,7 +187,7 @@ def _job(tmp_path, **extract):
 
 
 def _dataset_ids(files):
-    from eagle3.shards import read_shards
+    from eagle3.extract.shards import read_shards
 
     return read_shards(files, ["sample_id"]).column("sample_id").to_pylist()
 
@@ -322,7 +322,7 @@ def test_shards_spread_over_nodes_and_survive_node_removal(tiny_target, tmp_path
 @pytest.fixture(scope="module")
 def hf_table(tiny_target):
     """One hidden-states table of LENGTHS from the transformers backend (one model load)."""
-    from eagle3.extract import Extractor
+    from eagle3.extract.extractor import Extractor
 
     table, _ = Extractor(tiny_target, ExtractConfig(backend="hf"), max_length=256).extract(tokens_table(LENGTHS))
     return table
@@ -333,7 +333,7 @@ def hf_table(tiny_target):
 def test_shard_formats_round_trip(hf_table, tmp_path, file_format, compression):
     """Both shard formats hold the same table; IPC files read back through a memory map."""
     from actors.writer import write_shard
-    from eagle3.shards import ShardFile
+    from eagle3.extract.shards import ShardFile
 
     table = hf_table
     path = tmp_path / f"s{'.arrow' if file_format == 'arrow' else '.parquet'}"

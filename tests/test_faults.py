@@ -64,7 +64,7 @@ def _resize(path: Path, size: str) -> None:
 def test_shard_that_does_not_fit_is_a_clear_error_and_leaves_nothing(tmp_path, name, direct_io):
     import errno
 
-    from eagle3.shards import read_shards, write_shard_file
+    from eagle3.extract.shards import read_shards, write_shard_file
 
     table = pa.table({"sample_id": [f"s{i}" for i in range(4)],
                       "hidden_states": [os.urandom(300_000) for _ in range(4)]})
@@ -97,7 +97,7 @@ def _job(out: Path, conversations: Path, tiny_target: str, *extra: str) -> subpr
 def test_output_filesystem_full_mid_extraction_then_resubmit_completes(tiny_target, tmp_path, shared_ray):
     """Both runs on the session's shared cluster (conftest's shared_ray): the fault is the output
     file system's, not the cluster's."""
-    from eagle3.manifest import Manifest
+    from eagle3.extract.manifest import Manifest
 
     root = Path(tempfile.mkdtemp(prefix="e3full-"))
     out = root / "out"
@@ -194,7 +194,7 @@ def test_writer_killed_mid_write_loses_and_duplicates_nothing(tiny_target, tmp_p
 
 def test_max_failures_is_checked():
     from eagle3.config import config_from_dict
-    from eagle3.train_config import TrainConfig
+    from eagle3.train.config import TrainConfig
 
     assert config_from_dict(TrainConfig, {}, "train").checkpoint.max_failures == 3
     with pytest.raises(ValueError, match=r"checkpoint.max_failures.*-2.*>= 0, or -1"):

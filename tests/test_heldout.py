@@ -1,4 +1,4 @@
-"""The held-out split (eagle3.data.heldout): which conversations it holds, that prepare records it,
+"""The held-out split (eagle3.prepare.heldout): which conversations it holds, that prepare records it,
 and that the training dataset leaves it out of the shards while the held-out view reads exactly
 it (online mode trains on every sample: ray_jobs/run.py warns). Fast tier: no Ray, no DeepSpeed,
 no vLLM. The trainer's evaluation on the split: tests/test_train.py, and in the slow tier
@@ -16,7 +16,7 @@ import pytest
 
 from eagle3 import tiny
 from eagle3.config import PrepareConfig, load_job_config
-from eagle3.data.heldout import HELDOUT_FILE, choose_split, conversation_id, is_heldout, read_split, split_key
+from eagle3.prepare.heldout import HELDOUT_FILE, choose_split, conversation_id, is_heldout, read_split, split_key
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "data" / "demo_conversations.jsonl"
@@ -98,7 +98,7 @@ def tok_dir(tmp_path_factory) -> str:
 
 
 def test_prepare_records_the_split_and_keeps_held_out_samples_in_the_tokens(tok_dir, tmp_path):
-    from eagle3.prepare import prepare_dataset
+    from eagle3.prepare.tokens import prepare_dataset
 
     cfg = PrepareConfig(conversations=str(DEMO), max_length=512, num_eval_prompts=16, heldout_fraction=0.05)
     summary = prepare_dataset(cfg, tok_dir, str(tmp_path / "a"))
@@ -122,9 +122,9 @@ HIDDEN = 8
 
 
 def _write_shards(root: Path, ids: list[str], num_shards: int) -> list[str]:
-    from eagle3.codec import encode_hidden_states
+    from eagle3.extract.codec import encode_hidden_states
     from eagle3.schema import hidden_states_schema
-    from eagle3.shards import write_shard_file
+    from eagle3.extract.shards import write_shard_file
 
     rng = np.random.default_rng(0)
     schema = hidden_states_schema(layer_ids=LAYER_IDS, hidden_size=HIDDEN)
@@ -145,8 +145,8 @@ def _write_shards(root: Path, ids: list[str], num_shards: int) -> list[str]:
 
 
 def test_datasets_leave_the_split_out_of_training_and_read_it_back(tmp_path):
-    from eagle3.data.rows import HiddenStatesDataset
-    from eagle3.data.vocab import token_frequencies
+    from eagle3.train.data.rows import HiddenStatesDataset
+    from eagle3.train.data.vocab import token_frequencies
 
     ids = _ids(60)
     split = choose_split(ids, 0.1, 8)
@@ -177,7 +177,7 @@ def test_datasets_leave_the_split_out_of_training_and_read_it_back(tmp_path):
 
 
 def _lengths(files) -> dict[str, int]:
-    from eagle3.shards import read_shards
+    from eagle3.extract.shards import read_shards
 
     t = read_shards(files)
     return dict(zip(t.column("sample_id").to_pylist(), t.column("num_tokens").to_pylist(), strict=True))

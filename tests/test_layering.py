@@ -1,10 +1,11 @@
 """Imports run one way: drivers (ray_jobs/) -> actors (actors/) -> plain classes (eagle3/), and
 compat/ at the bottom, the seams with vLLM, speculators and Ray Train (shared/STYLE.md, issue 30).
+Inside eagle3/, the stage folders run in pipeline order: prepare -> extract -> train -> evaluate.
 
 Read from the source with `ast`, so an import inside a function (the lazy ones this codebase uses
 to keep drivers light) counts as much as one at the top of a module, and nothing is imported.
 When one of these fails: move the piece that both sides need down into the lower layer (as
-compat/fp8.py, actors/replica_pool.py and eagle3.manifest.resolve_files were), or pass it in.
+compat/fp8.py, actors/replica_pool.py and eagle3.extract.manifest.resolve_files were), or pass it in.
 """
 
 import ast
@@ -47,9 +48,9 @@ def test_the_reader_sees_top_level_and_lazy_imports():
     """The checks below can only fail if the reader finds imports inside functions too."""
     imports = _imports()
     assert "compat.fp8.quantize_fp8" in imports["compat.hidden_states_connector"]  # top level
-    assert "eagle3.data.vocab" in imports["eagle3.data.rows"]  # inside ShardRows.token_frequencies
+    assert "eagle3.train.data.vocab" in imports["eagle3.train.data.rows"]  # inside ShardRows.token_frequencies
     assert "actors.replica_pool" in imports["actors.online_feed"]  # inside OnlineFeed.start
-    assert {"compat", "actors", "eagle3.data", "ray_jobs.extract"} <= set(imports)
+    assert {"compat", "actors", "eagle3.train.data", "ray_jobs.extract"} <= set(imports)
 
 
 def test_compat_imports_nothing_of_the_pipeline():
@@ -67,8 +68,28 @@ def test_eagle3_imports_no_actor_and_no_driver():
     assert found == [], "eagle3/ runs back up (see this module's docstring for the fix):\n" + "\n".join(found)
 
 
+STAGES = ("eagle3.prepare", "eagle3.extract", "eagle3.train", "eagle3.evaluate")  # eagle3/__init__.py
+
+
+def _stage(name: str) -> int | None:
+    """The position in STAGES of the stage a module belongs to; None for eagle3's shared top level."""
+    return next((i for i, stage in enumerate(STAGES) if name == stage or name.startswith(stage + ".")), None)
+
+
+def test_eagle3_stages_import_no_later_stage():
+    """eagle3/'s stage folders follow the pipeline: a stage may import an earlier one (training reads
+    prepare's held-out split and extract's shards), never a later one. The shared top level
+    (config, schema, ...) may import any stage."""
+    imports = _imports()
+    assert "eagle3.prepare.heldout" in imports["eagle3.train.data.rows"]  # the reader sees cross-stage imports
+    found = sorted(f"{module} imports {name}" for module, names in imports.items() for name in names
+                   if _stage(module) is not None and _stage(name) is not None and _stage(name) > _stage(module))
+    assert found == [], "an eagle3 stage imports a later one (move the shared piece to the earlier stage " \
+                        "or to eagle3/'s top level):\n" + "\n".join(found)
+
+
 def test_eagle3_modules_import_no_cycle():
-    """No two eagle3 modules import each other, directly or around a longer loop (eagle3/data/rows.py
+    """No two eagle3 modules import each other, directly or around a longer loop (eagle3/train/data/rows.py
     and vocab.py did)."""
     imports = _imports()
     graph = {m: {n for n in names if n in imports and n != m} for m, names in imports.items()

@@ -78,9 +78,9 @@ def test_window_stats_over_the_measured_steps_only():
 
 
 def test_synthetic_shards_read_back_as_samples_of_the_length(tmp_path):
-    from eagle3.codec import decode_rows
+    from eagle3.extract.codec import decode_rows
     from eagle3.schema import hs_layout
-    from eagle3.shards import ShardFile
+    from eagle3.extract.shards import ShardFile
 
     files = lcb.write_synthetic_shards(tmp_path, length=300, num_samples=2, layer_ids=[2, 4, 5, 8], hidden=16,
                                        vocab=1024)

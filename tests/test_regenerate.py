@@ -14,7 +14,7 @@ import pytest
 
 from eagle3 import tiny
 from eagle3.config import RegenerateConfig, load_job_config
-from eagle3.regenerate import (SHARD_SCHEMA, Generation, Sampling, TurnScheduler, cut_warning, fallback_warning,
+from eagle3.prepare.regenerate import (SHARD_SCHEMA, Generation, Sampling, TurnScheduler, cut_warning, fallback_warning,
                                finalize, regenerate_conversations, render_shard, resolve_sampling,
                                sampling_fallbacks, split_reasoning, turn_seed, write_shard_table)
 
@@ -60,7 +60,7 @@ class Scripted:
 
 
 class Stepped:
-    """A step engine (eagle3.regenerate.StepEngine, our interface) whose request takes one step per
+    """A step engine (eagle3.prepare.regenerate.StepEngine, our interface) whose request takes one step per
     word of the answer `script` gives for (the prompt's text, its sampling), at most `max_running`
     at once (the rest wait, first come first served, as in vLLM's queue). Stands in for the engine
     only where the scheduler's own logic is under test."""
@@ -318,8 +318,8 @@ def test_a_think_block_becomes_reasoning_content(tok):
 def test_reasoning_template_turns_become_one_sample_each_with_their_reasoning_in_the_mask():
     """A Qwen3-like template drops reasoning from earlier turns: each regenerated turn is its own
     sample (ids '#t<k>', as prepare names them), trained on its reasoning and answer."""
-    from eagle3.chat_template import TEMPLATES
-    from eagle3.regenerate import conversation_ids
+    from eagle3.prepare.chat_template import TEMPLATES
+    from eagle3.prepare.regenerate import conversation_ids
     from tests.templates import FAMILIES, make_tokenizer
 
     qtok = make_tokenizer(TEMPLATES["qwen3"])
@@ -348,7 +348,7 @@ def test_reasoning_template_turns_become_one_sample_each_with_their_reasoning_in
 def test_chat_template_kwargs_reach_the_served_prompt_and_the_samples():
     """prepare.chat_template_kwargs (here thinking off) is how the target is served: the prompt it
     regenerates from ends in the template's empty think block, and the sample keeps no reasoning."""
-    from eagle3.chat_template import TEMPLATES
+    from eagle3.prepare.chat_template import TEMPLATES
     from tests.templates import make_tokenizer
 
     qtok = make_tokenizer(TEMPLATES["qwen3"])
@@ -365,7 +365,7 @@ def test_chat_template_kwargs_reach_the_served_prompt_and_the_samples():
 def test_source_messages_read_the_records_as_prepare_read_them(tmp_path):
     """The stage re-reads messages by sample id with prepare's leading_assistant, so a record
     prepare kept without its leading assistant turn is regenerated from the same turns."""
-    from eagle3.regenerate import source_messages
+    from eagle3.prepare.regenerate import source_messages
 
     src = tmp_path / "c.jsonl"
     src.write_text(json.dumps({"id": "chunk", "conversations": [
@@ -393,8 +393,8 @@ def test_regenerate_stage_needs_the_switch():
 
 
 def test_finalize_writes_tokens_in_shard_order_with_the_tokens_schema(tok, tmp_path):
-    from eagle3.manifest import Manifest
-    from eagle3.prepare import read_tokens
+    from eagle3.extract.manifest import Manifest
+    from eagle3.prepare.tokens import read_tokens
 
     manifest = Manifest(tmp_path, "parquet")
     manifest.open({"test": 1})
@@ -462,7 +462,7 @@ def test_scheduler_overlaps_turns_on_a_real_vllm_engine(tiny_target, monkeypatch
     from transformers import AutoTokenizer
 
     from compat.vllm_engine import Engine, VLLMStepEngine, engine_env, generation_engine_kwargs
-    from eagle3.conversations import iter_records
+    from eagle3.prepare.conversations import iter_records
 
     for k, v in engine_env(in_process=False, cpu_kvcache_space_gib=1).items():
         monkeypatch.setenv(k, v)
@@ -512,7 +512,7 @@ def _job(tmp_path, conversations, **regen):
 def test_vllm_regenerates_each_conversation_once_and_resumes(tiny_target, tmp_path, ray_local):
     from transformers import AutoTokenizer
 
-    from eagle3.prepare import prepare_dataset, read_tokens
+    from eagle3.prepare.tokens import prepare_dataset, read_tokens
     from ray_jobs.regenerate import run_regenerate
 
     lines = DEMO.read_text().splitlines()[:6]  # the first one is held out for eval

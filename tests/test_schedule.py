@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3.schedule import ShardFailed, ShardScheduler
+from eagle3.extract.schedule import ShardFailed, ShardScheduler
 
 
 def test_dispatch_fills_replicas_in_order_up_to_the_bound():

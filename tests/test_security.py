@@ -52,7 +52,7 @@ def test_checkpoint_file_with_a_pickle_payload_is_refused_unrun(tmp_path):
 
 
 def test_checkpoint_state_of_ours_loads_through_the_safe_reader(tmp_path):
-    """What DeepSpeed and eagle3.trainer put in a checkpoint (tensors, torch.Size, OrderedDict,
+    """What DeepSpeed and eagle3.train.trainer put in a checkpoint (tensors, torch.Size, OrderedDict,
     numpy/python/torch RNG states, DeepSpeed's loss scaler, ZeRO stage, fragment addresses)."""
     import random
     from collections import OrderedDict
@@ -93,7 +93,7 @@ def test_dashboard_host_defaults_to_loopback_and_must_be_an_address():
 @pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_resume_reads_a_real_checkpoint_and_refuses_one_with_a_payload(tiny_target, tmp_path, zero_stage):
-    """A real DeepSpeed engine (eagle3.deepspeed_backend) resumes from the checkpoint it wrote;
+    """A real DeepSpeed engine (eagle3.train.deepspeed_backend) resumes from the checkpoint it wrote;
     the same checkpoint with its model-states file swapped for one carrying a payload is refused
     and the payload does not run (fails if DeepSpeed stops reading through checkpoint_engine)."""
     from tests.test_train import _capture_hidden_states, _conversation_tokens, _trainer, small_cfg, write_shards
@@ -157,8 +157,8 @@ def test_job_keeps_sample_ids_out_of_paths_and_the_auth_token_out_of_its_outputs
     rejects, and the token is in no output, log or report of the job, nor in its printed output."""
     import pyarrow.parquet as pq
 
-    from eagle3.manifest import Manifest
-    from eagle3.shards import read_shards
+    from eagle3.extract.manifest import Manifest
+    from eagle3.extract.shards import read_shards
 
     tag = os.urandom(4).hex()
     root = Path(tempfile.mkdtemp(prefix=f"e3sec-{tag}-"))  # the ids climb out of out/ into here

@@ -11,9 +11,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from eagle3 import shards
-from eagle3.codec import binary_value
-from eagle3.shards import DirectFile, ShardFile, write_shard_file
+from eagle3.extract import shards
+from eagle3.extract.codec import binary_value
+from eagle3.extract.shards import DirectFile, ShardFile, write_shard_file
 
 
 def _direct_io_works(directory) -> bool:
@@ -75,7 +75,7 @@ def test_file_system_without_direct_io_falls_back_to_buffered(tmp_path, monkeypa
 
 
 def test_shard_plan_bounds_bytes_of_a_shard():
-    from eagle3.manifest import ShardPlan
+    from eagle3.extract.manifest import ShardPlan
     from eagle3.schema import stored_bytes_per_token
 
     # A hidden-7168 target, 4 captured layers, 4K-token samples: 57 KB a token in bf16.
@@ -169,12 +169,12 @@ def test_read_ahead_brings_the_whole_shard_into_the_page_cache(tmp_path):
 @pytest.mark.parametrize("file_format", ["arrow", "parquet"])
 @pytest.mark.parametrize("hs_dtype", ["bfloat16", "float8_e4m3fn"])
 def test_codec_decodes_what_it_encoded_through_a_shard_file(tmp_path, hs_dtype, file_format):
-    """eagle3.codec's columns, written and read back as a shard, decode to the encoded values:
+    """eagle3.extract.codec's columns, written and read back as a shard, decode to the encoded values:
     bf16 bit-exact, fp8 within e4m3's 3-bit mantissa of each token-and-layer's amax; a row whose
     hidden_states hold too few values is refused with the row named."""
     import torch
 
-    from eagle3.codec import decode_rows, encode_hidden_states, hidden_states_columns
+    from eagle3.extract.codec import decode_rows, encode_hidden_states, hidden_states_columns
     from eagle3.schema import hidden_states_schema
 
     rng = np.random.default_rng(0)

@@ -127,7 +127,7 @@ def test_replicas_sharing_a_gpu_are_placed_on_fractional_bundles(per_gpu):
     import ray
 
     from actors.replica_pool import ReplicaPool
-    from eagle3.schedule import ShardScheduler
+    from eagle3.extract.schedule import ShardScheduler
     from ray_jobs.extract import replica_layout
 
     # Defined here: Ray pickles it by value (the workers cannot import this test module by name).

@@ -24,10 +24,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eagle3.codec import encode_hidden_states
+from eagle3.extract.codec import encode_hidden_states
 from eagle3.schema import hidden_states_schema
 from eagle3.config import config_from_dict
-from eagle3.train_config import LOSS_NAMES, DataConfig, DraftConfig, OptimizerConfig, ProfilingConfig, TrainConfig
+from eagle3.train.config import LOSS_NAMES, DataConfig, DraftConfig, OptimizerConfig, ProfilingConfig, TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CONVERSATIONS = REPO / "data" / "demo_conversations.jsonl"
@@ -176,7 +176,7 @@ def test_train_config_validation_names_field_value_and_fix():
 
 
 def test_default_draft_attention_leaves_flex_past_the_length_it_was_measured_to_compile_at():
-    from eagle3.train_config import FLEX_ATTN_MAX_TOKENS, resolve_draft_attn_impl
+    from eagle3.train.config import FLEX_ATTN_MAX_TOKENS, resolve_draft_attn_impl
 
     assert FLEX_ATTN_MAX_TOKENS == 8192  # flex trained 8,192 (-short.md); 16,384 did not compile (-flex.md)
     assert resolve_draft_attn_impl(None, 8192, cuda=True) == "simple_flex_attention"
@@ -198,7 +198,7 @@ def test_loss_names_are_speculators_eager_losses():
 def test_dataset_yields_shifted_aligned_samples(tiny):
     import torch
 
-    from eagle3.data.rows import HiddenStatesDataset
+    from eagle3.train.data.rows import HiddenStatesDataset
 
     target, files, samples, hidden = tiny
     ds = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=8)
@@ -223,7 +223,7 @@ def test_dataset_yields_shifted_aligned_samples(tiny):
 
 
 def test_dataset_shuffle_is_seeded_epoch_dependent_and_bounded(tiny):
-    from eagle3.data.rows import HiddenStatesDataset
+    from eagle3.train.data.rows import HiddenStatesDataset
 
     _, files, _, _ = tiny
     a = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=8)
@@ -239,7 +239,7 @@ def test_dataset_shuffle_is_seeded_epoch_dependent_and_bounded(tiny):
 
 
 def test_dataset_ranks_are_disjoint_and_cover(tiny, tmp_path):
-    from eagle3.data.rows import HiddenStatesDataset
+    from eagle3.train.data.rows import HiddenStatesDataset
 
     _, _, samples, hidden = tiny
     files = write_shards(tmp_path / "five", samples[:10], hidden[:10], num_shards=5, row_group_size=1)
@@ -256,8 +256,8 @@ def test_dataset_ranks_are_disjoint_and_cover(tiny, tmp_path):
 def test_packed_batches_resume_from_state_across_epochs(tiny):
     import torch
 
-    from eagle3.data.packing import PackedBatches
-    from eagle3.data.rows import HiddenStatesDataset
+    from eagle3.train.data.packing import PackedBatches
+    from eagle3.train.data.rows import HiddenStatesDataset
 
     _, files, _, _ = tiny
     ds = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=8)
@@ -283,9 +283,9 @@ def test_prefetcher_gives_the_same_batches_and_the_consumed_position(tiny, kind)
 
     import torch
 
-    from eagle3.data.packing import PackedBatches
-    from eagle3.data.prefetch import Prefetcher, WorkerPrefetcher
-    from eagle3.data.rows import HiddenStatesDataset
+    from eagle3.train.data.packing import PackedBatches
+    from eagle3.train.data.prefetch import Prefetcher, WorkerPrefetcher
+    from eagle3.train.data.rows import HiddenStatesDataset
 
     prefetcher = {"thread": Prefetcher, "1 worker": WorkerPrefetcher,  # the same contract
                   "3 workers": functools.partial(WorkerPrefetcher, num_workers=3)}[kind]
@@ -320,10 +320,10 @@ def test_batches_are_built_in_a_worker_process_unless_shared_memory_is_short(tin
     or from a thread with a warning where /dev/shm cannot hold the queue; both give the same batches."""
     import torch
 
-    import eagle3.data.pipeline
-    from eagle3.data.pipeline import batch_source
-    from eagle3.data.prefetch import Prefetcher, WorkerPrefetcher
-    from eagle3.data.rows import HiddenStatesDataset
+    import eagle3.train.data.pipeline
+    from eagle3.train.data.pipeline import batch_source
+    from eagle3.train.data.prefetch import Prefetcher, WorkerPrefetcher
+    from eagle3.train.data.rows import HiddenStatesDataset
 
     _, files, _, _ = tiny
     ds = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=8)
@@ -332,8 +332,8 @@ def test_batches_are_built_in_a_worker_process_unless_shared_memory_is_short(tin
     first = next(worker)
     ring = worker.ring.buffer
     assert ring.data_ptr() <= first["hidden_states"].data_ptr() < ring.data_ptr() + ring.numel()
-    assert worker.ring.nbytes <= eagle3.data.pipeline.shm_free_bytes()  # what it checked
-    monkeypatch.setattr(eagle3.data.pipeline, "shm_free_bytes", lambda: worker.ring.nbytes - 1)  # one byte short
+    assert worker.ring.nbytes <= eagle3.train.data.pipeline.shm_free_bytes()  # what it checked
+    monkeypatch.setattr(eagle3.train.data.pipeline, "shm_free_bytes", lambda: worker.ring.nbytes - 1)  # one byte short
     with caplog.at_level("WARNING"):
         thread = batch_source(ds, 256, torch.float32, 3, 2, on_gpu=False, dequantize=True)
     assert isinstance(thread, Prefetcher) and "/dev/shm" in caplog.text
@@ -349,9 +349,9 @@ def test_worker_batches_stay_valid_until_the_second_next_after_them(tiny):
     over several turns of the ring."""
     import torch
 
-    from eagle3.data.packing import PackedBatches
-    from eagle3.data.prefetch import WorkerPrefetcher
-    from eagle3.data.rows import HiddenStatesDataset
+    from eagle3.train.data.packing import PackedBatches
+    from eagle3.train.data.prefetch import WorkerPrefetcher
+    from eagle3.train.data.rows import HiddenStatesDataset
 
     _, files, _, _ = tiny
     ds = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=8)
@@ -389,7 +389,7 @@ def test_step_profiler_records_the_asked_steps(tiny, tmp_path):
 
 
 def test_data_workers_default_to_a_share_of_the_cpus():
-    from eagle3.data.pipeline import data_workers
+    from eagle3.train.data.pipeline import data_workers
 
     auto = DataConfig()
     assert data_workers(auto, cpus=2, local_ranks=1) == 1  # never fewer than one
@@ -402,7 +402,7 @@ def test_data_workers_default_to_a_share_of_the_cpus():
 def test_prefetch_depth_fits_the_memory_budget_unless_set():
     import torch
 
-    from eagle3.data.pipeline import prefetch_depth
+    from eagle3.train.data.pipeline import prefetch_depth
 
     auto = DataConfig(micro_batch_tokens=8192)
     # 4 captured layers of a 1B target (hidden 2048): 134 MB a batch, 15 in 2 GiB
@@ -415,8 +415,8 @@ def test_prefetch_depth_fits_the_memory_budget_unless_set():
 
 
 def test_token_frequencies_reads_only_token_columns(tiny, tmp_path):
-    from eagle3.data.rows import HiddenStatesDataset
-    from eagle3.data.vocab import token_frequencies
+    from eagle3.train.data.rows import HiddenStatesDataset
+    from eagle3.train.data.vocab import token_frequencies
 
     _, files, samples, _ = tiny
     want = np.zeros(796, dtype=np.int64)
@@ -438,7 +438,7 @@ def test_token_frequencies_reads_only_token_columns(tiny, tmp_path):
 def test_dataset_fp8_is_dequantised(tiny, tmp_path):
     import torch
 
-    from eagle3.data.rows import HiddenStatesDataset
+    from eagle3.train.data.rows import HiddenStatesDataset
 
     _, _, samples, hidden = tiny
     schema = hidden_states_schema(layer_ids=LAYER_IDS, hidden_size=256, hs_dtype="float8_e4m3fn")
@@ -456,17 +456,17 @@ def test_dataset_fp8_is_dequantised(tiny, tmp_path):
 
 
 def test_fp8_batches_equal_the_batches_of_samples_dequantised_on_the_host(tiny, tmp_path):
-    """fp8 shards are dequantised where the batch is packed (eagle3.data.packing.pack); the
-    batches equal speculators' CollateFn over samples dequantised by eagle3.codec (the path the
+    """fp8 shards are dequantised where the batch is packed (eagle3.train.data.packing.pack); the
+    batches equal speculators' CollateFn over samples dequantised by eagle3.extract.codec (the path the
     trainer used before), in bf16 and in float32."""
     import torch
     from speculators.train.data import CollateFn
 
     from compat.speculators_batch import speculators_sample
-    from eagle3.codec import decode_hidden_states, dequantize_fp8
-    from eagle3.data.packing import PackedBatches
-    from eagle3.data.rows import HiddenStatesDataset
-    from eagle3.data.staging import MODEL_INPUTS, device_inputs
+    from eagle3.extract.codec import decode_hidden_states, dequantize_fp8
+    from eagle3.train.data.packing import PackedBatches
+    from eagle3.train.data.rows import HiddenStatesDataset
+    from eagle3.train.data.staging import MODEL_INPUTS, device_inputs
 
     _, _, samples, hidden = tiny
     schema = hidden_states_schema(layer_ids=LAYER_IDS, hidden_size=256, hs_dtype="float8_e4m3fn")
@@ -509,7 +509,7 @@ def test_fp8_batches_equal_the_batches_of_samples_dequantised_on_the_host(tiny, 
 def test_deepspeed_config_per_zero_stage(stage, use_gpu):
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from eagle3.deepspeed_backend import deepspeed_config
+    from eagle3.train.deepspeed_backend import deepspeed_config
 
     cfg = TrainConfig(num_steps=100, data=DataConfig(gradient_accumulation_steps=4),
                       optimizer=OptimizerConfig(zero_stage=stage, warmup_steps=10, lr=1e-3, min_lr=1e-4, grad_clip=0.5))
@@ -568,7 +568,7 @@ def _multimodal_target(src: Path, dst: Path, decoy: bool = False) -> dict:
 def test_multimodal_target_weights_loaded_from_language_model(tiny, tmp_path, decoy):
     import torch
 
-    from eagle3.trainer import Eagle3Trainer
+    from eagle3.train.trainer import Eagle3Trainer
 
     target, files, _, _ = tiny
     mm = tmp_path / "mm"
@@ -642,8 +642,8 @@ def test_heldout_evaluation_divides_the_batches_among_ranks(tiny):
     from speculators.losses import resolve_loss_config
 
     from compat.speculators_loss import loss_implementation
-    from eagle3.data.heldout import choose_split
-    from eagle3.trainer import Eagle3Trainer
+    from eagle3.prepare.heldout import choose_split
+    from eagle3.train.trainer import Eagle3Trainer
 
     target, files, samples, _ = tiny
     split = choose_split([f"s{i:04d}" for i in range(NUM_SAMPLES)], 0.3, 6)
@@ -683,8 +683,8 @@ K = 6  # steps before the kill; the full run is 2K
 
 
 def _trainer(target, files, cfg):
-    from eagle3 import deepspeed_backend
-    from eagle3.trainer import Eagle3Trainer
+    from eagle3.train import deepspeed_backend
+    from eagle3.train.trainer import Eagle3Trainer
 
     trainer = Eagle3Trainer(cfg, target, files)
     trainer.attach_engine(deepspeed_backend.initialize(trainer.model, cfg, 1))
@@ -739,7 +739,7 @@ def test_input_wait_is_the_time_a_step_waits_for_its_batches(tiny):
     """input_wait_s counts the time train_step is blocked on its batch source, and nothing else:
     a source 0.3 s late per batch shows as >= 0.3 s a micro-batch (2 here), a ready one as less
     than one late batch."""
-    from eagle3.data.staging import DeviceBatches
+    from eagle3.train.data.staging import DeviceBatches
 
     target, files, _, _ = tiny
     cfg = small_cfg(num_steps=4, data={"prefetch_batches": 0, "gradient_accumulation_steps": 2})
@@ -760,7 +760,7 @@ def test_first_step_is_timed_apart_from_the_steady_rate(tiny):
     """tokens_per_s is over the run's whole time in fit, its first step included (on CUDA that
     step compiles the draft's forward); first_step_seconds is that step's time, with a first batch
     1 s late in it, and steady_tokens_per_s the rate over the other steps; None after one step."""
-    from eagle3.data.staging import DeviceBatches
+    from eagle3.train.data.staging import DeviceBatches
 
     target, files, _, _ = tiny
     cfg = small_cfg(num_steps=4, data={"prefetch_batches": 0})
@@ -783,9 +783,9 @@ def test_device_batches_stage_one_ahead_and_checkpoint_the_returned_position(tin
     after the last batch returned, and loading a position drops the staged batch."""
     import torch
 
-    from eagle3.data.packing import PackedBatches
-    from eagle3.data.rows import HiddenStatesDataset
-    from eagle3.data.staging import DeviceBatches
+    from eagle3.train.data.packing import PackedBatches
+    from eagle3.train.data.rows import HiddenStatesDataset
+    from eagle3.train.data.staging import DeviceBatches
 
     target, files, _, _ = tiny
     ds = HiddenStatesDataset(files, seed=0, shuffle_buffer_size=4)
@@ -807,10 +807,10 @@ def test_device_batches_stage_one_ahead_and_checkpoint_the_returned_position(tin
 
 KILL_SCRIPT = textwrap.dedent("""
     import json, os, signal, sys
-    from eagle3 import deepspeed_backend
+    from eagle3.train import deepspeed_backend
     from eagle3.config import config_from_dict
-    from eagle3.train_config import TrainConfig
-    from eagle3.trainer import Eagle3Trainer
+    from eagle3.train.config import TrainConfig
+    from eagle3.train.trainer import Eagle3Trainer
 
     args = json.loads(sys.argv[1])
     cfg = config_from_dict(TrainConfig, args["cfg"], "train")
@@ -864,7 +864,7 @@ def test_export_reloads_with_speculators_and_matches(tiny, trained, tmp_path):
     from safetensors import safe_open
     from speculators.models.eagle3.core import Eagle3DraftModel
 
-    from eagle3.deepspeed_backend import gather_full_state_dict
+    from eagle3.train.deepspeed_backend import gather_full_state_dict
 
     target, _, _, _ = tiny
     trainer = trained[0]
@@ -917,8 +917,8 @@ def test_ray_train_two_workers_checkpoint_resume_export(tiny, tmp_path, ray_loca
     to start and stop): nothing here kills or inspects the cluster's processes."""
     from actors.trainer import run_training
 
-    from eagle3.data.heldout import choose_split
-    from eagle3.shards import read_shards
+    from eagle3.prepare.heldout import choose_split
+    from eagle3.extract.shards import read_shards
 
     target, files, _, _ = tiny
     out = tmp_path / "run"

@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from eagle3.codec import encode_hidden_states
+from eagle3.extract.codec import encode_hidden_states
 from eagle3.schema import hidden_states_schema
 
 LAYER_IDS = [2, 4, 5, 8]
@@ -26,7 +26,7 @@ HIDDEN = 32
 def _write_shards(root, hs_dtype: str, file_format: str = "arrow", seed: int = 0):
     """Two shard files of random samples (lengths 3..20, partial loss masks), written as the extract
     stage writes them. Returns (files, {sample_id: (input_ids, loss_mask, float32 hs [T, L, H])})."""
-    from eagle3.shards import SUFFIX, write_shard_file
+    from eagle3.extract.shards import SUFFIX, write_shard_file
 
     rng = np.random.default_rng(seed)
     schema = hidden_states_schema(layer_ids=LAYER_IDS, hidden_size=HIDDEN, hs_dtype=hs_dtype)
@@ -59,7 +59,7 @@ def test_converted_samples_read_back_by_speculators_equal_ours(tmp_path, hs_dtyp
     from speculators.train.data import ArrowDataset
 
     from benchmarks.speculators_data import convert_shards
-    from eagle3.data.rows import HiddenStatesDataset
+    from eagle3.train.data.rows import HiddenStatesDataset
 
     files, samples = _write_shards(tmp_path, hs_dtype, file_format)
     out = convert_shards(files, tmp_path / "spec",
@@ -99,7 +99,7 @@ def test_convert_leaves_the_heldout_split_out(tmp_path):
     """With the job's held-out threshold, speculators' copy holds exactly our trainer's training rows
     (the held-out split is what both drafts are measured on), numbered without gaps."""
     from benchmarks.speculators_data import convert_shards
-    from eagle3.data.heldout import conversation_id, split_key
+    from eagle3.prepare.heldout import conversation_id, split_key
 
     files, samples = _write_shards(tmp_path, "bfloat16")
     keys = sorted(split_key(conversation_id(sid)) for sid in samples)

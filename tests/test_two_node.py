@@ -75,7 +75,7 @@ def _fake_run(out: Path, shards: list[tuple[str, list[str], list[str]]], prepare
     node_id and rejects), report.json with the train workers and eval, the draft files."""
     import pyarrow.parquet as pq
 
-    from eagle3.shards import write_shard_file
+    from eagle3.extract.shards import write_shard_file
 
     (out / "prepared").mkdir(parents=True)
     pq.write_table(pa.table({"sample_id": prepared}), out / "prepared" / "tokens.parquet")

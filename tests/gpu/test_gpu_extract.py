@@ -24,7 +24,7 @@ def test_compat_probes_pass_on_this_vllm(gpu_target):
 def test_hidden_states_match_transformers_bf16_on_gpu(gpu_target):
     import torch
 
-    from eagle3.extract import Extractor, HFBackend
+    from eagle3.extract.extractor import Extractor, HFBackend
     from tests.test_extract import decoded_rows, tokens_table
 
     lengths = (7, 41, 73, 300)
@@ -70,7 +70,7 @@ def test_a_second_extraction_engine_starts_in_the_process_after_the_first_is_clo
     Engine), a second one with other aux layers starts in the same process and captures its own
     layers (before release it found the first one's KV connector: "Expected 1 CacheOnlyAttentionLayer,
     got 0"), and both give the same hidden states for the layers they share."""
-    from eagle3.extract import Extractor
+    from eagle3.extract.extractor import Extractor
     from tests.test_extract import decoded_rows, tokens_table
 
     tokens = tokens_table((9, 120))

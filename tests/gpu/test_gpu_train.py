@@ -14,9 +14,9 @@ HIDDEN = 256
 
 
 def fp8_shard(path, lengths=(37, 120, 90, 64, 200), seed=0) -> str:
-    from eagle3.codec import encode_hidden_states
+    from eagle3.extract.codec import encode_hidden_states
     from eagle3.schema import hidden_states_schema
-    from eagle3.shards import write_shard_file
+    from eagle3.extract.shards import write_shard_file
 
     rng = np.random.default_rng(seed)
     cols = {"sample_id": [], "input_ids": [], "loss_mask": [], "num_tokens": [], "hidden_states": [], "hs_scale": []}
@@ -35,9 +35,9 @@ def fp8_shard(path, lengths=(37, 120, 90, 64, 200), seed=0) -> str:
 def test_fp8_batches_dequantised_on_the_gpu_equal_the_host_path(tmp_path):
     import torch
 
-    from eagle3.data.packing import PackedBatches
-    from eagle3.data.rows import HiddenStatesDataset
-    from eagle3.data.staging import MODEL_INPUTS, device_inputs
+    from eagle3.train.data.packing import PackedBatches
+    from eagle3.train.data.rows import HiddenStatesDataset
+    from eagle3.train.data.staging import MODEL_INPUTS, device_inputs
 
     files = [fp8_shard(tmp_path / "shard-000000.arrow")]
     ds = HiddenStatesDataset(files, shuffle_buffer_size=1)
@@ -60,9 +60,9 @@ def test_device_batches_copy_on_a_side_stream_and_equal_the_in_line_copy(tmp_pat
     computes) are the same tensors as an in-line copy, once the compute stream has waited."""
     import torch
 
-    from eagle3.data.packing import PackedBatches
-    from eagle3.data.rows import HiddenStatesDataset
-    from eagle3.data.staging import MODEL_INPUTS, DeviceBatches, device_inputs
+    from eagle3.train.data.packing import PackedBatches
+    from eagle3.train.data.rows import HiddenStatesDataset
+    from eagle3.train.data.staging import MODEL_INPUTS, DeviceBatches, device_inputs
 
     ds = HiddenStatesDataset([fp8_shard(tmp_path / "shard-000000.arrow")], shuffle_buffer_size=1)
     cuda = torch.device("cuda")
@@ -85,10 +85,10 @@ def test_worker_ring_is_page_locked_and_device_batches_from_it_equal_the_host_pa
     the ring (depth 2: 4 slots), the device inputs staged from it equal the in-line path's."""
     import torch
 
-    from eagle3.data.packing import PackedBatches
-    from eagle3.data.prefetch import WorkerPrefetcher
-    from eagle3.data.rows import HiddenStatesDataset
-    from eagle3.data.staging import MODEL_INPUTS, DeviceBatches, device_inputs
+    from eagle3.train.data.packing import PackedBatches
+    from eagle3.train.data.prefetch import WorkerPrefetcher
+    from eagle3.train.data.rows import HiddenStatesDataset
+    from eagle3.train.data.staging import MODEL_INPUTS, DeviceBatches, device_inputs
 
     ds = HiddenStatesDataset([fp8_shard(tmp_path / "shard-000000.arrow", lengths=(37, 120, 90, 64, 200) * 4)],
                              shuffle_buffer_size=1)

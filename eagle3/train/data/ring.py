@@ -2,8 +2,8 @@
 
 Owns: one shared-memory file of batch slots, mapped in every process, page-locked once on GPU
 (cudaHostRegister), and a batch's crossing between processes as a slot number and a layout.
-Does not own: which slot a batch goes to or when a slot may be reused (eagle3.data.prefetch's
-WorkerPrefetcher and the trainer's staging decide), what a batch holds (eagle3.data.packing).
+Does not own: which slot a batch goes to or when a slot may be reused (eagle3.train.data.prefetch's
+WorkerPrefetcher and the trainer's staging decide), what a batch holds (eagle3.train.data.packing).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class BatchRing:
         return out
 
     def allocator(self, s: int):
-        """alloc(shape, dtype) for eagle3.data.packing.pack: page-aligned buffers of slot s."""
+        """alloc(shape, dtype) for eagle3.train.data.packing.pack: page-aligned buffers of slot s."""
         slot, used = self.slot(s), 0
 
         def alloc(shape, dtype):

@@ -1,7 +1,7 @@
 """Training input: from committed hidden-states shards to a step's model inputs on the device.
 
 One module a step of a hidden state's way into training:
-- rows: which rows a rank reads, in which order, resumably; each decoded by eagle3.codec as
+- rows: which rows a rank reads, in which order, resumably; each decoded by eagle3.extract.codec as
   views of the shard's memory
 - online: the same rows from hidden-states tables the engines hand over through the Ray object
   store while training runs (`train.source: online`), in the same order

@@ -11,19 +11,19 @@ most turns cut at max_tokens), a `<think>` block split into `reasoning_content`,
 per-turn seeds, the sampling defaults read from the target's generation_config.json, the
 shard file, and the output layout:
     regenerated/
-      MANIFEST.json                     the input's fingerprint (eagle3.manifest's protocol:
+      MANIFEST.json                     the input's fingerprint (eagle3.extract.manifest's protocol:
       data/shard-000003.parquet         a shard counts once its commit file exists)
       committed/shard-000003.json
       tokens.parquet                    TOKENS_SCHEMA rows of all shards, in shard order (written last)
       rejects.jsonl
 A shard file holds the regenerated conversations and their tokens: one row per training
-sample as eagle3.chat_template.render_conversation encodes it (sample_id, input_ids,
+sample as eagle3.prepare.chat_template.render_conversation encodes it (sample_id, input_ids,
 loss_mask, num_tokens), with its conversation's messages. That is one row per conversation
 for a prefix-stable template, and one per assistant turn (ids suffixed '#t<k>', as prepare
 names them) for a template that rewrites earlier turns.
 Does not own: the engine and its arguments (compat.vllm_engine, actors/regenerator.py),
-placement, retries and commits (ray_jobs/regenerate.py, eagle3.schedule, eagle3.manifest),
-rendering and masks (eagle3.chat_template), reading sources (eagle3.conversations).
+placement, retries and commits (ray_jobs/regenerate.py, eagle3.extract.schedule, eagle3.extract.manifest),
+rendering and masks (eagle3.prepare.chat_template), reading sources (eagle3.prepare.conversations).
 
 The source messages are read again from prepare.conversations by sample id rather than kept
 by prepare: tokens.parquet keeps its one schema for every consumer, and the read is one
@@ -232,7 +232,7 @@ _TURN_SUFFIX = re.compile(r"#t\d+$")
 def conversation_ids(sample_ids: list[str]) -> list[str]:
     """The conversations behind prepared sample ids, in first-seen order: a conversation that
     prepare split into one sample per assistant turn (ids '<id>#t<k>',
-    eagle3.chat_template.Sample.id_suffix) is regenerated once, as a whole."""
+    eagle3.prepare.chat_template.Sample.id_suffix) is regenerated once, as a whole."""
     return list(dict.fromkeys(_TURN_SUFFIX.sub("", s) for s in sample_ids))
 
 
@@ -379,7 +379,7 @@ class TurnScheduler:
 
     def _request(self, conv: _Conversation) -> tuple[list[int], int] | None:
         """The prompt ids and max_tokens of conv's next turn, or None if it cannot go on."""
-        from eagle3.chat_template import prompt_ids
+        from eagle3.prepare.chat_template import prompt_ids
 
         r, i = conv.turn, conv.turns[conv.turn]
         try:
@@ -441,7 +441,7 @@ def render_shard(run: ShardRun, tokenizer, *, max_length: int, assistant_only_lo
     """A done shard's training rows (SHARD_SCHEMA, input order) and its counts: each kept
     conversation encoded as prepare encodes one; over max_length it is rejected (cut 'reject') or
     cut after its last whole assistant turn that fits (cut 'end')."""
-    from eagle3.chat_template import render_conversation
+    from eagle3.prepare.chat_template import render_conversation
 
     t0 = time.perf_counter()
     stats = run.stats
@@ -530,7 +530,7 @@ def source_messages(conversations: str, max_samples: int | None, wanted: set[str
                     leading_assistant: str = "reject") -> dict[str, list[dict]]:
     """The messages of the `wanted` sample ids, read from the conversations prepare read (same
     records: max_samples counts records read, as in prepare; leading_assistant as prepare's)."""
-    from eagle3.conversations import iter_records
+    from eagle3.prepare.conversations import iter_records
 
     out = {}
     for rec in iter_records(conversations, max_samples, leading_assistant=leading_assistant):

@@ -9,7 +9,7 @@ re-exported here, where it runs on the host; `dequantize_fp8` on the host in pac
 device in the trainer's staging), and decoding a stored row back (`decode_row`, `decode_rows`),
 which training, the doctor, the tests and the benchmarks all read through.
 Does not own: the Arrow schema and its version check (eagle3.schema, which imports no torch),
-writing or reading files (eagle3.shards), what a training batch is (eagle3.data.packing).
+writing or reading files (eagle3.extract.shards), what a training batch is (eagle3.train.data.packing).
 
 Arrow has no bfloat16. A sample's hidden states are one `large_binary` value holding the raw
 little-endian bytes of a row-major [num_tokens, num_layers, hidden_size] tensor. (A

@@ -3,8 +3,8 @@
 Owns: rendering a conversation with the target's own chat template, locating the tokens the
 target generates in each assistant turn, cutting over-length conversations at turn
 boundaries, and the templates a locally built target can be given (`TEMPLATES`). Does not
-own: reading records (`eagle3.conversations`), writing files or the stage's counts
-(`eagle3.prepare`).
+own: reading records (`eagle3.prepare.conversations`), writing files or the stage's counts
+(`eagle3.prepare.tokens`).
 
 What a turn is trained on. The draft is used while the target generates assistant turn i:
 the target's context is then messages[:i] rendered with the generation prompt, followed by

@@ -2,16 +2,16 @@
 come from the engines through the Ray object store instead of shard files.
 
 Owns: a rank's order of an epoch, computed from the prepared tokens alone (the shard plan of the
-extract stage: eagle3.manifest.ShardPlan; the same shards per rank, the same seeded shuffle
-window, as offline: eagle3.data.rows.epoch_order), asking the feed (actors/online_feed.py,
-eagle3.online) for the shards still needed from a position, in that order, and decoding each
-table's rows (eagle3.codec) as views of the object store's memory. A sample the engine rejected
+extract stage: eagle3.extract.manifest.ShardPlan; the same shards per rank, the same seeded shuffle
+window, as offline: eagle3.train.data.rows.epoch_order), asking the feed (actors/online_feed.py,
+eagle3.train.online_feed) for the shards still needed from a position, in that order, and decoding each
+table's rows (eagle3.extract.codec) as views of the object store's memory. A sample the engine rejected
 (longer than it takes) is a row of zero tokens, which packing skips and counts, so positions stay
 those of the plan and a checkpoint's (epoch, samples_seen) means the same samples on a restart.
-Does not own: packing and prefetching (eagle3.data.packing, .prefetch: this dataset is read in a
+Does not own: packing and prefetching (eagle3.train.data.packing, .prefetch: this dataset is read in a
 thread, not in forked DataLoader workers, which would each ask the feed for the same shards), the
-coordinator and its back-pressure (eagle3.online).
-Same interface as eagle3.data.rows.HiddenStatesDataset where eagle3.data and eagle3.trainer use it.
+coordinator and its back-pressure (eagle3.train.online_feed).
+Same interface as eagle3.train.data.rows.HiddenStatesDataset where eagle3.train.data and eagle3.train.trainer use it.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eagle3.codec import StoredRow, decode_row
-from eagle3.data.rows import epoch_order, rank_shards
-from eagle3.manifest import ShardPlan
+from eagle3.extract.codec import StoredRow, decode_row
+from eagle3.train.data.rows import epoch_order, rank_shards
+from eagle3.extract.manifest import ShardPlan
 from eagle3.schema import hs_layout
 
 TAKE_POLL_S = 1.0
@@ -71,7 +71,7 @@ class OnlineDataset:
 
     def epoch_order(self, epoch: int) -> list[tuple[int, int]]:
         """(shard, row of the plan's shard) in this rank's order of `epoch`: the offline order of the
-        same shards (eagle3.data.rows.epoch_order)."""
+        same shards (eagle3.train.data.rows.epoch_order)."""
         return epoch_order(self.shard_rows, self.rank_shards(epoch), self.shuffle_buffer_size, self.seed, epoch,
                            self.rank)
 
@@ -80,7 +80,7 @@ class OnlineDataset:
 
     def token_frequencies(self, vocab_size: int):
         """Loss-masked token counts from the prepared tokens (no shards exist before training)."""
-        from eagle3.data.vocab import tokens_frequencies
+        from eagle3.train.data.vocab import tokens_frequencies
 
         return tokens_frequencies(self.tokens_path, vocab_size)
 

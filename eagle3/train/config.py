@@ -1,4 +1,4 @@
-"""Training-stage config (consumed by eagle3.trainer, eagle3.deepspeed_backend, eagle3.data,
+"""Training-stage config (consumed by eagle3.train.trainer, eagle3.train.deepspeed_backend, eagle3.train.data,
 actors.trainer).
 
 Owns: every knob of draft training and its validation, grouped by concern: `train.optimizer`
@@ -11,7 +11,7 @@ errors name `train.optimizer.lr`). Torch-free (drivers load configs before any h
 so the loss names speculators knows are listed here and a test checks them against
 speculators' own table.
 Does not own: the aux layer ids (read from the hidden-states schema the extract stage
-wrote) or the ZeRO/bf16 translation into DeepSpeed (eagle3.deepspeed_backend).
+wrote) or the ZeRO/bf16 translation into DeepSpeed (eagle3.train.deepspeed_backend).
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ class DataConfig:
     prefetch_batches: int | None = None
     """Micro-batches built ahead (by data_workers, pinned on GPU), so that reading and packing
     overlap the device's step; memory: this many packed batches, in /dev/shm and pinned. None: as
-    many as fit in 2 GiB (eagle3.data.pipeline.PREFETCH_AUTO_BYTES), from 2 to 16. 0: build each batch
+    many as fit in 2 GiB (eagle3.train.data.pipeline.PREFETCH_AUTO_BYTES), from 2 to 16. 0: build each batch
     when the step needs it."""
     data_workers: int | None = None
     """Processes per rank that read and pack the prefetched batches (torch DataLoader workers,
@@ -215,7 +215,7 @@ class ProfilingConfig:
 class OnlineConfig:
     """`train.source: online`: the engines extract while the trainer trains, and each
     hidden-states table goes from an engine to a training rank through the Ray object store
-    (ray_jobs/online.py, actors/online_feed.py, eagle3/online.py). Ignored when source is offline."""
+    (ray_jobs/online.py, actors/online_feed.py, eagle3/train/online_feed.py). Ignored when source is offline."""
 
     max_inflight_bytes: int = 4 << 30
     """Bound on hidden-state bytes waiting in the object store: tables being extracted or

@@ -4,8 +4,8 @@ Owns: the translation of TrainConfig into a DeepSpeed config (ZeRO stage, bf16, 
 accumulation, clipping, optimizer, WarmupCosineLR scheduler), the call to
 `deepspeed.initialize`, process-group setup for a lone process, and gathering full weights
 from a (possibly ZeRO-3 partitioned) engine. Nothing else reads the ZeRO stage.
-Does not own: the model (speculators' Eagle3DraftModel, built by eagle3.trainer), the
-training loop (eagle3.trainer), or multi-process launch (actors.trainer via Ray Train).
+Does not own: the model (speculators' Eagle3DraftModel, built by eagle3.train.trainer), the
+training loop (eagle3.train.trainer), or multi-process launch (actors.trainer via Ray Train).
 
 CPU: DeepSpeed's "AdamW" config optimizer builds a compiled op (FusedAdam / DeepSpeedCPUAdam,
 ~55 s) on the CPU accelerator, so on CPU the optimizer is a torch.optim.AdamW handed to
@@ -22,7 +22,7 @@ import logging
 import os
 import socket
 
-from eagle3.train_config import TrainConfig
+from eagle3.train.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 

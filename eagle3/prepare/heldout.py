@@ -1,12 +1,12 @@
 """The held-out split: training conversations kept out of training, on which the draft's accuracy
-is measured while it trains (eagle3.trainer), beside the training accuracy and vLLM's acceptance.
+is measured while it trains (eagle3.train.trainer), beside the training accuracy and vLLM's acceptance.
 
 Owns: which conversations are held out, and the record of that choice (`HeldoutSplit`, written by
 prepare as prepared/heldout.json). Does not own: the config fields (eagle3.config.PrepareConfig
-heldout_fraction, heldout_min_conversations), measuring accuracy on the split (eagle3.trainer).
+heldout_fraction, heldout_min_conversations), measuring accuracy on the split (eagle3.train.trainer).
 
 The mark is a function, not a column: a conversation is held out when a hash of its id (the
-sample id without the '#t<k>' suffix, eagle3.chat_template.Sample.id_suffix) falls below a
+sample id without the '#t<k>' suffix, eagle3.prepare.chat_template.Sample.id_suffix) falls below a
 threshold. Sample ids pass unchanged through regenerate (a regenerated conversation keeps its id,
 its samples '<id>#t<k>') and extract (the shards keep the sample_id column), so every stage after
 prepare keeps the held-out conversations with the rest (they are regenerated and extracted like

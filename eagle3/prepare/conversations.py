@@ -3,8 +3,8 @@
 Owns: reading records from JSONL, a JSON array (streamed), Parquet, Arrow files written by
 `datasets.save_to_disk`, or a directory of those; OpenAI `messages` and ShareGPT
 `conversations` shapes; normalising roles to system/user/assistant; sample ids; and the
-reason a record is unusable. Does not own: rendering or masks (`eagle3.chat_template`),
-writing tokens (`eagle3.prepare`).
+reason a record is unusable. Does not own: rendering or masks (`eagle3.prepare.chat_template`),
+writing tokens (`eagle3.prepare.tokens`).
 
 Every record read comes out as a `Record`, usable or with its reject reason, in source
 order: a broken record, a file cut short or an unknown role never stops the read and is

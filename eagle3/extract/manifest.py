@@ -3,7 +3,7 @@
 Owns: the layout of an extraction output directory and the commit protocol.
     hidden_states/
       MANIFEST.json            fingerprint of the input (so a resume never mixes datasets)
-      data/shard-000012.arrow  (or .parquet: eagle3.shards)
+      data/shard-000012.arrow  (or .parquet: eagle3.extract.shards)
       committed/shard-000012.json   written last, by atomic rename: the commit
 A shard counts only once its commit file exists. A data file without one is partial
 (a crash between write and commit) and is rewritten on resume. Data files are
@@ -61,7 +61,7 @@ class ShardPlan:
 
 class Manifest:
     def __init__(self, root: str | Path, file_format: str = "arrow"):
-        from eagle3.shards import SUFFIX
+        from eagle3.extract.shards import SUFFIX
 
         self.root = Path(root)
         self.suffix = SUFFIX[file_format]

@@ -2,7 +2,7 @@
 target, and the d2t / t2d mapping of the draft's LM head built from those counts by speculators
 (the trainer and the benchmarks that train speculators side by side call `draft_vocab_mapping`,
 so both train the same head).
-Does not own: choosing the draft vocabulary's size (eagle3.trainer, train.draft.draft_vocab_size).
+Does not own: choosing the draft vocabulary's size (eagle3.train.trainer, train.draft.draft_vocab_size).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from eagle3.manifest import resolve_files
+from eagle3.extract.manifest import resolve_files
 from eagle3.schema import hs_layout
-from eagle3.shards import ShardFile
+from eagle3.extract.shards import ShardFile
 
 
 def token_frequencies(files: str | Path | Sequence[str | Path], vocab_size: int | None = None, *,
@@ -22,7 +22,7 @@ def token_frequencies(files: str | Path | Sequence[str | Path], vocab_size: int 
     """Counts of every loss-masked token id over all shards: int64 array [vocab_size].
 
     Reads only the input_ids and loss_mask columns (and sample_id, to leave the held-out split out:
-    eagle3.data.heldout, threshold 0 = none held out). vocab_size None: max id + 1.
+    eagle3.prepare.heldout, threshold 0 = none held out). vocab_size None: max id + 1.
     Feeds speculators' build_vocab_mappings_from_distribution (d2t/t2d).
     """
     counts = np.zeros(vocab_size or 0, dtype=np.int64)
@@ -41,7 +41,7 @@ def _without_heldout(batch, threshold: int):
         return batch
     import pyarrow as pa
 
-    from eagle3.data.heldout import is_heldout
+    from eagle3.prepare.heldout import is_heldout
 
     keep = [not is_heldout(s, threshold) for s in batch.column("sample_id").to_pylist()]
     return batch.filter(pa.array(keep))

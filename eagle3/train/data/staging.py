@@ -3,7 +3,7 @@
 Owns: which keys of a batch the model takes (`MODEL_INPUTS`), their copy to the device with fp8
 dequantised there (`device_inputs`), and `DeviceBatches`, which starts the next batch's copy on a
 side CUDA stream under the current step's kernels and keeps the data position of the last batch
-returned. Does not own: building batches (eagle3.data.packing, .prefetch), the step (eagle3.trainer).
+returned. Does not own: building batches (eagle3.train.data.packing, .prefetch), the step (eagle3.train.trainer).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from eagle3.data.packing import SCALE_KEYS, dequantize_batch
+from eagle3.train.data.packing import SCALE_KEYS, dequantize_batch
 
 MODEL_INPUTS = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids",
                 "verifier_last_hidden_states")

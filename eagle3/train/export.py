@@ -11,7 +11,7 @@ Owns: the export directory's contents -
 Weights are saved in the dtype they were trained in (fp32 on CPU, bf16 with bf16 training);
 vLLM casts them to its own dtype.
 Does not own: starting vLLM (the eval stage does), gathering ZeRO-3 shards
-(eagle3.deepspeed_backend.gather_full_state_dict).
+(eagle3.train.deepspeed_backend.gather_full_state_dict).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def export_draft(model_or_engine, out_dir: str | Path, target_dir: str | Path, *
     """
     from speculators.config import VerifierConfig
 
-    from eagle3.deepspeed_backend import gather_full_state_dict
+    from eagle3.train.deepspeed_backend import gather_full_state_dict
 
     module = getattr(model_or_engine, "module", model_or_engine)
     if not hasattr(module, "config") or getattr(module.config, "speculators_model_type", None) != "eagle3":

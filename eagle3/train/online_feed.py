@@ -3,8 +3,8 @@ ranks asked for, which of them the engines extract now, which wait in the object
 back-pressure between the two; kept apart from Ray so that it is tested without a cluster.
 
 How online mode runs: the coordinator actor (actors/online_feed.py) holds one FeedState and the
-engine replicas; each training rank (eagle3.data.online.OnlineDataset) computes its own order of
-an epoch from the prepared tokens alone (the offline order: eagle3.data.rows), asks for the
+engine replicas; each training rank (eagle3.train.data.online.OnlineDataset) computes its own order of
+an epoch from the prepared tokens alone (the offline order: eagle3.train.data.rows), asks for the
 shards it still needs in that order (`want`), and takes each table's object ref (`take`) when it
 reaches it; the table never crosses the coordinator, only its ref does.
 
@@ -31,8 +31,8 @@ extracting or extracted-and-not-taken; a rank with nothing in flight always gets
 as `engine_idle_budget_s` when requests wait for budget (the trainer is behind), as
 `engine_idle_no_request_s` otherwise; ranks waiting for a table count `trainer_wait_s`.
 Does not own: Ray actors and refs (actors/online_feed.py treats refs as opaque values here), the
-order of a rank's samples (eagle3.data.online), the dispatch rules to replicas
-(eagle3.schedule.ShardScheduler: a unit of work there is one request here, a `Job`).
+order of a rank's samples (eagle3.train.data.online), the dispatch rules to replicas
+(eagle3.extract.schedule.ShardScheduler: a unit of work there is one request here, a `Job`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
-from eagle3.schedule import ShardScheduler
+from eagle3.extract.schedule import ShardScheduler
 
 QUEUED, ADMITTED, READY, TAKEN, DROPPED = "queued", "admitted", "ready", "taken", "dropped"
 
@@ -202,7 +202,7 @@ class FeedState:
         return job
 
     def lost(self, job_id: int, reason: str, *, replica_died: bool) -> bool:
-        """The extraction failed for the cluster's reasons: hand it out again (eagle3.schedule's
+        """The extraction failed for the cluster's reasons: hand it out again (eagle3.extract.schedule's
         rules, ShardFailed after max_attempts). True when its replica is newly dead."""
         self.num_lost += 1
         job = self.jobs[job_id]

@@ -16,7 +16,7 @@ shards done) and these rules:
   or end the run (it gives up when none can be placed).
 Shards committed before this run (a resume) are never handed out.
 Does not own: actors, placement groups, object refs and what a shard's work is (ray_jobs/),
-the files and the commit protocol (eagle3.manifest).
+the files and the commit protocol (eagle3.extract.manifest).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class ShardScheduler:
     # Shards -------------------------------------------------------------------------------------
     def add(self, shards: Iterable[int]) -> None:
         """Work that arrives while the run goes on, queued after what is there (online mode: a unit is
-        one training rank's request for a shard, numbered by the caller, eagle3.online.FeedState)."""
+        one training rank's request for a shard, numbered by the caller, eagle3.train.online_feed.FeedState)."""
         for s in shards:
             if s in self.committed or s in self.inflight or s in self.todo:
                 raise AssertionError(f"work {s} is already queued, in flight or committed")

@@ -1,12 +1,12 @@
 """Prepare stage: conversations -> chat template -> input_ids + loss_mask (Arrow).
 
 Owns: the stage itself: which records become samples, held-out eval prompts, the held-out
-split's threshold (heldout.json; the rule is eagle3.data.heldout's), the rejects file,
+split's threshold (heldout.json; the rule is eagle3.prepare.heldout's), the rejects file,
 writing `tokens.parquet` under `TOKENS_SCHEMA`, and spreading the tokenizing over Ray tasks
 in contiguous chunks (`prepare_dataset_ray`; `prepare_dataset` is the same stage in one process,
 and both assemble chunks through one function, so their output is identical).
-Does not own: reading sources (`eagle3.conversations`), rendering and masks
-(`eagle3.chat_template`), the schema (`eagle3.schema`), the tokenizer or its template (they
+Does not own: reading sources (`eagle3.prepare.conversations`), rendering and masks
+(`eagle3.prepare.chat_template`), the schema (`eagle3.schema`), the tokenizer or its template (they
 come from the target's directory), provenance files (the driver writes them).
 
 Imports neither torch nor transformers at module level: drivers import this module
@@ -29,11 +29,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from eagle3.chat_template import RenderReject, eval_prompt, render_conversation
-from eagle3.chat_template import tokenize_conversation  # noqa: F401  (re-exported)
+from eagle3.prepare.chat_template import RenderReject, eval_prompt, render_conversation
+from eagle3.prepare.chat_template import tokenize_conversation  # noqa: F401  (re-exported)
 from eagle3.config import PrepareConfig
-from eagle3.conversations import Record, iter_records, load_conversations  # noqa: F401  (re-exported)
-from eagle3.data.heldout import HELDOUT_FILE, choose_split
+from eagle3.prepare.conversations import Record, iter_records, load_conversations  # noqa: F401  (re-exported)
+from eagle3.prepare.heldout import HELDOUT_FILE, choose_split
 from eagle3.schema import TOKENS_SCHEMA, check_schema
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ def load_tokenizer(tokenizer_dir: str):
 class ChunkResult:
     """One contiguous run of records, tokenized. Rows of `samples` are the samples of every good
     record of the chunk in source order (rows_per_record[k] rows for the k-th: a conversation is
-    several samples when its template rewrites earlier turns, eagle3.chat_template); its first
+    several samples when its template rewrites earlier turns, eagle3.prepare.chat_template); its first
     len(eval_prompts) records are also in `eval_prompts`, since only the assembler knows how
     many good records came before the chunk."""
 
@@ -277,7 +277,7 @@ def prepare_dataset(cfg: PrepareConfig, tokenizer_dir: str, out_dir: str, *,
     Every record read is a kept conversation (one or more samples, ids '<id>#t<k>' when
     several), an eval prompt (the first cfg.num_eval_prompts good records) or a reject with its
     reason; summary["num_records"] is their sum. Of the kept conversations, those of the held-out
-    split (cfg.heldout_fraction, eagle3.data.heldout) stay in tokens.parquet like the rest, and
+    split (cfg.heldout_fraction, eagle3.prepare.heldout) stay in tokens.parquet like the rest, and
     heldout.json records the split (the trainer leaves them out and measures accuracy on them).
     An over-length conversation is cut after whole assistant turns or rejected (cfg.over_length), never inside a turn: a turn cut short would
     teach the draft an ending the target never wrote. Files appear under their final names only

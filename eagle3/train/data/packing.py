@@ -2,10 +2,10 @@
 
 Owns: the micro-batch of speculators' Eagle3DraftModel built straight from the stored rows
 (`pack`, into buffers of `batch_layout` that a caller may provide: pinned memory, or a slot of
-eagle3.data.ring.BatchRing), fp8 batches kept as stored and dequantised where they land
+eagle3.train.data.ring.BatchRing), fp8 batches kept as stored and dequantised where they land
 (`dequantize_batch`), and the endless, resumable stream of a rank's batches (`PackedBatches`).
-Does not own: which rows come in which order (eagle3.data.rows), building batches ahead or in
-other processes (eagle3.data.prefetch), the batch format itself: it is speculators' (shift_batch
+Does not own: which rows come in which order (eagle3.train.data.rows), building batches ahead or in
+other processes (eagle3.train.data.prefetch), the batch format itself: it is speculators' (shift_batch
 + CollateFn), and compat/speculators_batch.py with its test in tests/test_compat.py checks that
 `pack` still builds exactly that batch.
 
@@ -27,8 +27,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from eagle3.codec import StoredRow, dequantize_fp8
-from eagle3.data.rows import HiddenStatesDataset
+from eagle3.extract.codec import StoredRow, dequantize_fp8
+from eagle3.train.data.rows import HiddenStatesDataset
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def pack(rows: Sequence[tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor
     """rows: (input_ids [T], loss_mask [T], hidden states [T, L, H], scale) per sample, unshifted;
     the last of the L layers is the verifier's last hidden state, the others the aux layers.
     Hidden states are bf16 with scale None, or e4m3 with float32 scales [T, L], dequantised here
-    to bf16 by `eagle3.codec.dequantize_fp8`, as `HiddenStatesDataset.samples` does. Returns
+    to bf16 by `eagle3.extract.codec.dequantize_fp8`, as `HiddenStatesDataset.samples` does. Returns
     the batch `CollateFn(max_len, H, L - 1, dtype)([shift_batch(sample) ...])` returns: input_ids,
     loss_mask, hidden_states [1, max_len, (L-1)*H], verifier_last_hidden_states [1, max_len, H],
     position_ids, document_ids, error_records.

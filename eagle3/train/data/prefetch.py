@@ -3,8 +3,8 @@ DataLoader worker processes that pack straight into a shared ring (`WorkerPrefet
 
 Owns: building a PackedBatches' batches ahead, in order, and the data position of the last
 batch returned (what a checkpoint records), so that prefetching changes no result.
-Does not own: what a batch is (eagle3.data.packing), the shared memory (eagle3.data.ring),
-copying batches to the device (eagle3.data.staging), choosing between these (eagle3.data.pipeline).
+Does not own: what a batch is (eagle3.train.data.packing), the shared memory (eagle3.train.data.ring),
+copying batches to the device (eagle3.train.data.staging), choosing between these (eagle3.train.data.pipeline).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import threading
 
 import torch
 
-from eagle3.data.packing import PackedBatches
-from eagle3.data.ring import BatchRing
+from eagle3.train.data.packing import PackedBatches
+from eagle3.train.data.ring import BatchRing
 
 
 class _PackedStream(torch.utils.data.IterableDataset):
@@ -57,7 +57,7 @@ class WorkerPrefetcher:
     `depth` batches are built ahead in all (at least one a worker).
 
     A batch returned is a view of the ring: it stays valid until the second `next` after it (the
-    DeviceBatches (eagle3.data.staging) waits for its copy to the device before that); clone what must live longer.
+    DeviceBatches (eagle3.train.data.staging) waits for its copy to the device before that); clone what must live longer.
     """
 
     def __init__(self, batches: PackedBatches, depth: int = 2, page_lock: bool = False, num_workers: int = 1):

@@ -8,9 +8,9 @@ the step (micro-batches, speculators' TTT loss and per-step accuracies, metrics 
 across ranks), the accuracy on the held-out split (`evaluate_heldout`, every
 cfg.eval_every_steps), and checkpoint contents (DeepSpeed's save/load_checkpoint plus a client state
 with every rank's data position and RNG states).
-Does not own: DeepSpeed configuration (eagle3.deepspeed_backend hands over a ready engine),
-process launch (actors.trainer), the training input (eagle3.data: rows, packing, prefetching,
-staging on the device), the export format (eagle3.export).
+Does not own: DeepSpeed configuration (eagle3.train.deepspeed_backend hands over a ready engine),
+process launch (actors.trainer), the training input (eagle3.train.data: rows, packing, prefetching,
+staging on the device), the export format (eagle3.train.export).
 
 Usage on each rank:
     trainer = Eagle3Trainer(cfg, target_dir, data_files, rank=r, world_size=w)
@@ -32,11 +32,11 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
-from eagle3.data.pipeline import input_pipeline
-from eagle3.data.rows import HiddenStatesDataset
-from eagle3.data.staging import DeviceBatches
-from eagle3.data.vocab import draft_vocab_mapping_from_counts
-from eagle3.train_config import FLEX_ATTN_MAX_TOKENS, TrainConfig, resolve_draft_attn_impl
+from eagle3.train.data.pipeline import input_pipeline
+from eagle3.train.data.rows import HiddenStatesDataset
+from eagle3.train.data.staging import DeviceBatches
+from eagle3.train.data.vocab import draft_vocab_mapping_from_counts
+from eagle3.train.config import FLEX_ATTN_MAX_TOKENS, TrainConfig, resolve_draft_attn_impl
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def _set_rng_state(state: dict) -> None:
 
 def _data_range(before: dict, after: dict) -> tuple[int, int, int]:
     """(epoch, first, end) positions of the samples in the micro-batch taken between two data
-    states (eagle3.data.packing.PackedBatches: a batch never straddles epochs)."""
+    states (eagle3.train.data.packing.PackedBatches: a batch never straddles epochs)."""
     if after["epoch"] == before["epoch"]:
         return after["epoch"], before["samples_seen"], after["samples_seen"]
     return after["epoch"], 0, after["samples_seen"]
@@ -88,8 +88,8 @@ class Eagle3Trainer:
                  data_files: str | Path | Sequence[str | Path] | None, *, rank: int = 0, world_size: int = 1,
                  dataset=None, heldout_threshold: int = 0):
         """`data_files`: committed shards (offline); or None with `dataset`, a rank's rows from
-        elsewhere (online: eagle3.data.online.OnlineDataset), ordered and resumed the same way.
-        `heldout_threshold` (prepared/heldout.json, eagle3.data.heldout; 0: no split), with shards:
+        elsewhere (online: eagle3.train.data.online.OnlineDataset), ordered and resumed the same way.
+        `heldout_threshold` (prepared/heldout.json, eagle3.prepare.heldout; 0: no split), with shards:
         the held-out conversations are left out of training and measured every cfg.eval_every_steps."""
         from speculators.models.eagle3.core import Eagle3DraftModel
 
@@ -138,7 +138,7 @@ class Eagle3Trainer:
         if attn == "simple_flex_attention" and cfg.data.micro_batch_tokens > FLEX_ATTN_MAX_TOKENS:
             logger.warning("train.draft.draft_attn_impl=simple_flex_attention with train.data.micro_batch_tokens=%d: "
                            "flex attention's first-step compile was not seen to end past %d tokens on an H200 "
-                           "(eagle3.train_config.FLEX_ATTN_MAX_TOKENS); sdpa trained up to 49,152",
+                           "(eagle3.train.config.FLEX_ATTN_MAX_TOKENS); sdpa trained up to 49,152",
                            cfg.data.micro_batch_tokens, FLEX_ATTN_MAX_TOKENS)
         self.model = Eagle3DraftModel.from_training_args(
             draft_layer_config(self.target_dir, cfg.draft.num_draft_layers),
@@ -268,8 +268,8 @@ class Eagle3Trainer:
         self._need_engine()
         if self.heldout_dataset is None:
             return None
-        from eagle3.data.packing import PackedBatches
-        from eagle3.data.staging import device_inputs
+        from eagle3.train.data.packing import PackedBatches
+        from eagle3.train.data.staging import device_inputs
 
         t0 = time.perf_counter()
         dtype = next(p.dtype for p in self.engine.module.parameters() if p.is_floating_point())
@@ -443,9 +443,9 @@ class Eagle3Trainer:
 
     # -- export ----------------------------------------------------------------------------
     def export(self, out_dir: str | Path) -> Path | None:
-        """speculators-format draft for vLLM (see eagle3.export). Every rank must call it;
+        """speculators-format draft for vLLM (see eagle3.train.export). Every rank must call it;
         rank 0 writes and gets the directory, others None."""
-        from eagle3.export import export_draft
+        from eagle3.train.export import export_draft
 
         self._need_engine()
         return export_draft(self.engine, out_dir, self.target_dir, train_config=self.cfg,

@@ -23,7 +23,7 @@ from typing import Self
 
 import pyarrow as pa
 
-from eagle3.codec import encode_hidden_states, hidden_states_columns
+from eagle3.extract.codec import encode_hidden_states, hidden_states_columns
 from eagle3.config import ExtractConfig
 from eagle3.schema import hidden_states_schema
 

@@ -3,10 +3,10 @@ reading them.
 
 Owns: the seeded epoch-dependent shuffle, the split across data-parallel ranks, the resumable
 position, and streaming the rows a rank needs out of the shards without loading them whole, each
-decoded by eagle3.codec.decode_row as views of the shard's memory.
-Does not own: which files are the shards of a run (eagle3.manifest.resolve_files), the schema
-(eagle3.schema), the stored encoding (eagle3.codec), packing rows into batches
-(eagle3.data.packing), moving batches to the device (eagle3.data.prefetch, .staging).
+decoded by eagle3.extract.codec.decode_row as views of the shard's memory.
+Does not own: which files are the shards of a run (eagle3.extract.manifest.resolve_files), the schema
+(eagle3.schema), the stored encoding (eagle3.extract.codec), packing rows into batches
+(eagle3.train.data.packing), moving batches to the device (eagle3.train.data.prefetch, .staging).
 
 Order of one epoch, for one rank (all of it derived from (seed, epoch, rank), no data read):
 1. the shards are permuted with rng(seed, epoch), identically on every rank;
@@ -15,7 +15,7 @@ Order of one epoch, for one rank (all of it derived from (seed, epoch, rank), no
    ranks can get one shard more than others, which is harmless because training length
    is counted in optimizer steps and each rank cycles its own epochs;
 3. the rank's rows, in file order (without those of the other side of the held-out split,
-   eagle3.data.heldout, when a threshold is given), go through a shuffle buffer of `shuffle_buffer_size`
+   eagle3.prepare.heldout, when a threshold is given), go through a shuffle buffer of `shuffle_buffer_size`
    samples (rng(seed, epoch, rank)): fill, then emit a random slot and refill it.
 Because the order is computed from indices alone, resuming at `samples_seen` skips the
 consumed rows without decoding them and skips Parquet row groups that hold none of the
@@ -37,10 +37,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eagle3.codec import StoredRow, decode_row, dequantize_fp8
-from eagle3.manifest import resolve_files
+from eagle3.extract.codec import StoredRow, decode_row, dequantize_fp8
+from eagle3.extract.manifest import resolve_files
 from eagle3.schema import hs_layout
-from eagle3.shards import ShardFile, read_ahead
+from eagle3.extract.shards import ShardFile, read_ahead
 
 
 def rank_shards(num_shards: int, seed: int, epoch: int, rank: int, world_size: int) -> list[int]:
@@ -52,7 +52,7 @@ def rank_shards(num_shards: int, seed: int, epoch: int, rank: int, world_size: i
 def epoch_order(shard_rows: Sequence[int], shards: Sequence[int], shuffle_buffer_size: int, seed: int, epoch: int,
                 rank: int) -> list[tuple[int, int]]:
     """(shard, row) in the order a rank yields the rows of `shards` (of shard_rows[s] rows each, read
-    in this order) in `epoch` (step 3 above). Online training (eagle3.data.online) orders the same way."""
+    in this order) in `epoch` (step 3 above). Online training (eagle3.train.data.online) orders the same way."""
     rng = np.random.default_rng([seed, epoch, rank])
     size = max(1, shuffle_buffer_size)
     buffer: list[tuple[int, int]] = []
@@ -94,12 +94,12 @@ class HiddenStatesDataset:
     """
 
     forkable = True
-    """DataLoader worker processes may read it (each opens the shards itself); eagle3.data.pipeline."""
+    """DataLoader worker processes may read it (each opens the shards itself); eagle3.train.data.pipeline."""
 
     def __init__(self, files: str | Path | Sequence[str | Path], *, seed: int = 0, rank: int = 0,
                  world_size: int = 1, shuffle_buffer_size: int = 256, heldout_threshold: int = 0,
                  heldout: bool = False):
-        """heldout_threshold > 0: only the rows outside the held-out split (eagle3.data.heldout), or
+        """heldout_threshold > 0: only the rows outside the held-out split (eagle3.prepare.heldout), or
         with `heldout` only those inside it; found from each shard's sample_id column, so a resume
         or another rank finds the same rows. 0: every row (`heldout` must then be False)."""
         if heldout and not heldout_threshold:
@@ -123,7 +123,7 @@ class HiddenStatesDataset:
                 )
             kept = None
             if heldout_threshold:
-                from eagle3.data.heldout import is_heldout
+                from eagle3.prepare.heldout import is_heldout
 
                 ids = pf.read(columns=["sample_id"]).column("sample_id").to_pylist()
                 kept = [r for r, sid in enumerate(ids) if is_heldout(sid, heldout_threshold) == heldout]
@@ -167,15 +167,15 @@ class HiddenStatesDataset:
 
     def token_frequencies(self, vocab_size: int):
         """Counts of every loss-masked token id of these shards outside the held-out split
-        (eagle3.data.vocab)."""
-        from eagle3.data.vocab import token_frequencies
+        (eagle3.train.data.vocab)."""
+        from eagle3.train.data.vocab import token_frequencies
 
         return token_frequencies(self.files, vocab_size, heldout_threshold=self.heldout_threshold)
 
     def samples(self, epoch: int, start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
         """This rank's samples of `epoch` in shuffled order, skipping the first `start`, each shifted
         by speculators' own shift_batch (compat.speculators_batch.speculators_sample), fp8 dequantised
-        to bf16. Training packs `rows` instead (eagle3.data.packing), to the same values."""
+        to bf16. Training packs `rows` instead (eagle3.train.data.packing), to the same values."""
         from compat.speculators_batch import speculators_sample
 
         for row in self.rows(epoch, start):
@@ -183,7 +183,7 @@ class HiddenStatesDataset:
             yield speculators_sample(row.input_ids, row.loss_mask, hs)
 
     def rows(self, epoch: int, start: int = 0) -> Iterator[StoredRow]:
-        """The same samples as `samples`, as stored and unshifted (eagle3.codec.StoredRow: input_ids
+        """The same samples as `samples`, as stored and unshifted (eagle3.extract.codec.StoredRow: input_ids
         [T], loss_mask [T], hidden states [T, L, H], fp8 scales [T, L] or None), views of the shard's
         memory."""
         order = self.epoch_order(epoch)[start:]

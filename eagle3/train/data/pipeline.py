@@ -5,8 +5,8 @@ Owns: how deep batches are built ahead (`prefetch_depth`, from a memory budget u
 many worker processes (`data_workers`), where (`batch_source`: worker processes into a shared
 ring, a thread where /dev/shm cannot hold that ring, or in line), and assembling it with the
 device staging (`input_pipeline`).
-Does not own: the parts it assembles (eagle3.data.rows, .packing, .prefetch, .staging), the config
-fields (eagle3.train_config.DataConfig).
+Does not own: the parts it assembles (eagle3.train.data.rows, .packing, .prefetch, .staging), the config
+fields (eagle3.train.config.DataConfig).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import os
 
 import torch
 
-from eagle3.data.packing import PackedBatches, batch_layout
-from eagle3.data.prefetch import Prefetcher, WorkerPrefetcher
-from eagle3.data.rows import HiddenStatesDataset
-from eagle3.data.staging import DeviceBatches
-from eagle3.train_config import DataConfig
+from eagle3.train.data.packing import PackedBatches, batch_layout
+from eagle3.train.data.prefetch import Prefetcher, WorkerPrefetcher
+from eagle3.train.data.rows import HiddenStatesDataset
+from eagle3.train.data.staging import DeviceBatches
+from eagle3.train.config import DataConfig
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ PREFETCH_AUTO_MAX = 16  # and no deeper: small batches need no deep queue
 
 def batch_bytes(cfg: DataConfig, num_layers: int, hidden_size: int, dtype: torch.dtype) -> int:
     """Bytes of one packed micro-batch of `num_layers` captured layers (the aux ones and the
-    verifier's last) in `dtype`: the buffers of eagle3.data.packing.batch_layout."""
+    verifier's last) in `dtype`: the buffers of eagle3.train.data.packing.batch_layout."""
     layout = batch_layout(cfg.micro_batch_tokens, num_layers, hidden_size, dtype)
     return sum(math.prod(shape) * dt.itemsize for shape, dt in layout.values())
 
@@ -97,7 +97,7 @@ def input_pipeline(dataset: HiddenStatesDataset, cfg: DataConfig, dtype: torch.d
     dequantisation is slower than packing bf16 (benchmarks/results/training/batch-h200-1b-fp8.md)."""
     on_gpu = device.type == "cuda"
     depth = prefetch_depth(cfg, len(dataset.layer_ids), dataset.hidden_size, dtype)
-    # An online dataset (eagle3.data.online) asks the coordinator for its tables: forked workers
+    # An online dataset (eagle3.train.data.online) asks the coordinator for its tables: forked workers
     # would each walk the batch sequence and ask for every shard again, so it is read in a thread.
     workers = data_workers(cfg) if dataset.forkable else 0
     source = batch_source(dataset, cfg.micro_batch_tokens, dtype, depth, workers,
