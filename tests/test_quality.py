@@ -52,7 +52,7 @@ def _engine(ray, target_dir: str, draft_dir: str | None, k: int, max_model_len: 
 @pytest.mark.slow
 def test_vllm_first_token_acceptance_matches_training_accuracy(tiny_target, ray_local, tmp_path):
     """EAGLE3_TRAIN_SERVE_TARGET=DIR runs the same check on another target (an HF directory, e.g. a
-    real one from benchmarks/real_targets.py: results/quality/train-serve-smollm2-cpu.md); the suite uses
+    real one from eagle3/real_targets.py: results/quality/train-serve-smollm2-cpu.md); the suite uses
     the tiny one."""
     from actors.trainer import run_training
     from eagle3.config import load_job_config

