@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks import real_targets as rt
+from eagle3 import real_targets as rt
 from tests.conftest import REPO
 
 TINY = rt.GgufShape(architecture="llama", num_tensors=21, num_layers=2, hidden_size=64, vocab_size=96)
@@ -202,7 +202,7 @@ def test_module_imports_only_the_standard_library():
     code = ("import sys; before = set(sys.modules); import eagle3.real_targets; "
             "print(sorted({m.split('.')[0] for m in set(sys.modules) - before} - set(sys.stdlib_module_names)))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
-    assert json.loads(out.stdout.replace("'", '"')) == ["benchmarks"]
+    assert json.loads(out.stdout.replace("'", '"')) == ["eagle3"]
 
 
 def test_a_job_naming_an_unknown_pypi_model_is_refused_before_any_work(tmp_path):
