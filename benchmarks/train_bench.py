@@ -124,7 +124,7 @@ STEP_LOG_ENV = "EAGLE3_TRAIN_BENCH_STEP_LOG"
 OUR_STEP_FORMAT = "step %d/%d loss %.4f full_acc_0 %.3f lr %.2e tokens %d input_wait_ms %.1f"
 """actors.trainer's rank-0 per-step log line, whose arguments the step clock reads;
 tests/test_train_bench.py fails if actors/trainer.py stops logging it."""
-MAX_DRAFT_VOCAB = 32000  # eagle3.train.trainer.DEFAULT_MAX_DRAFT_VOCAB (the trainer module imports torch)
+MAX_DRAFT_VOCAB = 32000  # eagle3.train.config.DEFAULT_MAX_DRAFT_VOCAB
 SPECULATORS_NEEDS_ACCELERATOR = (
     "speculators' trainer needs an accelerator as shipped (model.to(local_rank), "
     "torch.accelerator.synchronize(), Triton fused losses); not run on this CPU-only machine")

@@ -959,3 +959,14 @@ def test_ray_train_two_workers_checkpoint_resume_export(tiny, tmp_path, ray_loca
     with pytest.raises(Exception, match="held-out threshold"):  # a resume under another split is refused
         run_training(replace(cfg, num_steps=8, checkpoint=replace(cfg.checkpoint, max_failures=0)), files,
                      str(target), str(out), heldout_threshold=0)
+
+
+def test_draft_vocab_size_is_at_most_the_targets():
+    """train.draft.draft_vocab_size caps the draft head: a target with fewer tokens keeps its whole
+    vocabulary (no mapping), as the demo's 1,024 does for the tests' 796-token tiny target."""
+    from eagle3.train.config import resolve_draft_vocab_size
+
+    assert resolve_draft_vocab_size(None, 151936) == 32000
+    assert resolve_draft_vocab_size(None, 796) == 796
+    assert resolve_draft_vocab_size(1024, 49152) == 1024
+    assert resolve_draft_vocab_size(1024, 796) == 796

@@ -85,8 +85,8 @@ class DraftConfig:
     num_draft_layers: int = 1
     """Decoder layers in the draft (EAGLE-3 uses 1; each adds latency to every draft token)."""
     draft_vocab_size: int | None = None
-    """Draft LM-head vocabulary: the most frequent loss-masked target tokens (d2t/t2d mapping).
-    None: min(32000, target vocab). Equal to the target vocab: no mapping."""
+    """Draft LM-head vocabulary: the most frequent loss-masked target tokens (d2t/t2d mapping), at
+    most this many: a target with fewer tokens keeps its whole vocabulary (no mapping). None: 32000."""
     loss: LossName = "kl_div"
     """Distillation loss against the target's next-token distribution; a speculators loss name."""
     norm_before_fc: bool = False
@@ -111,7 +111,7 @@ class DraftConfig:
         if self.num_draft_layers < 1:
             _fail("draft.num_draft_layers", self.num_draft_layers, "must be >= 1")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
-            _fail("draft.draft_vocab_size", self.draft_vocab_size, "must be >= 1 or null (min(32000, target vocab))")
+            _fail("draft.draft_vocab_size", self.draft_vocab_size, "must be >= 1 or null (32000, at most the target's vocabulary)")
 
 
 FLEX_ATTN_MAX_TOKENS = 8192
@@ -120,6 +120,16 @@ speculators 0.9, the 8B shape): 8,192 tokens at 63,954 tokens/s. At 16,384 the f
 compile (inductor/Triton: one kernel's ptxas alone ran over a minute) did not end in 229 s, and in
 another run the process died of SIGSEGV there; sdpa trained 16,384, 32,768 and 49,152 tokens
 (benchmarks/results/training/long-context-train-h200-8b-*.md)."""
+
+
+DEFAULT_MAX_DRAFT_VOCAB = 32000
+"""train.draft.draft_vocab_size when null: the draft head's tokens at most (speculators' default)."""
+
+
+def resolve_draft_vocab_size(requested: int | None, target_vocab_size: int) -> int:
+    """The draft head's vocabulary: `requested` (DEFAULT_MAX_DRAFT_VOCAB when None), at most the
+    target's; equal to the target's means no d2t/t2d mapping."""
+    return min(requested or DEFAULT_MAX_DRAFT_VOCAB, target_vocab_size)
 
 
 def resolve_draft_attn_impl(impl: DraftAttnImpl | None, micro_batch_tokens: int, cuda: bool) -> DraftAttnImpl:

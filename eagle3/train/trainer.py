@@ -36,11 +36,9 @@ from eagle3.train.data.pipeline import input_pipeline
 from eagle3.train.data.rows import HiddenStatesDataset
 from eagle3.train.data.staging import DeviceBatches
 from eagle3.train.data.vocab import draft_vocab_mapping_from_counts
-from eagle3.train.config import FLEX_ATTN_MAX_TOKENS, TrainConfig, resolve_draft_attn_impl
+from eagle3.train.config import FLEX_ATTN_MAX_TOKENS, TrainConfig, resolve_draft_attn_impl, resolve_draft_vocab_size
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_DRAFT_VOCAB = 32000
 
 
 def _dist():
@@ -126,10 +124,7 @@ class Eagle3Trainer:
                              f"num_hidden_layers={text_cfg.num_hidden_layers}: the last captured layer must be "
                              "the target's final layer; re-extract against this target")
         self.target_vocab_size = int(text_cfg.vocab_size)
-        self.draft_vocab_size = cfg.draft.draft_vocab_size or min(DEFAULT_MAX_DRAFT_VOCAB, self.target_vocab_size)
-        if self.draft_vocab_size > self.target_vocab_size:
-            raise ValueError(f"config train.draft.draft_vocab_size={cfg.draft.draft_vocab_size}: larger than the "
-                             f"target vocab ({self.target_vocab_size}); use at most that, or null")
+        self.draft_vocab_size = resolve_draft_vocab_size(cfg.draft.draft_vocab_size, self.target_vocab_size)
         # Offline from the shards, online from the prepared tokens: the same counts for the same data.
         d2t, t2d = draft_vocab_mapping_from_counts(lambda: self.dataset.token_frequencies(self.target_vocab_size),
                                                    self.draft_vocab_size, self.target_vocab_size)
