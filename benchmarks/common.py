@@ -1,17 +1,24 @@
 """What the benchmarks share: the random-token prompts they feed the engines and trainers, those
 prompts as a prepared-tokens table, the machine and version records every result carries,
 the disk probes (dropping files from the page cache, reading them with O_DIRECT), an extraction
-run's steady-state rate, writing a result's JSON and markdown, and finding the ShareGPT file.
-Benchmarks import these from here, not from each other."""
+run's steady-state rate, a trainer's step log and its steady-state rate, a random-weight target,
+child commands with their logs, waiting for the GPU's memory, writing a result's JSON and markdown,
+and finding the ShareGPT file. Benchmarks import these from here, not from each other."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
+import shlex
 import subprocess
 import time
 from pathlib import Path
+
+logger = logging.getLogger("eagle3.benchmarks")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -157,3 +164,110 @@ def sharegpt_json(path: str | Path | None, dest_dir: str | Path) -> str:
                 while chunk := src.read(16 << 20):
                     dst.write(chunk)
         return str(out)
+
+
+def gpu_available() -> bool:
+    """Whether torch sees a CUDA GPU here (imports torch)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def run_logged(cmd: list[str], log_path: Path, what: str, env: dict | None = None) -> None:
+    """A child command, run in the repository root, with its output in log_path; a failure raises
+    with the log's tail."""
+    print(f"[{what}] {shlex.join(cmd)}  (log: {log_path})", flush=True)
+    with log_path.open("w") as log:
+        rc = subprocess.run(cmd, cwd=str(REPO_ROOT), stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})}).returncode
+    if rc != 0:
+        tail = log_path.read_text(errors="replace")[-4000:]
+        raise RuntimeError(f"[{what}] exit {rc}: {shlex.join(cmd)}\n--- last lines of {log_path} ---\n{tail}")
+
+
+def wait_gpu_released(what: str, timeout_s: float = 60.0, max_used_mib: int = 4096) -> int | None:
+    """Ray kills actors asynchronously: wait until no process holds the GPU's memory any more
+    before the next stage takes it. Returns the MiB in use (None without nvidia-smi)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+        used = max((int(x) for x in out.split() if x.strip().isdigit()), default=0)
+        if used <= max_used_mib:
+            return used
+        if time.monotonic() > deadline:
+            logger.warning("before %s: GPU memory still %d MiB in use after %.0f s; going on (may run out of "
+                           "memory)", what, used, timeout_s)
+            return used
+        time.sleep(1.0)
+
+
+def random_llama(shape: str, out_dir: str, seed: int) -> dict:
+    """A Llama of `shape` (benchmarks.shapes) with seeded random bf16 weights, saved in HF format in
+    out_dir (trainers read the verifier's embeddings and lm_head from it, so vLLM's dummy weights are
+    not enough); on the GPU when there is one (a Ray task's). Returns device, num_params, seconds."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from benchmarks.shapes import write_shape
+
+    t0 = time.perf_counter()
+    write_shape(shape, out_dir)
+    config = AutoConfig.from_pretrained(out_dir)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out_dir)
+    num_params = sum(p.numel() for p in model.parameters())
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return {"device": device, "num_params": num_params, "seconds": time.perf_counter() - t0}
+
+
+def set_page_cache(files: list[str], mode: str) -> None:
+    """Put two trainers' data on the same footing: 'cold' drops the files' pages from the page
+    cache (POSIX_FADV_DONTNEED), 'warm' reads them once. Our shards are written with O_DIRECT and
+    start cold; speculators' files are written through the cache and would start warm."""
+    if mode == "cold":
+        drop_cache(files)
+        return
+    for f in files:
+        with open(f, "rb") as fh:
+            while fh.read(64 << 20):
+                pass
+
+
+def read_step_log(path: str | Path) -> list[dict]:
+    """A trainer's step log (one JSON record a line: step, t, tokens, ...; train_bench's docstring
+    describes it); [] where there is no file."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def steady_state(records: list[dict], skip_steps: int, num_steps: int) -> dict:
+    """Tokens/s over steps skip_steps+1..num_steps from a step log's per-step time stamps (the step
+    before the window starts the clock); every step 1..num_steps must be there."""
+    by_step = {int(r["step"]): r for r in records}
+    want = list(range(1, num_steps + 1))
+    missing = [s for s in want if s not in by_step]
+    if missing:
+        raise ValueError(f"step log has steps {sorted(by_step)[:5]}..{sorted(by_step)[-5:] if by_step else []} "
+                         f"({len(by_step)} records); missing steps {missing[:10]} of 1..{num_steps}")
+    window = [by_step[s] for s in want[skip_steps:]]
+    seconds = window[-1]["t"] - by_step[skip_steps]["t"]
+    tokens = sum(int(r["tokens"]) for r in window)
+    if seconds <= 0:
+        raise ValueError(f"step time stamps do not increase: step {skip_steps} at {by_step[skip_steps]['t']}, "
+                         f"step {num_steps} at {window[-1]['t']}")
+    return {"tokens_per_s": tokens / seconds, "steps_measured": len(window), "first_step_measured": skip_steps + 1,
+            "tokens_measured": tokens, "seconds_measured": seconds,
+            "tokens_per_step": sorted({int(r["tokens"]) for r in window}),
+            "seconds_skipped_steps": [round(by_step[s]["t"] - by_step[s - 1]["t"], 4) for s in want[1:skip_steps]],
+            "loss_first": by_step[1].get("loss"), "loss_last": by_step[num_steps].get("loss")}

@@ -25,7 +25,7 @@ allocate). Lengths are tried shortest first and stop at the first failure, or wh
 length's predicted wall time (the last one's, scaled by the length ratio squared: attention)
 would go past --budget-s. Recorded per length: peak GPU memory (allocated and reserved, torch's
 counters, reset after the DeepSpeed engine is built, so model + optimizer state are in it),
-steady-state tokens/s (train_bench.steady_state over the steps after --skip-steps), input wait.
+steady-state tokens/s (common.steady_state over the steps after --skip-steps), input wait.
 The training data are synthetic: random bf16 hidden states of the shape extraction writes, in
 shard files written with the product's writer (eagle3.extract.shards.write_shard_file), --train-samples
 samples per length, read again each epoch. Values do not change a step's memory or time; the
@@ -287,7 +287,7 @@ def train_one(args) -> dict:
     import torch
 
     from benchmarks.shapes import SHAPES
-    from benchmarks.train_bench import steady_state
+    from benchmarks.common import steady_state
     from eagle3.train import deepspeed_backend
     from eagle3.config import ExtractConfig
     from eagle3.train.config import (CheckpointConfig, DataConfig, DraftConfig, OptimizerConfig, TrainConfig,

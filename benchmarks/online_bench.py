@@ -131,22 +131,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def build_target(shape: str, out_dir: str, seed: int) -> str:
-    """A Llama of `shape` with seeded random bf16 weights in HF format (the trainer reads the
-    verifier's embeddings and lm_head from it, so vLLM's dummy weights are not enough)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from benchmarks.shapes import write_shape
-
-    write_shape(shape, out_dir)
-    torch.manual_seed(seed)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out_dir), dtype=torch.bfloat16)
-    model.save_pretrained(out_dir)
-    return out_dir
-
-
 def job_config(args, out: Path, target_dir: str, *, replicas: int, workers: int, source: str):
     from eagle3.config import load_job_config
 
@@ -178,7 +162,7 @@ def run(args) -> dict:
     import ray
 
     from actors.trainer import run_training
-    from benchmarks.common import random_prompts, result_meta, tokens_table
+    from benchmarks.common import random_llama, random_prompts, result_meta, tokens_table
     from benchmarks.shapes import SHAPES
     from ray_jobs.cluster import init_ray
     from ray_jobs.extract import run_extract
@@ -189,8 +173,9 @@ def run(args) -> dict:
     init_ray()
     gpu = ray.cluster_resources().get("GPU", 0) >= 1
     # max_calls=1: the task's process exits after it, and its CUDA context with it
-    target_dir = ray.get(ray.remote(max_calls=1)(build_target).options(num_gpus=1 if gpu else 0).remote(
-        args.shape, str(work / "target"), args.seed))
+    target_dir = str(work / "target")
+    ray.get(ray.remote(max_calls=1)(random_llama).options(num_gpus=1 if gpu else 0).remote(args.shape, target_dir,
+                                                                                          args.seed))
     tokens_path = work / "tokens.parquet"
     pq.write_table(tokens_table(random_prompts(args.num_prompts, args.prompt_len, SHAPES[args.shape][5],
                                                seed=args.seed)), tokens_path)

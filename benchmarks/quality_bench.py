@@ -83,11 +83,12 @@ import logging
 import math
 import os
 import shlex
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from benchmarks.common import gpu_available, run_logged
 
 logger = logging.getLogger("eagle3.quality_bench")
 
@@ -268,23 +269,6 @@ class State:
         os.replace(tmp, self.path)
 
 
-def _run(cmd: list[str], log_path: Path, what: str, env: dict | None = None) -> None:
-    """A child command with its output in log_path; a failure raises with the log's tail."""
-    print(f"[{what}] {shlex.join(cmd)}  (log: {log_path})", flush=True)
-    with log_path.open("w") as log:
-        rc = subprocess.run(cmd, cwd=str(REPO_ROOT), stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, **(env or {})}).returncode
-    if rc != 0:
-        tail = log_path.read_text(errors="replace")[-4000:]
-        raise RuntimeError(f"[{what}] exit {rc}: {shlex.join(cmd)}\n--- last lines of {log_path} ---\n{tail}")
-
-
-def _gpu() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 # ---------------------------------------------------------------------------------------------
 # part 1: target
 
@@ -345,7 +329,7 @@ def part_target(plan: Plan, out: Path, sharegpt: str, real_target: str | None) -
         (out / "held_out.json").write_text(json.dumps(ids))
         return {"tiny_demo_target": str(target), "held_out": {"num_records": len(ids)}}
     if not build.exists():
-        _run([sys.executable, "-m", "benchmarks.make_target", *plan.target_args, "--template", plan.template,
+        run_logged([sys.executable, "-m", "benchmarks.make_target", *plan.target_args, "--template", plan.template,
               "--sharegpt", sharegpt, "--out", str(target)], out / "make_target.log", "target")
     else:
         print(f"target: {target} already built", flush=True)
@@ -466,7 +450,7 @@ def part_data(plan: Plan, out: Path, gpu: bool, conversations: str) -> dict:
             print(f"data: {name} already extracted", flush=True)
         else:
             stages = "[prepare, regenerate, extract]" if regenerate else "[prepare, extract]"
-            _run([sys.executable, "-m", "ray_jobs.run", "--config", str(out / f"{name}.json"), "--set",
+            run_logged([sys.executable, "-m", "ray_jobs.run", "--config", str(out / f"{name}.json"), "--set",
                   f"stages={stages}"], out / f"{name}-data.log", f"data {name}")
             report.write_text((out / name / "report.json").read_text())
         res[name] = json.loads(report.read_text())["stages"]
@@ -494,7 +478,7 @@ def committed_files(job_dir: Path) -> list[str]:
 def train_ours(out: Path, name: str) -> dict:
     draft = out / name / "draft"
     if not (draft / "model.safetensors").exists():
-        _run([sys.executable, "-m", "ray_jobs.run", "--config", str(out / f"{name}.json"), "--set",
+        run_logged([sys.executable, "-m", "ray_jobs.run", "--config", str(out / f"{name}.json"), "--set",
               "stages=[train, export]"], out / f"{name}-train.log", f"train {name}")
     report = json.loads((out / name / "report.json").read_text())
     return {"draft_dir": str(draft), "summary": report["stages"].get("train"), "seconds": report["seconds"]}
@@ -1128,7 +1112,7 @@ def main(argv=None) -> int:
     state.data["commands"].append(shlex.join([sys.executable, "-m", "benchmarks.quality_bench", *sys.argv[1:]]
                                              if argv is None else ["python", "-m", "benchmarks.quality_bench", *argv]))
     state.save()
-    gpu = _gpu()
+    gpu = gpu_available()
     if not gpu and not args.cpu_smoke and args.part != "report":  # a report only reads the parts' files
         ap.error(f"no GPU here: the {plan_name} plan needs one; use --cpu-smoke on a CPU")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(plan.cpu_kvcache_space_gib))

@@ -115,6 +115,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from benchmarks.common import random_llama, read_step_log, set_page_cache, steady_state, wait_gpu_released
 from compat.speculators_loss import loss_implementation
 
 logger = logging.getLogger("eagle3.train_bench")
@@ -238,79 +239,8 @@ def install_step_clock() -> None:
     log.addHandler(_OurStepClock(path))
 
 
-def read_step_log(path: str | Path) -> list[dict]:
-    p = Path(path)
-    if not p.exists():
-        return []
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
-
-
-def steady_state(records: list[dict], skip_steps: int, num_steps: int) -> dict:
-    """Tokens/s over steps skip_steps+1..num_steps from per-step time stamps (see the module docstring)."""
-    by_step = {int(r["step"]): r for r in records}
-    want = list(range(1, num_steps + 1))
-    missing = [s for s in want if s not in by_step]
-    if missing:
-        raise ValueError(f"step log has steps {sorted(by_step)[:5]}..{sorted(by_step)[-5:] if by_step else []} "
-                         f"({len(by_step)} records); missing steps {missing[:10]} of 1..{num_steps}")
-    window = [by_step[s] for s in want[skip_steps:]]
-    seconds = window[-1]["t"] - by_step[skip_steps]["t"]
-    tokens = sum(int(r["tokens"]) for r in window)
-    if seconds <= 0:
-        raise ValueError(f"step time stamps do not increase: step {skip_steps} at {by_step[skip_steps]['t']}, "
-                         f"step {num_steps} at {window[-1]['t']}")
-    return {"tokens_per_s": tokens / seconds, "steps_measured": len(window), "first_step_measured": skip_steps + 1,
-            "tokens_measured": tokens, "seconds_measured": seconds,
-            "tokens_per_step": sorted({int(r["tokens"]) for r in window}),
-            "seconds_skipped_steps": [round(by_step[s]["t"] - by_step[s - 1]["t"], 4) for s in want[1:skip_steps]],
-            "loss_first": by_step[1].get("loss"), "loss_last": by_step[num_steps].get("loss")}
-
-
 # ---------------------------------------------------------------------------------------------
 # stages
-
-
-def build_target(shape: str, out_dir: str, seed: int) -> dict:
-    """A Llama of `shape` with seeded random bf16 weights, saved in HF format (runs in a Ray task:
-    on the GPU when the task has one)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from benchmarks.shapes import write_shape
-
-    t0 = time.perf_counter()
-    write_shape(shape, out_dir)
-    config = AutoConfig.from_pretrained(out_dir)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(out_dir)
-    num_params = sum(p.numel() for p in model.parameters())
-    del model
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return {"device": device, "num_params": num_params, "seconds": time.perf_counter() - t0}
-
-
-def _wait_gpu_released(what: str, timeout_s: float = 60.0, max_used_mib: int = 4096) -> int | None:
-    """Ray kills actors asynchronously: wait until no process holds the GPU's memory any more
-    before the next stage takes it. Returns the MiB in use (None without nvidia-smi)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, timeout=30).stdout
-        except (OSError, subprocess.SubprocessError):
-            return None
-        used = max((int(x) for x in out.split() if x.strip().isdigit()), default=0)
-        if used <= max_used_mib:
-            return used
-        if time.monotonic() > deadline:
-            logger.warning("before %s: GPU memory still %d MiB in use after %.0f s; going on (may run out of "
-                           "memory)", what, used, timeout_s)
-            return used
-        time.sleep(1.0)
 
 
 def speculators_flags(s: BenchSettings, *, target_dir: str, data_path: str, save_path: str, log_dir: str,
@@ -515,21 +445,6 @@ a planning bound, not the exact file size."""
 
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f} ms"
-
-
-def set_page_cache(files: list[str], mode: str) -> None:
-    """Put both trainers' data on the same footing: 'cold' drops the files' pages from the page
-    cache (POSIX_FADV_DONTNEED), 'warm' reads them once. Our shards are written with O_DIRECT and
-    start cold; speculators' files are written through the cache and would start warm."""
-    from benchmarks.common import drop_cache
-
-    if mode == "cold":
-        drop_cache(files)
-        return
-    for f in files:
-        with open(f, "rb") as fh:
-            while fh.read(64 << 20):
-                pass
 
 
 def markdown(res: dict) -> str:
@@ -769,7 +684,7 @@ def run_theirs(s: BenchSettings, args, work: Path, flags: list[str], gpu: bool, 
         theirs["command"] = speculators_command(work / "speculators_steps.jsonl", flags)
         return theirs
     if gpu:
-        _wait_gpu_released("speculators' training")
+        wait_gpu_released("speculators' training")
     spec_files = sorted(str(p) for p in (work / "speculators_data").rglob("*") if p.is_file())
     from benchmarks.common import direct_read_gb_s
 
@@ -865,7 +780,7 @@ def main(argv=None) -> int:
     # 1. target
     t = time.perf_counter()
     target_dir = str(work / "target")
-    build = ray.remote(num_gpus=1 if gpu else 0, num_cpus=1)(build_target)
+    build = ray.remote(num_gpus=1 if gpu else 0, num_cpus=1)(random_llama)
     res["target"] = {"dir": target_dir, **ray.get(build.remote(s.shape, target_dir, s.seed))}
     phases["build_target"] = time.perf_counter() - t
 
@@ -895,7 +810,7 @@ def main(argv=None) -> int:
         ours = {"skipped": "--skip-ours"}
     else:
         if gpu:
-            _wait_gpu_released("our training")
+            wait_gpu_released("our training")
         # O_DIRECT (leaves the page cache as it is), over the first DIRECT_READ_BYTES of the shards
         res["disk_read_gb_s"] = direct_read_gb_s(ext["files"], max_bytes=DIRECT_READ_BYTES)
         set_page_cache(ext["files"], args.page_cache)

