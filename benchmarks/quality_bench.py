@@ -88,11 +88,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.common import gpu_available, run_logged
+from benchmarks.common import REPO_ROOT, gpu_available, run_logged
 
 logger = logging.getLogger("eagle3.quality_bench")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONVERSATIONS = REPO_ROOT / "data" / "demo_conversations.jsonl"
 PARTS = ("target", "data", "train", "eval", "report")
 DRAFTS = ("ours", "theirs", "ours_original")
@@ -516,13 +515,14 @@ def train_theirs(plan: Plan, out: Path, gpu: bool, timeout_s: float) -> dict:
     from speculators.train.config import TrainConfig as SpecTrainConfig
 
     from benchmarks.speculators_data import convert_shards
-    from benchmarks.train_bench import (SPECULATORS_NEEDS_ACCELERATOR, MAX_DRAFT_VOCAB, run_speculators,
+    from benchmarks.train_bench import (SPECULATORS_NEEDS_ACCELERATOR, run_speculators,
                                         speculators_command, speculators_flags)
     from compat.speculators_verifier import verifier_text_config
     from eagle3.prepare.heldout import training_threshold
-    from eagle3.train.data.vocab import draft_vocab_mapping
-    from eagle3.schema import hs_layout
     from eagle3.extract.shards import ShardFile
+    from eagle3.schema import hs_layout
+    from eagle3.train.config import resolve_draft_vocab_size
+    from eagle3.train.data.vocab import draft_vocab_mapping
 
     work = out / "speculators"
     work.mkdir(exist_ok=True)
@@ -530,7 +530,7 @@ def train_theirs(plan: Plan, out: Path, gpu: bool, timeout_s: float) -> dict:
     files = committed_files(out / "job_regen")
     layer_ids, _, _ = hs_layout(ShardFile(files[0]).schema)
     vocab = int(verifier_text_config(target).vocab_size)
-    draft_vocab = min(MAX_DRAFT_VOCAB, vocab)
+    draft_vocab = resolve_draft_vocab_size(None, vocab)  # as our trainer resolves it
     data = work / "data"
     # The held-out split stays out of both trainers' data and vocabularies (our trainer leaves it out).
     threshold = training_threshold(out / "job_regen" / "prepared")

@@ -125,7 +125,6 @@ STEP_LOG_ENV = "EAGLE3_TRAIN_BENCH_STEP_LOG"
 OUR_STEP_FORMAT = "step %d/%d loss %.4f full_acc_0 %.3f lr %.2e tokens %d input_wait_ms %.1f"
 """actors.trainer's rank-0 per-step log line, whose arguments the step clock reads;
 tests/test_train_bench.py fails if actors/trainer.py stops logging it."""
-MAX_DRAFT_VOCAB = 32000  # eagle3.train.config.DEFAULT_MAX_DRAFT_VOCAB
 SPECULATORS_NEEDS_ACCELERATOR = (
     "speculators' trainer needs an accelerator as shipped (model.to(local_rank), "
     "torch.accelerator.synchronize(), Triton fused losses); not run on this CPU-only machine")
@@ -754,11 +753,12 @@ def main(argv=None) -> int:
 
     from benchmarks.common import direct_read_gb_s, drop_all_caches, result_meta
     from benchmarks.shapes import SHAPES
+    from eagle3.train.config import resolve_draft_vocab_size
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="eagle3-train-bench-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     hidden, num_layers, _, _, _, vocab = SHAPES[s.shape]
-    draft_vocab = min(MAX_DRAFT_VOCAB, vocab)
+    draft_vocab = resolve_draft_vocab_size(None, vocab)  # as our trainer resolves it
     phases: dict[str, float] = {}
     res: dict = {"meta": result_meta(args, work_dir=str(work)),
                  "settings": {**asdict(s), "num_prompts": s.num_prompts, "tokens_per_step": s.tokens_per_step,
