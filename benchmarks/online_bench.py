@@ -288,8 +288,10 @@ def one_gpu_job_config(args, *, source: str, output_dir: str, target_dir: str, c
                   "checkpoint": {"checkpoint_every": num_steps, "num_checkpoints_to_keep": 1},
                   "online": {"gpu_split": "shared", "trainer_gpu_fraction": args.trainer_gpu_fraction,
                              "max_inflight_bytes": int(args.max_inflight_gib * (1 << 30))}},
+        # acceptance only, eager, in both runs: no baseline engine and no CUDA-graph capture after the
+        # wall this bench compares (the speedup is quality_bench's)
         "eval": {"num_speculative_tokens": list(args.eval_k), "num_prompts": args.eval_prompts,
-                 "max_tokens": args.eval_max_tokens},
+                 "max_tokens": args.eval_max_tokens, "speed_batch_sizes": [], "enforce_eager": True},
     }
 
 

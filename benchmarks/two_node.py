@@ -128,7 +128,9 @@ PRESETS = {
         "train": {"num_workers": 1, "num_steps": 60,
                   "optimizer": {"lr": 0.001, "warmup_steps": 6, "bf16": True},
                   "data": {"micro_batch_tokens": 4096}, "checkpoint": {"checkpoint_every": 30}},
-        "eval": {"num_speculative_tokens": [3], "num_prompts": 16, "max_tokens": 64},
+        # acceptance only, eager: no baseline engine and no CUDA-graph capture (the speed is quality_bench's)
+        "eval": {"num_speculative_tokens": [3], "num_prompts": 16, "max_tokens": 64, "speed_batch_sizes": [],
+                 "enforce_eager": True},
     }),
     # Two 1-CPU nodes, the demo's tiny target (8 layers, hidden 256), as few steps as show the path.
     "cpu": dict(num_cpus=1, num_gpus=0, object_store_gib=1.0, repeat=1, job_timeout_s=1800, job={
