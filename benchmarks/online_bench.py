@@ -118,6 +118,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     one.add_argument("--eval-prompts", type=int, default=32)
     one.add_argument("--eval-max-tokens", type=int, default=128)
     one.add_argument("--order", default="online,offline", help="which run goes first")
+    one.add_argument("--reuse-finished", action="store_true", help="with --work-dir: a run whose report.json and "
+                     "log are there from an earlier invocation is read back, not run again")
     one.add_argument("--job-timeout-s", type=float, default=900.0, help="per run")
     args = ap.parse_args(argv)
     if args.one_gpu:
@@ -306,6 +308,12 @@ def epoch_steps(tokens_path: Path, micro_batch_tokens: int) -> tuple[int, int]:
     return tokens, max(1, tokens // micro_batch_tokens)
 
 
+def greedy_acceptance(ev: dict | None) -> list[dict]:
+    """Per draft engine, its greedy acceptance (eval.json's "acceptance": one entry per k, each
+    mode's counters under its name), with the engine's k."""
+    return [{**a["greedy"], "num_speculative_tokens": a["num_speculative_tokens"]} for a in (ev or {}).get("acceptance") or []]
+
+
 def acceptance_stderr(ev: dict) -> float | None:
     """Standard error of an eval's acceptance length, from its per-position acceptance rates
     (rate j = P(a draft's first j tokens all accepted), so the accepted count A has
@@ -365,7 +373,7 @@ def run_figures(out: Path, source: str, log_text: str, skip_steps: int) -> dict:
                     "stderr": acceptance_stderr(e), "num_drafts": e.get("num_drafts"),
                     "acceptance_rate_per_pos": e.get("acceptance_rate_per_pos"),
                     "first_output_token_ids": e.get("first_output_token_ids")}
-                   for e in report["stages"].get("eval") or []]
+                   for e in greedy_acceptance(report["stages"].get("eval"))]
     return fig
 
 
@@ -469,6 +477,15 @@ def run_one_gpu(args) -> dict:
 
     for source in args.order:
         run_out = work / source
+        log_path = out_dir / f"online-{args.tag}-{source}.log"
+        if args.reuse_finished and (run_out / "report.json").exists() and log_path.exists():
+            # a run finished in an earlier invocation with this --work-dir (one the bench itself then failed
+            # after): its figures are read back, it is not run again
+            print(f"{source}: reusing the finished run in {run_out}", flush=True)
+            res["runs"][source] = {"reused": True, "config": yaml.safe_load((work / f"{source}.yaml").read_text()),
+                                   "log": log_path.name, "log_bytes": log_path.stat().st_size,
+                                   **run_figures(run_out, source, log_path.read_text(), skip)}
+            continue
         shutil.rmtree(run_out, ignore_errors=True)
         run_out.mkdir(parents=True)
         shutil.copytree(work / "prepared", run_out / "prepared")
@@ -477,7 +494,6 @@ def run_one_gpu(args) -> dict:
         cfg_path = work / f"{source}.yaml"
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         load_job_config(str(cfg_path))  # a config error shows here, before a process starts
-        log_path = out_dir / f"online-{args.tag}-{source}.log"
         print(f"{source}: running the job ({run_out}), log {log_path}", flush=True)
         proc = run_job_process(cfg_path, log_path, args.job_timeout_s)
         entry = {"process": proc, "config": cfg, "log": log_path.name, "log_bytes": log_path.stat().st_size}

@@ -498,7 +498,9 @@ class TwoNodeCluster:
     def __init__(self, mode: str, root: Path, log_dir: Path):
         self.mode, self.root, self.log_dir = mode, root, log_dir
         preset = PRESETS[mode]
-        self.ray_bin = str(Path(sys.executable).with_name("ray"))
+        # beside the interpreter in a venv; on PATH where Ray was installed with --target (the GPU carry)
+        beside = Path(sys.executable).with_name("ray")
+        self.ray_bin = str(beside) if beside.exists() else shutil.which("ray") or str(beside)
         self.token = os.urandom(16).hex()
         self.res = dict(num_cpus=preset["num_cpus"], num_gpus=preset["num_gpus"],
                         object_store_bytes=int(preset["object_store_gib"] * (1 << 30)))

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from benchmarks import online_bench as ob
+from eagle3.evaluate import DecodeSampling, eval_report
 
 
 def _args(*extra):
@@ -91,8 +92,12 @@ def _fake_run(out, source, *, wall_train, extract=None, al=1.8, rates=(0.5, 0.2,
              "loss_first": 9.0, "loss_last": 3.0, "steady_tokens_per_s": 6000.0}
     if source == "online":
         train["online"] = {"num_extractions": 3, "trainer_wait_s": [1.5], "engine_idle_budget_s": 2.0, "replicas": []}
-    stages = {"train": train, "eval": [{"num_speculative_tokens": 3, "acceptance_length": al,
-                                        "acceptance_rate_per_pos": list(rates), "num_drafts": drafts}]}
+    # the eval stage's report as the job writes it (eval.json's shape, by the function that makes it)
+    greedy = {"acceptance_length": al, "acceptance_rate_per_pos": list(rates), "num_drafts": drafts}
+    engine = {"num_speculative_tokens": 3, "draft": "d", "acceptance": {"greedy": greedy}}
+    ev = eval_report([engine], samplings=(DecodeSampling("greedy", 0.0),), sampling_source="s", windows=(),
+                     speed_k=None, num_prompts=4, max_tokens=8)
+    stages = {"train": train, "eval": ev}
     if extract:
         stages["extract"] = {"num_samples": 10, "num_tokens": 9000, "bytes": disk, "replicas": [{"tokens_per_s": 5e4}]}
     (out / "report.json").write_text(json.dumps({"seconds": seconds, "stages": stages}))
