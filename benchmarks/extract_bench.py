@@ -268,7 +268,7 @@ def disk_extract_config(work: Path, *, max_len: int, hs_dtype: str, samples_per_
 
     return load_job_config(None, {"output_dir": str(work), "stages": ["extract"], "prepare.max_length": max_len,
                                   "extract.load_format": "dummy", "extract.hs_dtype": hs_dtype,
-                                  "extract.samples_per_shard": samples_per_shard, "extract.num_replicas": 1,
+                                  "extract.samples_per_shard": samples_per_shard, "extract.num_replicas": 1, "extract.replicas_per_gpu": 1,
                                   "extract.max_num_batched_tokens": batched,
                                   "extract.gpu_memory_utilization": 0.8,
                                   "extract.cpu_kvcache_space_gib": cpu_kv_gib,

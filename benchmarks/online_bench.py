@@ -140,7 +140,8 @@ def job_config(args, out: Path, target_dir: str, *, replicas: int, workers: int,
         "output_dir": str(out), "target.model": target_dir, "doctor": False, "eval.enabled": False,
         "stages": ["train"], "prepare.max_length": args.prompt_len + 8,
         "extract.backend": args.extract_backend, "extract.samples_per_shard": args.samples_per_shard,
-        "extract.num_replicas": replicas, "extract.max_num_batched_tokens": max(16384, args.prompt_len + 8),
+        "extract.num_replicas": replicas, "extract.replicas_per_gpu": 1,
+        "extract.max_num_batched_tokens": max(16384, args.prompt_len + 8),
         "extract.gpu_memory_utilization": 0.8, "extract.cpu_kvcache_space_gib": args.cpu_kv_gib,
         "train.num_workers": workers, "train.num_steps": args.num_steps, "train.seed": args.seed,
         "train.source": source, "train.data.micro_batch_tokens": args.micro_batch_tokens,
@@ -282,7 +283,7 @@ def one_gpu_job_config(args, *, source: str, output_dir: str, target_dir: str, c
         "stages": ["extract", "train", "export", "eval"] if source == "offline" else ["train", "export", "eval"],
         "prepare": {"conversations": conversations, "max_length": args.max_length, "max_samples": args.num_records,
                     "num_eval_prompts": args.eval_prompts, "leading_assistant": "drop"},
-        "extract": {"num_replicas": 1, "samples_per_shard": args.samples_per_shard,
+        "extract": {"num_replicas": 1, "replicas_per_gpu": 1, "samples_per_shard": args.samples_per_shard,
                     "gpu_memory_utilization": args.gpu_memory_utilization, "cpu_kvcache_space_gib": args.cpu_kv_gib},
         "train": {"num_workers": 1, "num_steps": num_steps, "seed": args.seed, "source": source,
                   "optimizer": {"lr": 1e-3, "warmup_steps": max(1, num_steps // 20), "bf16": bf16},
@@ -311,7 +312,8 @@ def epoch_steps(tokens_path: Path, micro_batch_tokens: int) -> tuple[int, int]:
 def greedy_acceptance(ev: dict | None) -> list[dict]:
     """Per draft engine, its greedy acceptance (eval.json's "acceptance": one entry per k, each
     mode's counters under its name), with the engine's k."""
-    return [{**a["greedy"], "num_speculative_tokens": a["num_speculative_tokens"]} for a in (ev or {}).get("acceptance") or []]
+    return [{**a["greedy"], "num_speculative_tokens": a["num_speculative_tokens"]}
+            for a in (ev or {}).get("acceptance") or []]
 
 
 def acceptance_stderr(ev: dict) -> float | None:

@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         shutil.rmtree(out, ignore_errors=True)
         layout = ({"extract.replicas_per_gpu": n, "extract.num_replicas": n,
                    "extract.kv_cache_memory_bytes": int(args.kv_cache_gib * 2**30)} if per_gpu
-                  else {"extract.num_replicas": n})
+                  else {"extract.num_replicas": n, "extract.replicas_per_gpu": 1})
         cfg = load_job_config(None, {**base_settings, **layout})
         s = run_extract(cfg, str(work / "tokens.parquet"), model_dir, str(out), progress=False)
         records = list(Manifest(out, cfg.extract.file_format).committed().values())

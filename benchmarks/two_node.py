@@ -109,7 +109,7 @@ PRESETS = {
     # records) so that extraction lasts long enough to be cut in the middle.
     "gpu": dict(num_cpus=8, num_gpus=1, object_store_gib=16.0, repeat=24, job_timeout_s=2400, job={
         "prepare": {"max_length": 1024, "num_eval_prompts": 16},
-        "extract": {"num_replicas": 2, "samples_per_shard": 32, "gpu_memory_utilization": 0.8},
+        "extract": {"num_replicas": 2, "replicas_per_gpu": 1, "samples_per_shard": 32, "gpu_memory_utilization": 0.8},
         "train": {"num_workers": 2, "num_steps": 100,
                   "optimizer": {"lr": 0.001, "warmup_steps": 10, "bf16": True},
                   "data": {"micro_batch_tokens": 4096}, "checkpoint": {"checkpoint_every": 50}},
@@ -123,7 +123,7 @@ PRESETS = {
     # and one eval engine.
     "gpu-shared": dict(num_cpus=8, num_gpus=1, object_store_gib=16.0, repeat=48, job_timeout_s=1500, job={
         "prepare": {"max_length": 1024, "num_eval_prompts": 16},
-        "extract": {"num_replicas": 2, "samples_per_shard": 32, "gpu_memory_utilization": 0.4,
+        "extract": {"num_replicas": 2, "replicas_per_gpu": 1, "samples_per_shard": 32, "gpu_memory_utilization": 0.4,
                     "kv_cache_memory_bytes": 8 << 30},
         "train": {"num_workers": 1, "num_steps": 60,
                   "optimizer": {"lr": 0.001, "warmup_steps": 6, "bf16": True},

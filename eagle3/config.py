@@ -155,13 +155,19 @@ class ExtractConfig:
     one placement-group bundle each, packed on one node."""
     pipeline_parallel_size: int = 1
     """Pipeline stages per engine replica (vLLM's); tensor_parallel_size * this GPUs a replica."""
-    replicas_per_gpu: int = 1
+    replicas_per_gpu: int | Literal["auto"] = "auto"
     """Engine replicas sharing each GPU, for a small target that one engine cannot keep busy: each
     replica is placed on a 1/n share of a GPU (a fractional Ray bundle), takes
     gpu_memory_utilization / n of its memory, and num_replicas defaults to the cluster's GPUs times
     this. Needs tensor_parallel_size * pipeline_parallel_size == 1. On vLLM 0.26 engines that start
     together on one GPU need kv_cache_memory_bytes (memory profiling reads the free memory the
-    others' starts change). Measured by benchmarks/replica_bench.py --replicas-per-gpu."""
+    others' starts change). Measured by benchmarks/replica_bench.py --replicas-per-gpu.
+    "auto": the extract stage on a GPU cluster takes 4 for a target of fewer than 0.5B parameters
+    (counted from its config; with a KV cache of 4 GiB each where kv_cache_memory_bytes is null) and
+    1 otherwise: on one H200, 4 replicas of SmolLM2-135M's shape extracted 1.89x one
+    (benchmarks/results/extraction/replicas-h200-smol.md); the 1B shape's one engine already ran at
+    0.86x plain prefill. Regeneration, online training and CPU clusters take 1. The extract stage's
+    log and summary say what auto chose and why."""
     samples_per_shard: int = 256
     """Unit of work handed out to replicas and committed to the manifest (at most this many
     samples; shard_bytes may lower it)."""
@@ -245,9 +251,10 @@ class ExtractConfig:
             # other processes (eagle3.extract.extractor.VLLMBackend refuses it at engine start).
             _fail("extract", "sink", self.sink, f"'memory' needs tensor_parallel_size * pipeline_parallel_size == 1, "
                   f"found {self.tensor_parallel_size} * {self.pipeline_parallel_size}; use 'shm' or 'auto'")
-        if self.replicas_per_gpu < 1:
-            _fail("extract", "replicas_per_gpu", self.replicas_per_gpu, "must be >= 1 (1: each replica has whole GPUs)")
-        if self.replicas_per_gpu > 1 and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+        if self.per_gpu < 1:
+            _fail("extract", "replicas_per_gpu", self.replicas_per_gpu, "must be >= 1 (1: each replica has whole GPUs), "
+                  "or 'auto'")
+        if self.per_gpu > 1 and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
             _fail("extract", "replicas_per_gpu", self.replicas_per_gpu,
                   f"needs engine replicas of one GPU, found tensor_parallel_size * pipeline_parallel_size = "
                   f"{self.tensor_parallel_size} * {self.pipeline_parallel_size}; use 1, or replicas of one GPU")
@@ -277,9 +284,15 @@ class ExtractConfig:
             _fail("extract", "aux_hidden_state_layer_ids", self.aux_hidden_state_layer_ids, "give at least one id or null")
 
     @property
+    def per_gpu(self) -> int:
+        """replicas_per_gpu as a number: 'auto' is 1 until the extract stage resolves it
+        (ray_jobs.extract.resolve_replicas_per_gpu), and stays 1 everywhere else."""
+        return 1 if self.replicas_per_gpu == "auto" else self.replicas_per_gpu
+
+    @property
     def engine_gpu_memory_utilization(self) -> float:
         """What each engine asks vLLM for: its share of the GPU's gpu_memory_utilization."""
-        return self.gpu_memory_utilization / self.replicas_per_gpu
+        return self.gpu_memory_utilization / self.per_gpu
 
     def layer_ids(self, num_hidden_layers: int) -> list[int]:
         """All captured layer ids, ascending: the aux ids, then the last layer. Ascending because
@@ -495,7 +508,7 @@ class JobConfig:
         if "regenerate" in self.stages and not self.regenerate.enabled:
             _fail("job", "stages", list(self.stages), "lists regenerate but regenerate.enabled is false; set "
                   "regenerate.enabled: true (extract then trains on the regenerated responses), or drop the stage")
-        if "train" in self.stages and t.source == "online" and e.replicas_per_gpu > 1:
+        if "train" in self.stages and t.source == "online" and e.per_gpu > 1:
             _fail("extract", "replicas_per_gpu", e.replicas_per_gpu, "is for the extract stage; online training "
                   "places its replicas by train.online.gpu_split: use 1 with train.source online")
         if "train" in self.stages and t.source == "online" and t.online.gpu_split == "shared":

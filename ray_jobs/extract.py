@@ -17,6 +17,7 @@ cluster still has room, and the job goes on with the others if not.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -41,11 +42,54 @@ def replica_layout(ecfg: ExtractConfig, num_shards_to_do: int, *, engine: bool =
     gpus_per_replica = ecfg.tensor_parallel_size * ecfg.pipeline_parallel_size
     cluster_gpus = int(ray.cluster_resources().get("GPU", 0))
     use_gpu = cluster_gpus > 0 and engine
-    share = gpus_per_replica if ecfg.replicas_per_gpu == 1 else gpu_share(ecfg.replicas_per_gpu)
+    share = gpus_per_replica if ecfg.per_gpu == 1 else gpu_share(ecfg.per_gpu)
     bundle = {"CPU": 1, "GPU": share} if use_gpu else {"CPU": 1}
     num_replicas = ecfg.num_replicas or (
-        max(1, cluster_gpus // gpus_per_replica * ecfg.replicas_per_gpu) if use_gpu else 1)
+        max(1, cluster_gpus // gpus_per_replica * ecfg.per_gpu) if use_gpu else 1)
     return bundle, min(num_replicas, max(1, num_shards_to_do))
+
+
+# extract.replicas_per_gpu "auto": a target this small gets AUTO_REPLICAS_PER_GPU engines a GPU, each with
+# a KV cache of AUTO_KV_CACHE_BYTES unless kv_cache_memory_bytes is set (the settings measured in
+# benchmarks/results/extraction/replicas-h200-smol.md: 4 replicas of SmolLM2-135M's shape 1.89x one).
+AUTO_REPLICAS_MAX_PARAMS = 500_000_000
+AUTO_REPLICAS_PER_GPU = 4
+AUTO_KV_CACHE_BYTES = 4 << 30
+
+
+def resolve_replicas_per_gpu(ecfg: ExtractConfig, text_cfg: dict, *, cluster_gpus: int) -> tuple[ExtractConfig, str]:
+    """(the extract config with replicas_per_gpu a number, why): 'auto' becomes AUTO_REPLICAS_PER_GPU
+    for a target of fewer than AUTO_REPLICAS_MAX_PARAMS parameters on a GPU cluster (vLLM engines of
+    one GPU each), else 1; a number stays as given."""
+    if ecfg.replicas_per_gpu != "auto":
+        return ecfg, "set"
+    params = approx_num_params(text_cfg)
+    small = params < AUTO_REPLICAS_MAX_PARAMS
+    if cluster_gpus == 0 or ecfg.backend != "vllm" or ecfg.tensor_parallel_size * ecfg.pipeline_parallel_size > 1:
+        return dataclasses.replace(ecfg, replicas_per_gpu=1), "auto: 1 (engines of whole GPUs, or no GPU)"
+    if not small:
+        return dataclasses.replace(ecfg, replicas_per_gpu=1), \
+            f"auto: 1 (a {params / 1e9:.2f}B-parameter target keeps one engine busy)"
+    kv = ecfg.kv_cache_memory_bytes or AUTO_KV_CACHE_BYTES
+    return (dataclasses.replace(ecfg, replicas_per_gpu=AUTO_REPLICAS_PER_GPU, kv_cache_memory_bytes=kv),
+            f"auto: {AUTO_REPLICAS_PER_GPU} (a {params / 1e9:.2f}B-parameter target, under "
+            f"{AUTO_REPLICAS_MAX_PARAMS / 1e9:.1f}B: one engine leaves the GPU idle; "
+            f"KV cache {kv / (1 << 30):.1f} GiB each)")
+
+
+def approx_num_params(text_cfg: dict) -> int:
+    """The language model's parameter count from its config: attention and MLP weights per layer
+    (an MoE layer's experts all counted) and the embeddings (twice when untied)."""
+    h, layers = text_cfg["hidden_size"], text_cfg["num_hidden_layers"]
+    heads = text_cfg.get("num_attention_heads") or 1
+    head_dim = text_cfg.get("head_dim") or h // heads
+    kv_heads = text_cfg.get("num_key_value_heads") or heads
+    attn = h * head_dim * (2 * heads + 2 * kv_heads)
+    experts = text_cfg.get("n_routed_experts") or text_cfg.get("num_experts") or text_cfg.get("num_local_experts") or 0
+    ffn = (text_cfg.get("moe_intermediate_size") if experts else None) or text_cfg.get("intermediate_size") or 4 * h
+    mlp = 3 * h * ffn * max(1, experts)
+    embed = text_cfg.get("vocab_size", 0) * h * (1 if text_cfg.get("tie_word_embeddings") else 2)
+    return layers * (attn + mlp) + embed
 
 
 def gpu_share(n: int) -> float:
@@ -102,7 +146,14 @@ def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str,
     summary = {"num_shards": plan.num_shards, "samples_per_shard": plan.samples_per_shard,
                "shards_skipped": len(sched.skipped), "layer_ids": layer_ids}
     if not sched.finished:
+        from eagle3.extract.extractor import target_text_config
+
+        ecfg, why = resolve_replicas_per_gpu(ecfg, target_text_config(target_dir),
+                                             cluster_gpus=int(ray.cluster_resources().get("GPU", 0)))
         bundle, num_replicas = replica_layout(ecfg, len(sched.todo), engine=ecfg.backend == "vllm")
+        summary["placement"] = {"num_replicas": num_replicas, "bundle": bundle, "replicas_per_gpu": ecfg.per_gpu,
+                                "why": why}
+        log.info("extract: %d replica(s), each %s; replicas_per_gpu %d (%s)", num_replicas, bundle, ecfg.per_gpu, why)
 
         def warm(nodes: set) -> list:
             return [ray.remote(warm_writer).options(

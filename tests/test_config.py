@@ -104,7 +104,10 @@ def test_every_field_refuses_a_value_of_the_wrong_type_by_name(section, cls, nam
 def _literal_fields():
     for section, cls in SECTIONS.items():
         for name, hint in field_hints(cls).items():
-            if get_origin(hint) is Literal or any(get_origin(a) is Literal for a in get_args(hint)):
+            # a Literal, or a union of Literals and None (a choice field; `int | Literal["auto"]` is a number or a word)
+            args = get_args(hint)
+            if get_origin(hint) is Literal or (any(get_origin(a) is Literal for a in args) and
+                                               all(get_origin(a) is Literal or a is type(None) for a in args)):
                 yield pytest.param(section, name, hint, id=f"{section}.{name}")
 
 

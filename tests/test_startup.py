@@ -117,6 +117,40 @@ def test_replicas_per_gpu_needs_one_gpu_replicas_and_divides_the_memory():
         load_job_config(None, {"extract.replicas_per_gpu": 2, "train.source": "online"})
 
 
+SMOLLM2_135M = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True}
+QWEN25_1_5B = {"hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
+               "intermediate_size": 8960, "vocab_size": 151936, "tie_word_embeddings": True}
+
+
+def test_replicas_per_gpu_auto_gives_a_small_target_four_engines_a_gpu():
+    """'auto' (the default) resolves in the extract stage: 4 replicas a GPU, each with a 4 GiB KV
+    cache unless one is set, for a target under 0.5B parameters on a GPU cluster (measured:
+    benchmarks/results/extraction/replicas-h200-smol.md); 1 for a larger target, without GPUs, for
+    engines of several GPUs; a number stays as given. Until resolved, 'auto' counts as 1."""
+    from ray_jobs.extract import approx_num_params, resolve_replicas_per_gpu
+
+    assert 130e6 < approx_num_params(SMOLLM2_135M) < 140e6
+    assert 1.45e9 < approx_num_params(QWEN25_1_5B) < 1.6e9
+    e = load_job_config(None, {}).extract
+    assert e.replicas_per_gpu == "auto" and e.per_gpu == 1
+    assert e.engine_gpu_memory_utilization == e.gpu_memory_utilization
+    small, why = resolve_replicas_per_gpu(e, SMOLLM2_135M, cluster_gpus=1)
+    assert (small.replicas_per_gpu, small.kv_cache_memory_bytes) == (4, 4 << 30) and why.startswith("auto: 4 (a 0.13B")
+    assert small.engine_gpu_memory_utilization == pytest.approx(e.gpu_memory_utilization / 4)
+    assert resolve_replicas_per_gpu(e, QWEN25_1_5B, cluster_gpus=8)[0].replicas_per_gpu == 1
+    assert resolve_replicas_per_gpu(e, SMOLLM2_135M, cluster_gpus=0)[0].replicas_per_gpu == 1
+    tp2 = load_job_config(None, {"extract.tensor_parallel_size": 2}).extract
+    assert resolve_replicas_per_gpu(tp2, SMOLLM2_135M, cluster_gpus=8)[0].replicas_per_gpu == 1
+    kv = load_job_config(None, {"extract.kv_cache_memory_bytes": 2 << 30}).extract
+    assert resolve_replicas_per_gpu(kv, SMOLLM2_135M, cluster_gpus=1)[0].kv_cache_memory_bytes == 2 << 30
+    two = load_job_config(None, {"extract.replicas_per_gpu": 2}).extract
+    assert resolve_replicas_per_gpu(two, QWEN25_1_5B, cluster_gpus=1) == (two, "set")
+    assert load_job_config(None, {"train.source": "online"}).extract.per_gpu == 1  # online: auto is 1
+    with pytest.raises(ValueError, match=r"extract.replicas_per_gpu='four': expected an integer or one of 'auto'"):
+        load_job_config(None, {"extract.replicas_per_gpu": "four"})
+
+
 # ------------------------------------------------------------------------------ real Ray, real vLLM
 
 @pytest.mark.slow
