@@ -9,10 +9,17 @@ sampling and max_tokens, generated tokens/s of
   time, the next when one is done, each rendered into training rows as the actor does);
 - `regenerate_unseeded`: the same scheduler without seeds (regenerate.seed null);
 and the ratios that answer the issue: regenerate/generate with seeds (target >= 0.9), and
-unseeded/seeded generate (do per-request seeds bound vLLM's generation?). vLLM draws each seeded
-request's noise with its own generator, one request after another in every sampling step
-(`random_sample` in vllm/v1/sample/ops/topk_topp_sampler.py, 0.26 - 0.32), and falls back from
-FlashInfer's top-p sampler to the native one when any request has a generator.
+unseeded/seeded generate (do per-request seeds bound vLLM's generation?). Where seeds could cost:
+vLLM's V1 model runner draws each seeded request's noise with its own generator, one request after
+another in every sampling step (`random_sample` in vllm/v1/sample/ops/topk_topp_sampler.py); its
+V2 runner, 0.26's default for dense models (the engine logs "Using V2 Model Runner") and 0.32's,
+samples all requests with one kernel whose noise comes from (seed, position), seeded or not
+(vllm/v1/worker/gpu/sample/gumbel.py; an unseeded request gets a random seed,
+sample/states.py), and seeds only turn FlashInfer's top-p/top-k sampler off where it is on.
+--repeats runs the four arms that many times, the order rotated each time (a one-window ratio of
+session 12, 0.726, had the seeded arms always first); the table gives every window, the ratios use
+each arm's median. Each shard is rendered into training rows on a thread beside the engine loop,
+as the replica actor renders it beside its engine thread.
 
 The engine is the stage's (compat.vllm_engine.generation_engine_kwargs: prefix caching on, a
 multiprocess engine core as in the replica actor), started once; the prefix cache is reset
@@ -37,7 +44,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 
 def sharegpt_first_turns(n: int, path: str | None = None) -> list[tuple[str, str]]:
@@ -94,14 +103,17 @@ def run_regenerate(llm, tok, samples: list[tuple[str, list[dict]]], sampling, *,
     sched = TurnScheduler(VLLMStepEngine(llm), tok, sampling, max_model_len=max_model_len, cut="end",
                           max_in_engine=max_in_engine(max_num_seqs))
     t0 = time.perf_counter()
-    handed = 0
-    stats = []
-    while handed < len(shards) or not sched.idle:
-        while handed < len(shards) and handed - len(stats) < INFLIGHT_PER_REPLICA:
-            sched.add_shard(handed, shards[handed])
-            handed += 1
-        for run in sched.step():
-            stats.append(render_shard(run, tok, max_length=max_model_len, cut="end")[1])
+    handed = done = 0
+    renders = []
+    with ThreadPoolExecutor(1) as render:  # the actor renders a shard in its caller's thread, not the engine's
+        while handed < len(shards) or not sched.idle:
+            while handed < len(shards) and handed - done < INFLIGHT_PER_REPLICA:
+                sched.add_shard(handed, shards[handed])
+                handed += 1
+            for run in sched.step():
+                done += 1
+                renders.append(render.submit(render_shard, run, tok, max_length=max_model_len, cut="end"))
+        stats = [r.result()[1] for r in renders]
     seconds = time.perf_counter() - t0
     gen = sum(s.num_generated_tokens for s in stats)
     return {"num_generated_tokens": gen, "seconds": seconds, "tokens_per_s": gen / seconds,
@@ -121,6 +133,7 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=None, help="default: the target's generation_config.json")
     ap.add_argument("--top-p", type=float, default=None, help="default: the target's generation_config.json")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3, help="windows per arm, the arms' order rotated each time")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--enforce-eager", action="store_true", help="default off: CUDA graphs, as the stage runs")
@@ -179,18 +192,22 @@ def main(argv=None) -> int:
         warm = prompts[:min(len(prompts), args.max_num_seqs)]
         generate_texts(llm, warm, [{**base, "max_tokens": 16, "seed": 1}] * len(warm))
         warmup_s = time.perf_counter() - t0
-        runs = {}
         regen = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                      samples_per_shard=args.samples_per_shard)
-        # Interleaved, so that a drift of the machine over the run touches both paths alike.
-        for name, fn in (("generate_seeded", lambda: run_generate(llm, prompts, seeded)),
-                         ("regenerate_seeded", lambda: run_regenerate(llm, tok, samples, sampling, seeded=True, **regen)),
-                         ("generate_unseeded", lambda: run_generate(llm, prompts, unseeded)),
-                         ("regenerate_unseeded",
-                          lambda: run_regenerate(llm, tok, samples, sampling, seeded=False, **regen))):
-            runs[name] = fn()
-            print(f"{name}: {runs[name]['num_generated_tokens']} tokens in {runs[name]['seconds']:.1f}s = "
-                  f"{runs[name]['tokens_per_s']:,.0f} tokens/s", flush=True)
+        arms = [("generate_seeded", lambda: run_generate(llm, prompts, seeded)),
+                ("regenerate_seeded", lambda: run_regenerate(llm, tok, samples, sampling, seeded=True, **regen)),
+                ("generate_unseeded", lambda: run_generate(llm, prompts, unseeded)),
+                ("regenerate_unseeded", lambda: run_regenerate(llm, tok, samples, sampling, seeded=False, **regen))]
+        windows = {name: [] for name, _ in arms}
+        # Interleaved and rotated, so that a drift of the machine, or going first, touches every arm alike.
+        for rep in range(args.repeats):
+            for name, fn in arms[rep % len(arms):] + arms[:rep % len(arms)]:
+                r = fn()
+                windows[name].append({**r, "repeat": rep})
+                print(f"{name} #{rep}: {r['num_generated_tokens']} tokens in {r['seconds']:.1f}s = "
+                      f"{r['tokens_per_s']:,.0f} tokens/s", flush=True)
+        runs = {name: {**ws[0], "tokens_per_s": statistics.median(w["tokens_per_s"] for w in ws),
+                       "windows": ws} for name, ws in windows.items()}
     finally:
         engine.close()
 
@@ -215,10 +232,15 @@ def main(argv=None) -> int:
              f"{args.max_num_seqs}, max_model_len {args.max_model_len}, {args.dtype}, "
              f"{'eager' if args.enforce_eager else 'CUDA graphs'}; engine start {startup_s:.0f} s, warm-up "
              f"{warmup_s:.1f} s. One engine, prefix cache reset before each run.", "",
-             "| run | generated tokens | seconds | tokens/s | finish reasons / turns |", "| --- | ---: | ---: | ---: | --- |"]
+             f"Each arm {args.repeats} time(s), the order rotated each repeat; ratios from each arm's median tokens/s.",
+             "", "| run | repeat | generated tokens | seconds | tokens/s | finish reasons / turns |",
+             "| --- | ---: | ---: | ---: | ---: | --- |"]
     for name, r in runs.items():
-        detail = r.get("finish_reasons") or {k: r[k] for k in ("num_turns", "num_turns_ended", "num_turns_cut")}
-        lines.append(f"| {name} | {r['num_generated_tokens']} | {r['seconds']:.1f} | {r['tokens_per_s']:,.0f} | {detail} |")
+        for w in r["windows"]:
+            detail = w.get("finish_reasons") or {k: w[k] for k in ("num_turns", "num_turns_ended", "num_turns_cut")}
+            lines.append(f"| {name} | {w['repeat']} | {w['num_generated_tokens']} | {w['seconds']:.1f} | "
+                         f"{w['tokens_per_s']:,.0f} | {detail} |")
+        lines.append(f"| {name} | median | | | {r['tokens_per_s']:,.0f} | |")
     lines += ["", *[f"- {k}: {v:.3f}" for k, v in ratios.items()], "",
               "Targets built by eagle3/real_targets.py are dequantized from 4-bit GGUF weights.", ""]
     path = write_result(args.out, "regen", args.tag, result, "\n".join(lines))

@@ -340,9 +340,10 @@ class RegenerateConfig:
     seed: int | None = 0
     """Each turn's sampling seed is derived from this, the sample id and the turn: the same text
     whatever the sharding, the batch or a resume. null: no per-turn seeds (the engine's own
-    generator; not reproducible), for when seeded sampling costs vLLM too much: it draws each
-    seeded request's noise one request after another in every step (benchmarks/regen_bench.py
-    measures the cost)."""
+    generator; not reproducible). vLLM's V2 model runner (0.26's default for dense models, and
+    0.32's) samples every request with one kernel whose noise comes from (seed, position), seeded
+    or not, so seeds cost nothing there; its V1 runner (0.26's MoE targets) draws each seeded
+    request's noise one request after another in every step (benchmarks/regen_bench.py measures)."""
     samples_per_shard: int = 256
     """Conversations per shard: the unit committed exactly once (when all its conversations are
     done). A replica generates several shards at once (ray_jobs.regenerate.INFLIGHT_PER_REPLICA),
