@@ -33,8 +33,11 @@ One GPU (`--one-gpu`, issue 29): the whole job twice on GPU 0, each in a process
 Same prepared data (prepared once here, before both, by the prepare stage's code, and copied into
 both output dirs: the same samples and the same held-out eval prompts), same steps, seed and config but for
 train.source. Before both, DeepSpeed's FusedAdam op is built once (a JIT build per machine that
-would otherwise land in whichever run came first). The runs go in `--order` (online first by
-default: torch.compile's caches then favour offline, so a passing online figure is not the order's).
+would otherwise land in whichever run came first), and a short offline job (--warm-up-steps, eval
+off) pays the machine's first engine start and the trainer's first compile, so that neither timed run
+does (session 14's run without it: the online run, first, paid 75.8 s of engine start and an 85.5 s
+first step, the offline run 19.2 s and 10.8 s). The runs go in `--order` (online first by default:
+whatever start-up is left then favours offline, so a passing online figure is not the order's).
 Reported: wall from the first prompt to the exported draft (offline: the extract and train stages'
 seconds, online: the train stage's; engine and trainer starts included, prepare and eval not),
 split into engine start, trainer set-up and steps; the trainer's steady tokens/s; hidden-state
@@ -118,6 +121,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     one.add_argument("--eval-prompts", type=int, default=32)
     one.add_argument("--eval-max-tokens", type=int, default=128)
     one.add_argument("--order", default="online,offline", help="which run goes first")
+    one.add_argument("--warm-up-steps", type=int, default=8, help="a short offline job before the timed runs "
+                     "(engine start, page cache, the trainer's compile paid there); 0: none, the first run pays them")
     one.add_argument("--reuse-finished", action="store_true", help="with --work-dir: a run whose report.json and "
                      "log are there from an earlier invocation is read back, not run again")
     one.add_argument("--job-timeout-s", type=float, default=900.0, help="per run")
@@ -476,6 +481,26 @@ def run_one_gpu(args) -> dict:
             logger.warning("FusedAdam warm-up failed (the first run pays the build): %s", rc.stderr[-2000:])
             res["warmup"]["stderr_tail"] = rc.stderr[-2000:]
     import yaml
+
+    if args.warm_up_steps:
+        # Start-up paid before the timed runs, so neither run's figures carry the machine's first start (the
+        # engine's imports and kernels, the weights' page cache) or the trainer's first compile: a short offline job
+        # with the same target, engine settings and micro-batch shape, eval off. Session 14 ran without it: the
+        # online run, first, paid 75.8 s of engine start and an 85.5 s first step that the offline run did not.
+        warm_out = work / "warmup"
+        shutil.rmtree(warm_out, ignore_errors=True)
+        warm_out.mkdir(parents=True)
+        shutil.copytree(work / "prepared", warm_out / "prepared")
+        cfg = one_gpu_job_config(args, source="offline", output_dir=str(warm_out), target_dir=target_dir,
+                                 conversations=conversations, num_steps=args.warm_up_steps, bf16=gpu)
+        cfg["stages"], cfg["eval"]["enabled"] = ["extract", "train"], False
+        cfg_path = work / "warmup.yaml"
+        cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        log_path = out_dir / f"online-{args.tag}-warmup.log"
+        print(f"warm-up: a {args.warm_up_steps}-step offline job ({warm_out}), log {log_path}", flush=True)
+        res.setdefault("warmup", {})["job"] = {**run_job_process(cfg_path, log_path, args.job_timeout_s),
+                                               "steps": args.warm_up_steps, "log": log_path.name}
+        shutil.rmtree(warm_out / "hidden_states", ignore_errors=True)  # its disk back before the timed runs
 
     for source in args.order:
         run_out = work / source
