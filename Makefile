@@ -17,21 +17,23 @@ demo: install
 # Two tiers (markers in pyproject.toml; tests/conftest.py fails a fast test that starts a Ray
 # cluster or DeepSpeed): the fast tier (no Ray cluster, no vLLM engine, no DeepSpeed engine; under
 # 2 min on 2 cores) runs first, so a broken unit fails in minutes; then the slow tier (real Ray,
-# vLLM CPU and DeepSpeed; GPU tests are skipped without CUDA), as SLOW_PROCESSES pytest processes at
-# once (scripts/test_shards.sh; whole modules each, tests/conftest.py): much of a slow test is
-# single-threaded start-up, so two processes use 2 cores better than one. pytest's exit code 5 means
-# the tier selected no test (e.g. a -k filter from PYTEST_ARGS): not a failure.
+# vLLM CPU and DeepSpeed; GPU tests are skipped without CUDA), in SLOW_PROCESSES pytest-xdist
+# workers that each take whole test files (--dist loadfile: a module's fixture, e.g. test_e2e's
+# demo job, runs once): much of a slow test is single-threaded start-up (imports, Ray and engine
+# starts; a CPU vLLM engine decodes on one thread), so two workers fill 2 cores better than one.
+# pytest's exit code 5 means the tier selected no test (e.g. a -k filter from PYTEST_ARGS): not a
+# failure.
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
-# One on a GPU host: a GPU test wants the device to itself.
-SLOW_PROCESSES ?= $(if $(shell command -v nvidia-smi),1,2)
-SLOW := bash scripts/test_shards.sh $(SLOW_PROCESSES) $(PYTEST) --durations=15 -m "slow or gpu" tests
+# No workers on a GPU host (-n 0: in this process): a GPU test wants the device to itself.
+SLOW_PROCESSES ?= $(if $(shell command -v nvidia-smi),0,2)
+SLOW := $(PYTEST) -n $(SLOW_PROCESSES) --dist loadfile --durations=15 -m "slow or gpu" tests
 
 test: install
 	$(PYTEST) --durations=10 -m "not slow and not gpu" tests || [ $$? -eq 5 ]
-	$(SLOW)
+	$(SLOW) || [ $$? -eq 5 ]
 
 test-fast: install
 	$(PYTEST) --durations=10 -m "not slow and not gpu" tests || [ $$? -eq 5 ]
 
 test-slow: install
-	$(SLOW)
+	$(SLOW) || [ $$? -eq 5 ]

@@ -81,7 +81,8 @@ class ReplicaPool:
         for info in infos:
             log.info("%s %d on %s (node %s): engine up in %.1fs, computing in %s", self.what, info["replica"],
                      info["host"], info["node_id"], info["startup_s"], info.get("dtype"))
-            self.starts.append({k: info.get(k) for k in ("replica", "host", "startup_s", "dtype")})
+            self.starts.append({k: info.get(k) for k in ("replica", "host", "startup_s", "dtype")}
+                               | {k: info[k] for k in ("enforce_eager",) if k in info})
         return new
 
     def replica_lost(self, index: int, timeout_s: float) -> None:

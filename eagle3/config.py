@@ -350,9 +350,10 @@ class RegenerateConfig:
     their turns sharing its engine, so a shard smaller than max_num_seqs still fills it."""
     max_num_seqs: int = 256
     """vLLM's limit on sequences decoded together."""
-    enforce_eager: bool = False
-    """Off: CUDA graphs, which decoding (unlike extraction's prefill) gains much from; on CPU
-    true skips torch.compile's warm-up."""
+    enforce_eager: Literal["auto", True, False] = "auto"
+    """'auto': CUDA graphs on a GPU, which decoding (unlike extraction's prefill) gains much from, and
+    eager on the CPU (no graphs there; torch.compile's warm-up costs a CPU engine ~60 s of start,
+    more than a small job's whole generation gains). true / false: eager / compiled everywhere."""
 
     def __post_init__(self):
         check_types(self, "regenerate")

@@ -190,58 +190,6 @@ def ray_local(shared_ray):
     ray.shutdown()
 
 
-# EAGLE3_TEST_SHARD=i/n (scripts/test_shards.sh): this process runs its share of the selected tests,
-# whole modules (a module's fixture, e.g. test_e2e's demo job, then runs once), so that n pytest
-# processes run the slow tier at once: on 2 cores much of it is single-threaded (imports, Ray and
-# engine start-up; a CPU vLLM engine decodes on one thread), and two processes fill both cores.
-# The modules are spread by their seconds in the slow tier (pytest --durations, one serial run of
-# the whole tier; a module not listed counts DEFAULT_TEST_SECONDS a test), the longest first, each
-# to the least loaded process: a stale figure only unbalances the processes, it loses no test.
-SLOW_MODULE_SECONDS = {  # 2026-12-02, 2 cores, one process: 1,474 s in all; tests/gpu is skipped without CUDA
-    "tests/test_e2e.py": 198, "tests/test_faults.py": 196, "tests/test_online.py": 191,
-    "tests/test_real_target_job.py": 137, "tests/test_quality.py": 126, "tests/test_regenerate.py": 109,
-    "tests/test_train.py": 96, "tests/test_startup.py": 92, "tests/test_doctor.py": 76, "tests/test_e2e_qwen3.py": 72,
-    "tests/test_extract.py": 66, "tests/test_compat.py": 58, "tests/test_security.py": 38,
-    "tests/test_engine_logs.py": 10, "tests/test_prepare.py": 7,
-}
-DEFAULT_TEST_SECONDS = 20.0
-
-
-def shard_of_modules(seconds: dict[str, float], num_shards: int) -> dict[str, int]:
-    """Module -> shard (0 .. num_shards - 1): the longest module first, each to the least loaded shard."""
-    loads = [0.0] * num_shards
-    owner = {}
-    for module in sorted(seconds, key=lambda m: (-seconds[m], m)):
-        owner[module] = min(range(num_shards), key=lambda j: (loads[j], j))
-        loads[owner[module]] += seconds[module]
-    return owner
-
-
-def _has_cuda() -> bool:
-    return shutil.which("nvidia-smi") is not None
-
-
-@pytest.hookimpl(trylast=True)  # after -m and -k have deselected theirs: every process sees the same list
-def pytest_collection_modifyitems(config, items):
-    shard = os.environ.get("EAGLE3_TEST_SHARD")
-    if not shard:
-        return
-    index, _, count = shard.partition("/")
-    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
-        raise pytest.UsageError(f"EAGLE3_TEST_SHARD={shard!r}: want i/n with 0 <= i < n, e.g. 0/2")
-    modules: dict[str, int] = {}
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        modules[module] = modules.get(module, 0) + 1
-    owner = shard_of_modules({m: SLOW_MODULE_SECONDS.get(m, 0.0 if m.startswith("tests/gpu/") and not _has_cuda()
-                                                         else DEFAULT_TEST_SECONDS * n) for m, n in modules.items()},
-                             int(count))
-    keep = [item for item in items if owner[item.nodeid.split("::")[0]] == int(index)]
-    if len(keep) < len(items):
-        config.hook.pytest_deselected(items=[item for item in items if owner[item.nodeid.split("::")[0]] != int(index)])
-        items[:] = keep
-
-
 @pytest.fixture(autouse=True)
 def _ray_temp_dir_of_its_own(request, monkeypatch):
     """Every test gets an empty Ray temp dir of its own (RAY_TMPDIR, inherited by child
