@@ -190,19 +190,6 @@ def ray_local(shared_ray):
     ray.shutdown()
 
 
-# The slow tier's longest files, longest first (one whole job or more each, 2-4 min on 2 cores): the
-# slow tier runs in pytest-xdist workers that take whole files in collection order (make test:
-# --dist loadfile), and a long file taken last leaves one worker running alone at the end. Order
-# only: a file missing here still runs, after these.
-LONGEST_FIRST = ("test_real_target_job.py", "test_e2e.py", "test_online.py", "test_faults.py", "test_quality.py",
-                 "test_e2e_qwen3.py", "test_regenerate.py", "test_startup.py", "test_train.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: within a file, as written
-
-
 @pytest.fixture(autouse=True)
 def _ray_temp_dir_of_its_own(request, monkeypatch):
     """Every test gets an empty Ray temp dir of its own (RAY_TMPDIR, inherited by child
