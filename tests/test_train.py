@@ -383,9 +383,12 @@ def test_step_profiler_records_the_asked_steps(tiny, tmp_path):
     trainer.fit(on_step=lambda m: profiler.step())
     profiler.close()
     top = (tmp_path / "profile" / "top_ops.txt").read_text()
-    assert top.startswith("steps 2..3") and "eagle3.optimizer_step" in top
+    # the table is the top 40 ops by self time, where a range's own time can rank anywhere (it failed
+    # once beside another xdist worker's job): the ranges are asserted in the trace
+    assert top.startswith("steps 2..3") and "Self CPU time total" in top
     events = json.loads((tmp_path / "profile" / "trace.json").read_text())["traceEvents"]
     assert sum(1 for e in events if e.get("name") == "eagle3.forward") == 2  # one micro-batch a step, 2 steps
+    assert sum(1 for e in events if e.get("name") == "eagle3.optimizer_step") == 2
 
 
 def test_data_workers_default_to_a_share_of_the_cpus():
