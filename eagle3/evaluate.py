@@ -90,8 +90,9 @@ def speed_windows(batch_sizes: tuple[int, ...], *, gpu: bool) -> tuple[SpeedWind
 
 
 def resolve_enforce_eager(setting: bool | str, *, gpu: bool) -> bool:
-    """eval.enforce_eager and regenerate.enforce_eager: 'auto' is eager on the CPU (vLLM has no CUDA graphs there, and
-    torch.compile's warm-up costs a minute) and CUDA graphs on a GPU, as `vllm serve` runs."""
+    """eval.enforce_eager and regenerate.enforce_eager: 'auto' is eager on the CPU (vLLM has no CUDA
+    graphs there, and torch.compile's warm-up costs a minute) and CUDA graphs on a GPU, as `vllm
+    serve` runs."""
     if setting == "auto":
         return not gpu
     return bool(setting)

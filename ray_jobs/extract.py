@@ -63,11 +63,10 @@ def resolve_replicas_per_gpu(ecfg: ExtractConfig, text_cfg: dict, *, cluster_gpu
     one GPU each), else 1; a number stays as given."""
     if ecfg.replicas_per_gpu != "auto":
         return ecfg, "set"
-    params = approx_num_params(text_cfg)
-    small = params < AUTO_REPLICAS_MAX_PARAMS
     if cluster_gpus == 0 or ecfg.backend != "vllm" or ecfg.tensor_parallel_size * ecfg.pipeline_parallel_size > 1:
         return dataclasses.replace(ecfg, replicas_per_gpu=1), "auto: 1 (engines of whole GPUs, or no GPU)"
-    if not small:
+    params = approx_num_params(text_cfg)
+    if params >= AUTO_REPLICAS_MAX_PARAMS:
         return dataclasses.replace(ecfg, replicas_per_gpu=1), \
             f"auto: 1 (a {params / 1e9:.2f}B-parameter target keeps one engine busy)"
     kv = ecfg.kv_cache_memory_bytes or AUTO_KV_CACHE_BYTES
