@@ -135,12 +135,17 @@ def estimate_dataset_bytes(num_tokens: int, num_layers: int, hidden_size: int, h
     return num_tokens * (num_layers * hidden_size * per_value + scale + 5)  # + input_ids (4) + loss_mask (1)
 
 
-def check_disk(output_dir: str, estimated_bytes: int, margin: float = 1.2) -> Check:
+def check_disk(output_dir: str, estimated_bytes: int | None, margin: float = 1.2) -> Check:
+    """Room under output_dir for the hidden states; estimated_bytes None: the job writes none
+    (online training that re-extracts every epoch), and the row only reports the free space."""
     path = Path(output_dir).resolve()
     probe = path
     while not probe.exists():
         probe = probe.parent
     free = shutil.disk_usage(probe).free
+    if estimated_bytes is None:
+        return Check("disk space", True, f"{free / 1e9:.1f} GB free at {probe}; no hidden states are written "
+                     "(train.source online, train.online.epochs reextract)")
     ok = free >= estimated_bytes * margin
     return Check("disk space", ok, f"{free / 1e9:.1f} GB free at {probe}; the dataset needs ~{estimated_bytes / 1e9:.2f} GB "
                  f"(+{round((margin - 1) * 100)}% margin)",

@@ -35,6 +35,14 @@ def estimate_tokens(cfg: JobConfig) -> tuple[int, str]:
     return size // 4, f"~4 bytes of {src} a token"
 
 
+def writes_hidden_states(cfg: JobConfig) -> bool:
+    """Whether the job puts hidden states on disk: not when training runs online and re-extracts
+    every epoch (ray_jobs/run.py then runs no extract stage), the mode for a data set whose hidden
+    states would not fit."""
+    online = cfg.train.source == "online" and "train" in cfg.stages
+    return not (online and cfg.train.online.epochs == "reextract")
+
+
 def node_report(cfg: JobConfig, target_dir: str, num_tokens: int, with_dry_run: bool) -> dict:
     """One node's rows, and where its time went ({"seconds": {"checks", "dry_run", "total"}}). The
     dry run (an engine start: most of the doctor's time) runs in this task's main thread (vLLM's
@@ -65,7 +73,7 @@ def node_report(cfg: JobConfig, target_dir: str, num_tokens: int, with_dry_run: 
             rows = doctor.check_seams(target_dir, cfg.target.trust_remote_code)
             rows += doctor.check_gpus()
             rows.append(doctor.check_disk(cfg.output_dir, doctor.estimate_dataset_bytes(
-                num_tokens, layers, text["hidden_size"], cfg.extract.hs_dtype)))
+                num_tokens, layers, text["hidden_size"], cfg.extract.hs_dtype) if writes_hidden_states(cfg) else None))
             checks["rows"] = rows
         except BaseException as e:  # noqa: BLE001 - re-raised in the task's thread below
             checks["error"] = e

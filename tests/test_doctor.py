@@ -171,6 +171,22 @@ def test_disk_check_fails_when_the_dataset_does_not_fit(tmp_path):
     assert fp8 < 0.51 * bf16
 
 
+def test_disk_check_asks_no_room_when_training_online_writes_no_hidden_states(tmp_path):
+    """Online training that re-extracts every epoch writes no hidden states (a data set whose
+    hidden states would not fit is its use): the doctor must not stop it for disk space."""
+    from eagle3.config import load_job_config
+    from eagle3.doctor import check_disk
+    from ray_jobs.doctor import writes_hidden_states
+
+    online = {"train.source": "online", "train.online.gpu_split": "separate"}
+    assert not writes_hidden_states(load_job_config(None, online))
+    assert writes_hidden_states(load_job_config(None, {**online, "train.online.epochs": "keep"}))
+    assert writes_hidden_states(load_job_config(None, {}))  # offline: the extract stage's shards
+    assert writes_hidden_states(load_job_config(None, {**online, "stages": ["prepare", "extract"]}))
+    row = check_disk(str(tmp_path), None)
+    assert row.ok and "no hidden states are written" in row.detail and "GB free at" in row.detail
+
+
 # --- untested versions: judged by their seams (issue 31) -------------------------------------------
 # The version number is faked (compat.versions.installed); the probes are the real ones, run against
 # the installed packages, since the question is the policy: what the doctor does with what they find.
