@@ -97,10 +97,31 @@ def _evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[lis
         num_prompts=len(prompts), max_tokens=ev.max_tokens)
 
 
+def check_inputs(cfg: JobConfig, out: Path) -> None:
+    """Exits in seconds, before Ray starts or any model loads, when a stage that will run reads
+    prepare.conversations and it is not there. Regeneration reads it even beside a finished
+    prepared/: it rewrites each conversation from its system and user turns as written, not from
+    the prepared token ids."""
+    from eagle3.prepare.conversations import source_files
+
+    readers = []
+    if "prepare" in cfg.stages or not (out / "prepared" / "tokens.parquet").exists():
+        readers.append("prepare")
+    if (cfg.regenerate.enabled and ("regenerate" in cfg.stages or "extract" in cfg.stages)
+            and not (out / "regenerated" / "tokens.parquet").exists()):
+        readers.append("regenerate")
+    if readers:
+        try:
+            source_files(cfg.prepare.conversations)
+        except ValueError as e:
+            raise SystemExit(f"{' and '.join(readers)} will read the conversations, and cannot: {e}") from None
+
+
 def run(cfg: JobConfig) -> dict:
     from ray_jobs.cluster import init_ray
 
     out = Path(cfg.output_dir).resolve()
+    check_inputs(cfg, out)
     out.mkdir(parents=True, exist_ok=True)
     init_ray(cfg.ray.address, cfg.ray.num_cpus, dashboard_host=cfg.ray.dashboard_host, cache_dir=cfg.cache_dir)
     report: dict = {"output_dir": str(out), "stages": {}, "seconds": {}, "startup": {}}

@@ -392,6 +392,26 @@ def test_regenerate_stage_needs_the_switch():
     assert cfg.regenerate.enabled and cfg.stages == ("prepare", "regenerate")
 
 
+def test_the_job_stops_before_ray_when_regeneration_cannot_read_the_conversations(tmp_path):
+    """A carried prepared/ without the conversations file: regeneration would fail after the
+    target resolved and the doctor started an engine (a 1.5B job on the H200 did, 93 s in); the job
+    says so before Ray starts. A finished regenerated/ needs no file."""
+    from ray_jobs.run import check_inputs, run
+
+    out = tmp_path / "job"
+    (out / "prepared").mkdir(parents=True)
+    (out / "prepared" / "tokens.parquet").write_bytes(b"")
+    cfg = load_job_config(None, {"output_dir": str(out), "regenerate.enabled": True,
+                                 "stages": ["regenerate", "train"], "prepare.conversations": str(tmp_path / "gone.json")})
+    with pytest.raises(SystemExit, match=r"regenerate will read the conversations, and cannot: .*gone.json.* does not exist"):
+        run(cfg)
+    check_inputs(load_job_config(None, {"output_dir": str(out), "stages": ["train"],  # regeneration off: no reader
+                                        "prepare.conversations": str(tmp_path / "gone.json")}), out)
+    (out / "regenerated").mkdir()
+    (out / "regenerated" / "tokens.parquet").write_bytes(b"")
+    check_inputs(cfg, out)
+
+
 def test_finalize_writes_tokens_in_shard_order_with_the_tokens_schema(tok, tmp_path):
     from eagle3.extract.manifest import Manifest
     from eagle3.prepare.tokens import read_tokens
