@@ -107,6 +107,26 @@ def _target_config(target_dir: str) -> dict:
     return json.loads((Path(target_dir) / "config.json").read_text())
 
 
+def import_target_model(target_dir: str) -> str | None:
+    """Imports the target's vLLM model class in the calling thread (and with it vLLM's layers, fused
+    MoE included); returns its module's name, or None where it cannot (probe_target_arch reports why).
+    The doctor calls it in its task's main thread before its checks thread and its dry run start:
+    two threads importing the same modules at once can hand one of them a partially initialized
+    module (vLLM 0.26.0 on an H200, a warm node: `cannot import name 'zero_experts_compute_triton'
+    from partially initialized module 'vllm.model_executor.layers.fused_moe.fused_moe'`)."""
+    try:
+        from vllm.model_executor.models import ModelRegistry
+
+        arch = (_target_config(target_dir).get("architectures") or [None])[0]
+        model = ModelRegistry.models.get(arch)
+        if model is None:
+            return None
+        model.load_model_cls()
+        return getattr(model, "module_name", None)
+    except Exception:  # noqa: BLE001 - the architecture row reports the cause
+        return None
+
+
 @seam("target architecture", "vllm", "transformers")
 def probe_target_arch(target_dir: str):
     """The target's architecture is registered in vLLM and implements the EAGLE-3 aux-layer

@@ -47,8 +47,9 @@ def node_report(cfg: JobConfig, target_dir: str, num_tokens: int, with_dry_run: 
     """One node's rows, and where its time went ({"seconds": {"checks", "dry_run", "total"}}). The
     dry run (an engine start: most of the doctor's time) runs in this task's main thread (vLLM's
     engine start installs signal handlers, which only the main thread may), the other checks
-    (imports, source inspection, nvidia-smi, the disk) beside it in a thread, after vLLM is
-    imported once for both (two threads importing the same package tree at once can deadlock)."""
+    (imports, source inspection, nvidia-smi, the disk) beside it in a thread, after vLLM and the
+    target's model class are imported once for both (two threads importing the same modules at once
+    can deadlock, or hand one a partially initialized module: compat.probes.import_target_model)."""
     import platform
     import threading
 
@@ -84,6 +85,10 @@ def node_report(cfg: JobConfig, target_dir: str, num_tokens: int, with_dry_run: 
             import vllm  # noqa: F401 - once, here, for both threads (see the docstring)
         except ImportError:
             pass  # the version check's row says vLLM is missing, and the dry run's row fails with the cause
+        else:
+            from compat.probes import import_target_model
+
+            import_target_model(target_dir)  # both threads load the model class: once, here, too
     thread = threading.Thread(target=run_checks, name="doctor-checks")
     thread.start()
     dry, t_dry = None, time.perf_counter()

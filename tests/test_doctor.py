@@ -301,6 +301,37 @@ def test_node_report_lists_versions_first_judged_by_the_nodes_own_checks(monkeyp
     assert ok and table.endswith("doctor: all checks passed on 1 node(s), 1 warning(s) (WARN rows)"), table
 
 
+IMPORT_CHILD = """
+import sys
+from compat.probes import import_target_model
+before = [m for m in ("vllm.model_executor.models.qwen3_moe", "vllm.model_executor.layers.fused_moe.fused_moe")
+          if m in sys.modules]
+name = import_target_model(sys.argv[1])
+print(before, name, [m for m in ("vllm.model_executor.models.qwen3_moe",
+                                 "vllm.model_executor.layers.fused_moe.fused_moe") if m in sys.modules])
+"""
+
+
+def test_the_target_model_class_is_imported_before_the_doctors_two_threads(tmp_path):
+    """On an H200 with vLLM 0.26.0 the doctor's checks thread and its dry run imported the MoE layers
+    at once, and one got a partially initialized module (leases/session16-h200/). node_report now
+    imports the target's model class in its main thread first: here, in a fresh process, that import
+    brings the MoE target's module and vLLM's fused-MoE module, which neither thread then imports
+    half-done. A bad config gives None (the architecture row reports why)."""
+    target = model_configs.write_qwen3_moe_target(tmp_path / "qwen3-moe")
+    out = subprocess.run([sys.executable, "-c", IMPORT_CHILD, target], cwd=REPO, env=_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == ("[] vllm.model_executor.models.qwen3_moe "
+                                                   "['vllm.model_executor.models.qwen3_moe', "
+                                                   "'vllm.model_executor.layers.fused_moe.fused_moe']")
+    from compat.probes import import_target_model
+
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text(json.dumps({"architectures": ["NoSuchModel"]}))
+    assert import_target_model(str(tmp_path / "bad")) is None
+
+
 def _moved_connector_module():
     """A real copy of vLLM's example_hidden_states_connector module whose connector class is a real
     copy of ExampleHiddenStatesConnector with `_submit_async_write` renamed (as an upstream rename
