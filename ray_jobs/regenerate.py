@@ -37,7 +37,7 @@ def run_regenerate(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: s
 
     from actors.regenerator import RegeneratorActor
     from eagle3.prepare.regenerate import (conversation_ids, cut_warning, fallback_warning, finalize, regenerate_fingerprint,
-                                   resolve_sampling, sampling_fallbacks, source_messages)
+                                   reject_warning, resolve_sampling, sampling_fallbacks, source_messages)
     from actors.replica_pool import ReplicaPool, failure_reason, is_system_failure
     from ray_jobs.extract import replica_layout
 
@@ -149,8 +149,9 @@ def run_regenerate(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: s
     summary["untrusted"] = [m for m in (fallback_warning(fallbacks, sampling),
                                         cut_warning(summary["num_turns"], summary["num_turns_cut_at_max_tokens"],
                                                     sampling, fallbacks, final=True)) if m]
-    if summary["num_rejected"]:
-        log.warning("regenerate rejected %d of %d conversations; reasons in %s", summary["num_rejected"],
-                    plan.num_samples, Path(out_dir) / "rejects.jsonl")
+    rejects = [rej for rec in manifest.committed().values() for rej in rec.get("rejects", [])]
+    if msg := reject_warning(rejects, plan.num_samples, rcfg.cut, sampling.max_tokens,
+                             str(Path(out_dir) / "rejects.jsonl")):
+        log.warning(msg)
     summary["seconds"] = time.perf_counter() - t_start
     return summary

@@ -260,6 +260,34 @@ def test_rejects_name_the_turn_and_the_reason(tok):
     assert stats.rejects[0]["sample_id"] == "grew" and "> prepare.max_length=40" in stats.rejects[0]["reason"]
 
 
+def test_the_closing_warning_counts_rejects_cut_at_a_length_limit_and_names_the_settings(tok):
+    """On ShareGPT the 1.5B's regeneration rejected 43% of its conversations for a turn cut at 512
+    tokens, and the job's warning gave only the count: it now says why and what keeps them."""
+    from eagle3.prepare.regenerate import reject_warning
+
+    samples = [("cut", conv("Tell me about rivers.", "x")), ("ok", conv("Hi.", "x")), ("empty", conv("Explain space.", "x"))]
+
+    def script(text, kw):
+        if "rivers" in text:
+            return "a b c", "length"
+        return ("  \n", "stop") if "space" in text else ("fine.", "stop")
+
+    _, stats = regenerate_conversations(Scripted(tok, script), tok, samples, Sampling(0.0, 1.0, 3, 0),
+                                        max_model_len=48, max_length=48)
+    # max_tokens beyond the room the prompt leaves: the same answer is cut by the context's end.
+    _, ctx = regenerate_conversations(Scripted(tok, script), tok, [("ctx", conv("Tell me about rivers.", "x"))],
+                                      Sampling(0.0, 1.0, 100, 0), max_model_len=48, max_length=48)
+    rejects = stats.rejects + ctx.rejects
+    assert [r["sample_id"] for r in rejects] == ["cut", "empty", "ctx"]
+    msg = reject_warning(rejects, 4, "reject", 3, "r/rejects.jsonl")
+    assert msg.startswith("regenerate rejected 3 of 4 conversations (75%); reasons in r/rejects.jsonl. ")
+    assert "1 for a turn cut at regenerate.max_tokens=3, 1 at the context's end" in msg
+    assert "set regenerate.cut: end" in msg and "raise regenerate.max_tokens" in msg
+    assert "regenerate.cut" not in reject_warning(rejects[1:2], 4, "reject", 3, "r")  # the empty one alone
+    assert "regenerate.cut" not in reject_warning(rejects, 4, "end", 3, "r")  # nothing to change there
+    assert reject_warning([], 4, "reject", 3, "r") is None
+
+
 def test_cut_end_keeps_what_came_before_the_cut(tok):
     """regenerate.cut 'end': the same conversations as above end at their cut instead of being
     rejected, keeping exactly the turns generated before it (a cut answer as the last turn)."""
