@@ -19,16 +19,17 @@ demo: install
 # 2 min on 2 cores) runs first, so a broken unit fails in minutes; then the slow tier (real Ray,
 # vLLM CPU and DeepSpeed; GPU tests are skipped without CUDA), in SLOW_PROCESSES pytest-xdist
 # workers that each take whole test files (--dist loadfile: a module's fixture, e.g. test_e2e's
-# demo job, runs once), the heaviest files first (tests/conftest.py's SLOW_FILE_SECONDS): much of
-# a slow test is single-threaded start-up (imports, Ray and engine starts; a CPU vLLM engine
-# decodes on one thread), so two workers fill 2 cores better than one (three were slower:
-# benchmarks/results/job/test-tiers.md). pytest's exit code 5 means the tier selected no test
-# (e.g. a -k filter from PYTEST_ARGS): not a failure. DURATIONS: how many slowest tests to list.
+# demo job, runs once; xdist hands out files with more tests first): much of a slow test is
+# single-threaded start-up (imports, Ray and engine starts; a CPU vLLM engine decodes on one
+# thread), so two workers fill 2 cores better than one. Three workers, and the heaviest files
+# first (two whole jobs side by side), were slower: benchmarks/results/job/test-tiers.md.
+# pytest's exit code 5 means the tier selected no test (e.g. a -k filter from PYTEST_ARGS): not a
+# failure. DURATIONS: how many slowest tests to list.
 DURATIONS ?= 15
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 # No workers on a GPU host (-n 0: in this process): a GPU test wants the device to itself.
 SLOW_PROCESSES ?= $(if $(shell command -v nvidia-smi),0,2)
-SLOW := $(PYTEST) -n $(SLOW_PROCESSES) --dist loadfile --no-loadscope-reorder --durations=$(DURATIONS) -m "slow or gpu" tests
+SLOW := $(PYTEST) -n $(SLOW_PROCESSES) --dist loadfile --durations=$(DURATIONS) -m "slow or gpu" tests
 
 test: install
 	$(PYTEST) --durations=10 -m "not slow and not gpu" tests || [ $$? -eq 5 ]

@@ -29,25 +29,6 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-# The slow tier runs in pytest-xdist workers that each take whole files, in the order collected
-# (Makefile: --dist loadfile --no-loadscope-reorder; xdist's own reorder puts files with more tests
-# first, whatever they cost). The order below is the heaviest first, so that no long file starts
-# last and runs alone at the end. Seconds: each file's slow tests beside another worker, in the
-# fresh-clone run named in benchmarks/results/job/test-tiers.md; only the order is used, and a file
-# not listed goes after these.
-SLOW_FILE_SECONDS = {
-    "test_faults.py": 450, "test_train.py": 400, "test_online.py": 350, "test_quality.py": 270,
-    "test_e2e.py": 260, "test_real_target_job.py": 240, "test_doctor.py": 220, "test_regenerate.py": 200,
-    "test_e2e_qwen3.py": 165, "test_startup.py": 150, "test_compat.py": 150, "test_extract.py": 150,
-}
-
-
-def pytest_collection_modifyitems(config, items):
-    order = sorted(SLOW_FILE_SECONDS, key=SLOW_FILE_SECONDS.get, reverse=True)
-    rank = {name: i for i, name in enumerate(order)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's tests keep their order
-
-
 # Where the tiny target is kept between sessions; tests read it and never write into it.
 TEST_CACHE = Path(os.environ.get("EAGLE3_TEST_CACHE", Path.home() / ".cache" / "eagle3-ray-tests"))
 
