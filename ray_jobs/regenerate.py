@@ -142,14 +142,15 @@ def run_regenerate(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: s
         summary["tokens_per_s"] = gen_tokens / summary["loop_s"] if summary["loop_s"] else None
         summary["tokens_per_s_per_replica"] = sum(rates) / len(rates) if rates else None
         summary["engine_starts"] = pool.starts
-    summary.update(finalize(manifest, plan.num_shards))
+    done = finalize(manifest, plan.num_shards)
+    rejects = done.pop("rejects")  # for the warning below; rejects.jsonl holds them
+    summary.update(done)
     if not warned and (msg := cut_warning(summary["num_turns"], summary["num_turns_cut_at_max_tokens"], sampling,
                                           fallbacks, final=True)):
         log.warning(msg)
     summary["untrusted"] = [m for m in (fallback_warning(fallbacks, sampling),
                                         cut_warning(summary["num_turns"], summary["num_turns_cut_at_max_tokens"],
                                                     sampling, fallbacks, final=True)) if m]
-    rejects = [rej for rec in manifest.committed().values() for rej in rec.get("rejects", [])]
     if msg := reject_warning(rejects, plan.num_samples, rcfg.cut, sampling.max_tokens,
                              str(Path(out_dir) / "rejects.jsonl")):
         log.warning(msg)

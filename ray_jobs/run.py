@@ -97,6 +97,17 @@ def _evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[lis
         num_prompts=len(prompts), max_tokens=ev.max_tokens)
 
 
+def runs_prepare(cfg: JobConfig, out: Path) -> bool:
+    """The prepare stage runs when listed, or when prepared/ has no tokens yet."""
+    return "prepare" in cfg.stages or not (out / "prepared" / "tokens.parquet").exists()
+
+
+def runs_regenerate(cfg: JobConfig) -> bool:
+    """Regeneration runs (or resumes; a finished one is a no-op) before every extraction, not only
+    when listed: extraction trains on the regenerated responses."""
+    return cfg.regenerate.enabled and ("regenerate" in cfg.stages or "extract" in cfg.stages)
+
+
 def check_inputs(cfg: JobConfig, out: Path) -> None:
     """Exits in seconds, before Ray starts or any model loads, when a stage that will run reads
     prepare.conversations and it is not there. Regeneration reads it even beside a finished
@@ -105,10 +116,9 @@ def check_inputs(cfg: JobConfig, out: Path) -> None:
     from eagle3.prepare.conversations import source_files
 
     readers = []
-    if "prepare" in cfg.stages or not (out / "prepared" / "tokens.parquet").exists():
+    if runs_prepare(cfg, out):
         readers.append("prepare")
-    if (cfg.regenerate.enabled and ("regenerate" in cfg.stages or "extract" in cfg.stages)
-            and not (out / "regenerated" / "tokens.parquet").exists()):
+    if runs_regenerate(cfg) and not (out / "regenerated" / "tokens.parquet").exists():
         readers.append("regenerate")
     if readers:
         try:
@@ -153,14 +163,12 @@ def run(cfg: JobConfig) -> dict:
         if not ok:
             raise SystemExit("doctor: a check failed (table above); nothing was loaded. Fix it, or set doctor: false")
     report["target"] = target_dir
-    if "prepare" in cfg.stages or not (out / "prepared" / "tokens.parquet").exists():
+    if runs_prepare(cfg, out):
         report["stages"]["prepare"] = timed("prepare", _prepare, cfg, target_dir, out / "prepared")
 
     tokens_path, tokens_source = out / "prepared" / "tokens.parquet", "prepared"
     if cfg.regenerate.enabled:
-        # Extraction trains on the regenerated responses, so the stage runs (or resumes; a finished one
-        # is a no-op) before every extraction, not only when listed.
-        if "regenerate" in cfg.stages or "extract" in cfg.stages:
+        if runs_regenerate(cfg):
             from ray_jobs.regenerate import run_regenerate
 
             summary = timed("regenerate", run_regenerate, cfg, str(tokens_path), target_dir, str(out / "regenerated"))

@@ -564,7 +564,8 @@ def source_messages(conversations: str, max_samples: int | None, wanted: set[str
 
 def finalize(manifest, num_shards: int) -> dict:
     """tokens.parquet (TOKENS_SCHEMA, shard order) and rejects.jsonl from the committed shards, both
-    renamed into place once complete; returns the counts. Every shard must be committed."""
+    renamed into place once complete; returns the counts, and the rejects under "rejects". Every
+    shard must be committed."""
     records = manifest.committed()
     if len(records) != num_shards:
         missing = sorted(set(range(num_shards)) - set(records))
@@ -590,4 +591,4 @@ def finalize(manifest, num_shards: int) -> dict:
                for k in ("num_turns_ended", "num_turns_cut", "num_turns_cut_at_max_tokens")},
             "num_ended_early": sum(r.get("num_ended_early", 0) for r in records.values()),
             "num_tokens": sum(r["num_tokens"] for r in records.values()),
-            "tokens": str(root / TOKENS_FILE), "files": manifest.committed_files()}
+            "tokens": str(root / TOKENS_FILE), "files": manifest.committed_files(), "rejects": rejects}
