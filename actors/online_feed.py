@@ -50,7 +50,10 @@ class OnlineFeed:
 
     # -- set-up ---------------------------------------------------------------------------------
     def start(self, num_replicas: int, bundle: dict) -> dict:
-        """Place and start the engines (returns once they are up), then the dispatch loop."""
+        """Place the engines, then start the feed's thread: it waits for the engines to come up, then
+        runs the dispatch loop. Returns once the engines are placed, not up: the training worker
+        group, placed next around them, sets up while the engines load, and the ranks' first `take`
+        waits for them (an engine that fails to start fails that `take`)."""
         import pyarrow.parquet as pq
         import ray
 
@@ -83,18 +86,16 @@ class OnlineFeed:
             max_length=self.cfg.prepare.max_length, dtype=self.cfg.target.dtype,
             trust_remote_code=self.cfg.target.trust_remote_code, replica=index)), bundle,
             max_concurrency=max_concurrency(ecfg), what="online extraction replica")
-        for r in self.pool.start(num_replicas, ecfg.placement_timeout_s):
-            info = ray.get(r.actor.info.remote())
-            log.info("online: engine replica %d is pid %d on %s", info["replica"], info["pid"], info["host"])
+        placed = self.pool.place(num_replicas, ecfg.placement_timeout_s)
         self._reader = ray.remote(read_shard_table).options(num_cpus=0)
         self._gauges = _Gauges()
-        self._thread = threading.Thread(target=self._run, name="online-feed", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(placed,), name="online-feed", daemon=True)
         self._thread.start()
-        log.info("online: %d engine replica(s) up; %d shards of up to %d samples per epoch, %d on disk; bound "
-                 "%.1f MB of hidden states waiting in the object store (%.1f MB per training rank)",
-                 len(self.pool.replicas), self.plan.num_shards, self.samples_per_shard, len(on_disk),
+        log.info("online: %d engine replica(s) placed, starting; %d shards of up to %d samples per epoch, %d on "
+                 "disk; bound %.1f MB of hidden states waiting in the object store (%.1f MB per training rank)",
+                 len(placed), self.plan.num_shards, self.samples_per_shard, len(on_disk),
                  ocfg.max_inflight_bytes / 1e6, self.state.rank_budget / 1e6)
-        return {"replicas": [r.index for r in self.pool.replicas.values()], "num_shards": self.plan.num_shards}
+        return {"replicas": [r.index for r in placed], "num_shards": self.plan.num_shards}
 
     def stop(self) -> dict:
         """Stop the loop and the engines; returns the summary (raises the loop's error, if any)."""
@@ -144,8 +145,13 @@ class OnlineFeed:
             raise RuntimeError(f"[online feed] extraction failed: {self.error}") from self.error
 
     # -- the loop ---------------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, placed: list) -> None:
+        import ray
+
         try:
+            for r in self.pool.wait_up(placed):
+                info = ray.get(r.actor.info.remote())
+                log.info("online: engine replica %d is pid %d on %s", info["replica"], info["pid"], info["host"])
             self._loop()
         except BaseException as e:  # noqa: BLE001 - handed to every caller (take, stop)
             log.exception("online: the feed's loop failed")

@@ -55,6 +55,13 @@ class ReplicaPool:
         self.starts: list[dict] = []  # each engine start: replica, host, startup_s, dtype (the job's summary)
 
     def start(self, n: int, timeout_s: float) -> list[Replica]:
+        """Place up to n replicas (`place`) and wait for their engines (`wait_up`)."""
+        return self.wait_up(self.place(n, timeout_s))
+
+    def place(self, n: int, timeout_s: float) -> list[Replica]:
+        """Reserve up to n placement groups and create an actor on each; returns once the groups
+        are placed, while the engines are still loading (`wait_up` waits for them). Whatever the
+        cluster places after this call places around these replicas' resources."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -75,6 +82,13 @@ class ReplicaPool:
             ).remote(*args, **kwargs)
             new.append(Replica(index, pg, actor, node_of(pg)))
             self.replicas[index] = new[-1]
+        return new
+
+    def wait_up(self, new: list[Replica]) -> list[Replica]:
+        """Wait for placed replicas' engines (an engine's start error is raised here); records
+        each start in `starts`."""
+        import ray
+
         warm = self.warm({r.node_id for r in new}) if self.warm else []
         infos = ray.get([r.actor.info.remote() for r in new])  # engine start errors surface here
         ray.get(warm)

@@ -3,9 +3,10 @@ states go from the engines to the training ranks through the Ray object store, n
 
     python -m ray_jobs.run --config configs/demo.yaml --set train.source=online
 
-Places the engine replicas first (actors/online_feed.OnlineFeed starts them on their own
-placement groups), then the Ray Train (DeepSpeed) worker group on the resources left, and waits
-for training; the feed stops with it. How the GPUs are divided is train.online.gpu_split
+Places the engine replicas first (actors/online_feed.OnlineFeed, each on its own placement
+group), then the Ray Train (DeepSpeed) worker group on the resources left, while the engines load:
+the two start-ups overlap, and the trainer's first batch waits for the engines. The feed stops
+with training. How the GPUs are divided is train.online.gpu_split
 (split_gpus): 'separate', whole GPUs each (replicas: extract.num_replicas, or the GPUs training
 leaves, (GPUs - train.num_workers) // GPUs per replica), or 'shared', one replica on every GPU
 taking 1 - train.online.trainer_gpu_fraction of it in its placement-group bundle and the training
@@ -93,6 +94,22 @@ def split_gpus(cfg: JobConfig, cluster_gpus: int) -> GpuSplit:
     return GpuSplit("shared", cluster_gpus, round(1 - frac, 4), frac)
 
 
+def shared_engine_config(cfg: JobConfig, split: GpuSplit) -> JobConfig:
+    """The job config the engines start with. Shared GPUs: the training worker sets up on the same GPU
+    while the engine starts (run_online overlaps the two), and vLLM's memory profiling reads the
+    device's free memory, which the trainer changes meanwhile (vLLM 0.26 asserts when it grows, and
+    counts the trainer's allocations as its own); so the engine's KV cache is given, not profiled:
+    extract.kv_cache_memory_bytes, or ray_jobs.extract.AUTO_KV_CACHE_BYTES where it is null
+    (prefill-only extraction holds max_num_batched_tokens tokens at a time)."""
+    from ray_jobs.extract import AUTO_KV_CACHE_BYTES
+
+    if split.mode != "shared" or cfg.extract.kv_cache_memory_bytes is not None:
+        return cfg
+    log.info("online: the engine's KV cache is %.1f GiB, not profiled (the trainer sets up on the same GPU "
+             "meanwhile); extract.kv_cache_memory_bytes sets it", AUTO_KV_CACHE_BYTES / (1 << 30))
+    return dataclasses.replace(cfg, extract=dataclasses.replace(cfg.extract, kv_cache_memory_bytes=AUTO_KV_CACHE_BYTES))
+
+
 def run_online(cfg: JobConfig, tokens_path: str, target_dir: str, out: Path, split: GpuSplit, *,
                tokens_source: str = "prepared") -> dict:
     """Extract and train at once on the cluster divided as `split` says (split_gpus, which the job
@@ -106,6 +123,7 @@ def run_online(cfg: JobConfig, tokens_path: str, target_dir: str, out: Path, spl
     from eagle3.schema import check_schema
     from ray_jobs.extract import extraction_plan
 
+    cfg = shared_engine_config(cfg, split)
     ecfg = cfg.extract
     tokens = pq.read_table(tokens_path, columns=["sample_id", "num_tokens"])
     check_schema(pq.read_schema(tokens_path), "tokens")
@@ -119,7 +137,7 @@ def run_online(cfg: JobConfig, tokens_path: str, target_dir: str, out: Path, spl
         str(Path(tokens_path).resolve()), target_dir, cfg, plan.samples_per_shard, cfg.train.num_workers,
         str(out / "hidden_states"), fingerprint)
     t0 = time.perf_counter()
-    ray.get(feed.start.remote(n, bundle))
+    ray.get(feed.start.remote(n, bundle))  # placed, still loading: the trainer sets up meanwhile
     online = {"feed": feed, "tokens_path": str(Path(tokens_path).resolve()),
               "samples_per_shard": plan.samples_per_shard,
               "layout": (layer_ids, hidden_size, ecfg.hs_dtype)}

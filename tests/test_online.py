@@ -304,6 +304,20 @@ def test_gpu_split_shared_is_checked_at_load_and_placed_one_replica_and_one_work
     assert split_gpus(_online(**shared), 0).mode == "none"  # a CPU cluster: ignored, with a warning
 
 
+def test_a_shared_gpu_engine_gets_a_given_kv_cache_so_the_trainer_can_set_up_beside_its_start():
+    from ray_jobs.extract import AUTO_KV_CACHE_BYTES
+    from ray_jobs.online import shared_engine_config, split_gpus
+
+    shared = _online(**{"train.online.gpu_split": "shared", "extract.gpu_memory_utilization": 0.6})
+    assert shared_engine_config(shared, split_gpus(shared, 1)).extract.kv_cache_memory_bytes == AUTO_KV_CACHE_BYTES
+    given = _online(**{"train.online.gpu_split": "shared", "extract.gpu_memory_utilization": 0.6,
+                       "extract.kv_cache_memory_bytes": 1 << 30})
+    assert shared_engine_config(given, split_gpus(given, 1)).extract.kv_cache_memory_bytes == 1 << 30
+    separate = _online(**{"train.online.gpu_split": "separate"})
+    assert shared_engine_config(separate, split_gpus(separate, 2)).extract.kv_cache_memory_bytes is None  # profiled
+    assert shared_engine_config(shared, split_gpus(shared, 0)).extract.kv_cache_memory_bytes is None  # CPU cluster
+
+
 def test_online_driver_imports_no_heavy_packages():
     code = ("import sys\nimport ray_jobs.online, actors.online_feed, eagle3.train.online_feed\n"
             "print(','.join(sorted(m for m in ('vllm', 'torch', 'deepspeed', 'transformers') if m in sys.modules)))\n")
@@ -320,8 +334,11 @@ def test_shared_split_places_an_engine_replica_and_the_training_worker_group_on_
     """train.online.gpu_split auto on a cluster of one GPU (declared: Ray schedules it, nothing
     runs on it): the replica bundle split_gpus gives, placed by the online feed's ReplicaPool, and
     the Ray Train worker group of actors.trainer.scaling_config are both placed on GPU 0, 0.7 and
-    0.3 of it, leaving nothing. Placement only: with a GPU in Ray's accounting the trainer would
-    start NCCL and CUDA, which this machine has not (the job itself is for the GPU tier)."""
+    0.3 of it, leaving nothing. The worker group is placed and runs while the engine is still
+    starting (the pool's `place` returns before its `wait_up`, as the feed overlaps the two
+    start-ups): the probe's constructor waits for the worker's file, so it would see none if the
+    trainer had to wait for the engine. Placement only: with a GPU in Ray's accounting the trainer
+    would start NCCL and CUDA, which this machine has not (the job itself is for the GPU tier)."""
     import ray
     from ray.train import RunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -333,6 +350,21 @@ def test_shared_split_places_an_engine_replica_and_the_training_worker_group_on_
     from ray_jobs.online import split_gpus
 
     _GpuProbe = gpu_probe_class()
+
+    class _SlowStart(_GpuProbe):
+        """An engine whose start ends when the training worker has run (or after 120 s)."""
+
+        def __init__(self, replica: int, worker_file: str):
+            import time
+
+            super().__init__(replica)
+            deadline = time.monotonic() + 120
+            while not Path(worker_file).exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            self.saw_trainer = Path(worker_file).exists()
+
+        def info(self) -> dict:
+            return {**super().info(), "saw_trainer": self.saw_trainer}
 
     def _report_gpu(config: dict) -> None:
         """A Ray Train worker's body: what Ray gave it, and the cluster's GPU left while it runs."""
@@ -348,21 +380,26 @@ def test_shared_split_places_an_engine_replica_and_the_training_worker_group_on_
     ray.init(num_cpus=2, num_gpus=1, runtime_env=job_runtime_env(), include_dashboard=True)
     try:
         split = split_gpus(cfg, int(ray.cluster_resources()["GPU"]))
-        pool = ReplicaPool(ShardScheduler(1, max_inflight_per_replica=1), _GpuProbe, lambda i: ((i,), {}),
-                           split.engine_bundle, max_concurrency=1, what="probe replica")
-        [replica] = pool.start(split.num_replicas, 30.0)
-        engine = ray.get(replica.actor.info.remote())
-        TorchTrainer(_report_gpu, train_loop_config={"out": str(tmp_path / "worker.json")},
+        worker_file = tmp_path / "worker.json"
+        pool = ReplicaPool(ShardScheduler(1, max_inflight_per_replica=1), _SlowStart,
+                           lambda i: ((i, str(worker_file)), {}), split.engine_bundle, max_concurrency=1,
+                           what="probe replica")
+        placed = pool.place(split.num_replicas, 30.0)
+        TorchTrainer(_report_gpu, train_loop_config={"out": str(worker_file)},
                      scaling_config=scaling_config(cfg.train.num_workers, True, split.trainer_gpus),
                      torch_config=TorchConfig(backend="gloo"),
                      run_config=RunConfig(name="probe", storage_path=str(tmp_path / "ray_train"))).fit()
-        worker = json.loads((tmp_path / "worker.json").read_text())
+        [replica] = pool.wait_up(placed)
+        engine = ray.get(replica.actor.info.remote())
+        worker = json.loads(worker_file.read_text())
     finally:
         ray.shutdown()
     assert (split.mode, split.num_replicas) == ("shared", 1)
     assert engine["gpu_ids"] == ["0"] and engine["gpu"] == pytest.approx(0.7)
     assert worker["gpu_ids"] == ["0"] and worker["gpu"] == pytest.approx(0.3) and worker["cuda_visible_devices"] == "0"
     assert worker["gpu_free"] == pytest.approx(0.0)  # the two take the whole GPU between them
+    assert engine["saw_trainer"], "the training worker ran only after the engine's start: the starts did not overlap"
+    assert [s["replica"] for s in pool.starts] == [0]  # wait_up recorded the engine's start
     print(f"\nshared GPU: engine replica {engine}, training worker {worker}")
 
 
