@@ -108,7 +108,7 @@ class OnlineFeed:
             self.manifest.remove_temp_files()
         if self.error is not None:
             raise self.error
-        return {**self.state.summary(), "replicas": self.pool.summary(),
+        return {**self.state.summary(), "replicas": self.pool.summary(), "engine_starts": self.pool.starts,
                 "num_shards_on_disk": len(self.state.on_disk)}
 
     def ping(self) -> bool:

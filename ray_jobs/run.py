@@ -236,11 +236,15 @@ def run(cfg: JobConfig) -> dict:
 
 def startup_record(stages: dict) -> dict:
     """What each stage paid before its work began: every engine start (seconds, host, compute dtype)
-    of regenerate, extract and eval, and the trainer's set-up and first step (rank 0)."""
+    of regenerate, extract, online training's feed and eval, and the trainer's set-up and first step
+    (rank 0)."""
     rec: dict = {}
     for name in ("regenerate", "extract"):
         if stages.get(name, {}).get("engine_starts"):
             rec[name] = stages[name]["engine_starts"]
+    online = (stages.get("train") or {}).get("online") or {}
+    if online.get("engine_starts"):
+        rec["online"] = online["engine_starts"]
     if "eval" in stages:
         rec["eval"] = [{"num_speculative_tokens": r["num_speculative_tokens"], "startup_s": r.get("engine_start_s"),
                         "dtype": r.get("dtype")} for r in stages["eval"].get("engines", [])]
@@ -254,7 +258,7 @@ def _startup_line(startup: dict) -> str | None:
     """'doctor dry run 21s; extract engine 30s; eval engines 22s, 21s; trainer set-up 35s, first step 2.0s'."""
     parts = []
     for key, what in (("doctor_dry_run", "doctor dry run"), ("regenerate", "regenerate engine"),
-                      ("extract", "extract engine"), ("eval", "eval engine")):
+                      ("extract", "extract engine"), ("online", "online engine"), ("eval", "eval engine")):
         starts = [s["startup_s"] for s in startup.get(key, []) if s.get("startup_s") is not None]
         if starts:
             parts.append(f"{what}{'s' if len(starts) > 1 else ''} " + ", ".join(f"{v:.0f}s" for v in starts))
@@ -267,7 +271,7 @@ def _startup_line(startup: dict) -> str | None:
 
 def _dtype_line(startup: dict) -> str | None:
     """The engines' compute dtypes (as resolved in their processes) and the trainer's precision."""
-    dtypes = sorted({s["dtype"] for key in ("regenerate", "extract", "eval") for s in startup.get(key, [])
+    dtypes = sorted({s["dtype"] for key in ("regenerate", "extract", "online", "eval") for s in startup.get(key, [])
                      if s.get("dtype")})
     parts = [f"engines {', '.join(dtypes)}"] if dtypes else []
     if startup.get("train", {}).get("precision"):

@@ -507,6 +507,8 @@ def test_online_job_trains_every_sample_once_per_epoch_under_the_byte_bound_thro
     online = report["stages"]["train"]["online"]
     assert report["stages"]["train"]["steps"] == TRAIN_STEPS and "extract" not in report["stages"]
     assert not (out / "hidden_states").exists()  # nothing written
+    # every engine start is in the start-up record, the replacement of the killed replica too
+    assert len(report["startup"]["online"]) >= len(online["replicas"]) >= 2, report["startup"]
     per_epoch = check_trained_once_per_epoch(out, 2)
     assert 0 < online["peak_bytes_in_flight"] <= bound, online
     assert online["num_budget_waits"] > 0, online

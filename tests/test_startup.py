@@ -101,6 +101,13 @@ def test_summary_shows_each_engine_start_the_trainers_setup_and_the_dtypes():
     assert ("start-up         doctor dry run 12s; extract engine 31s; eval engines 22s, 21s; trainer set-up 35s, "
             "first step 2.0s") in text
     assert "compute dtype    engines float32 (auto: CPU); trainer float32" in text
+    # online: the feed's engine starts (beside the trainer's set-up) come with the training stage
+    stages["train"]["online"] = {"engine_starts": [{"replica": 0, "host": "h", "startup_s": 18.8,
+                                                    "dtype": "bfloat16 (auto: GPU)"}]}
+    del stages["extract"]
+    text = format_summary({**report, "startup": startup_record(stages)})
+    assert "start-up         online engine 19s; eval engines 22s, 21s; trainer set-up 35s, first step 2.0s" in text
+    assert "compute dtype    engines bfloat16 (auto: GPU), float32 (auto: CPU); trainer float32" in text
 
 
 def test_replicas_per_gpu_needs_one_gpu_replicas_and_divides_the_memory():
