@@ -23,20 +23,24 @@ demo: install
 # single-threaded start-up (imports, Ray and engine starts; a CPU vLLM engine decodes on one
 # thread), so two workers fill 2 cores better than one. Three workers, and the heaviest files
 # first (two whole jobs side by side), were slower: benchmarks/results/job/test-tiers.md.
+# The fast tier in FAST_PROCESSES workers too, its tests handed out one by one (xdist's --dist
+# load): 86 s against 121 s in one process, back to back on 2 cores (test-tiers.md, session 17).
 # pytest's exit code 5 means the tier selected no test (e.g. a -k filter from PYTEST_ARGS): not a
 # failure. DURATIONS: how many slowest tests to list.
 DURATIONS ?= 15
+FAST_PROCESSES ?= 2
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+FAST := $(PYTEST) -n $(FAST_PROCESSES) --durations=10 -m "not slow and not gpu" tests
 # No workers on a GPU host (-n 0: in this process): a GPU test wants the device to itself.
 SLOW_PROCESSES ?= $(if $(shell command -v nvidia-smi),0,2)
 SLOW := $(PYTEST) -n $(SLOW_PROCESSES) --dist loadfile --durations=$(DURATIONS) -m "slow or gpu" tests
 
 test: install
-	$(PYTEST) --durations=10 -m "not slow and not gpu" tests || [ $$? -eq 5 ]
+	$(FAST) || [ $$? -eq 5 ]
 	$(SLOW) || [ $$? -eq 5 ]
 
 test-fast: install
-	$(PYTEST) --durations=10 -m "not slow and not gpu" tests || [ $$? -eq 5 ]
+	$(FAST) || [ $$? -eq 5 ]
 
 test-slow: install
 	$(SLOW) || [ $$? -eq 5 ]
