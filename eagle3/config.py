@@ -205,7 +205,9 @@ class ExtractConfig:
     reads device-wide free memory, which the other engine's start changes (vLLM 0.26 asserts when
     it grows meanwhile, and counts the other's allocations as its own); vLLM then only checks that
     gpu_memory_utilization of the device is free at its start. Prefill-only extraction needs little
-    cache: max_num_batched_tokens tokens' worth."""
+    cache: max_num_batched_tokens tokens' worth. Online training on shared GPUs (train.online.gpu_split
+    shared) gives its engines 4 GiB where this is null: the trainer sets up on the same GPU while the
+    engine starts (ray_jobs/online.py::shared_engine_config)."""
     enforce_eager: bool = True
     """Skip CUDA graph / torch.compile warm-up: extraction is prefill-only, so graphs buy little."""
     block_size: int | None = None
