@@ -146,12 +146,9 @@ class OnlineFeed:
 
     # -- the loop ---------------------------------------------------------------------------------
     def _run(self, placed: list) -> None:
-        import ray
-
         try:
             for r in self.pool.wait_up(placed):
-                info = ray.get(r.actor.info.remote())
-                log.info("online: engine replica %d is pid %d on %s", info["replica"], info["pid"], info["host"])
+                log.info("online: engine replica %d is pid %d on %s", r.info["replica"], r.info["pid"], r.info["host"])
             self._loop()
         except BaseException as e:  # noqa: BLE001 - handed to every caller (take, stop)
             log.exception("online: the feed's loop failed")

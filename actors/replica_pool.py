@@ -33,6 +33,8 @@ class Replica:
     node_id: str
     num_tokens: int = 0
     busy_s: float = 0.0
+    info: dict | None = None
+    """The actor's info() once its engine is up (wait_up)."""
 
 
 class ReplicaPool:
@@ -92,7 +94,8 @@ class ReplicaPool:
         warm = self.warm({r.node_id for r in new}) if self.warm else []
         infos = ray.get([r.actor.info.remote() for r in new])  # engine start errors surface here
         ray.get(warm)
-        for info in infos:
+        for r, info in zip(new, infos):
+            r.info = info
             log.info("%s %d on %s (node %s): engine up in %.1fs, computing in %s", self.what, info["replica"],
                      info["host"], info["node_id"], info["startup_s"], info.get("dtype"))
             self.starts.append({k: info.get(k) for k in ("replica", "host", "startup_s", "dtype")}

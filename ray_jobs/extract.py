@@ -57,6 +57,13 @@ AUTO_REPLICAS_PER_GPU = 4
 AUTO_KV_CACHE_BYTES = 4 << 30
 
 
+def given_kv_cache_bytes(ecfg: ExtractConfig) -> int:
+    """The KV cache of an engine that shares its GPU with something starting beside it (other replicas,
+    online mode's trainer), whose memory profiling would read the other's allocations:
+    extract.kv_cache_memory_bytes, or AUTO_KV_CACHE_BYTES where it is null."""
+    return ecfg.kv_cache_memory_bytes or AUTO_KV_CACHE_BYTES
+
+
 def resolve_replicas_per_gpu(ecfg: ExtractConfig, text_cfg: dict, *, cluster_gpus: int) -> tuple[ExtractConfig, str]:
     """(the extract config with replicas_per_gpu a number, why): 'auto' becomes AUTO_REPLICAS_PER_GPU
     for a target of fewer than AUTO_REPLICAS_MAX_PARAMS parameters on a GPU cluster (vLLM engines of
@@ -69,7 +76,7 @@ def resolve_replicas_per_gpu(ecfg: ExtractConfig, text_cfg: dict, *, cluster_gpu
     if params >= AUTO_REPLICAS_MAX_PARAMS:
         return dataclasses.replace(ecfg, replicas_per_gpu=1), \
             f"auto: 1 (a {params / 1e9:.2f}B-parameter target keeps one engine busy)"
-    kv = ecfg.kv_cache_memory_bytes or AUTO_KV_CACHE_BYTES
+    kv = given_kv_cache_bytes(ecfg)
     return (dataclasses.replace(ecfg, replicas_per_gpu=AUTO_REPLICAS_PER_GPU, kv_cache_memory_bytes=kv),
             f"auto: {AUTO_REPLICAS_PER_GPU} (a {params / 1e9:.2f}B-parameter target, under "
             f"{AUTO_REPLICAS_MAX_PARAMS / 1e9:.1f}B: one engine leaves the GPU idle; "

@@ -99,15 +99,16 @@ def shared_engine_config(cfg: JobConfig, split: GpuSplit) -> JobConfig:
     while the engine starts (run_online overlaps the two), and vLLM's memory profiling reads the
     device's free memory, which the trainer changes meanwhile (vLLM 0.26 asserts when it grows, and
     counts the trainer's allocations as its own); so the engine's KV cache is given, not profiled:
-    extract.kv_cache_memory_bytes, or ray_jobs.extract.AUTO_KV_CACHE_BYTES where it is null
-    (prefill-only extraction holds max_num_batched_tokens tokens at a time)."""
-    from ray_jobs.extract import AUTO_KV_CACHE_BYTES
+    ray_jobs.extract.given_kv_cache_bytes (prefill-only extraction holds max_num_batched_tokens tokens
+    at a time)."""
+    from ray_jobs.extract import given_kv_cache_bytes
 
     if split.mode != "shared" or cfg.extract.kv_cache_memory_bytes is not None:
         return cfg
+    kv = given_kv_cache_bytes(cfg.extract)
     log.info("online: the engine's KV cache is %.1f GiB, not profiled (the trainer sets up on the same GPU "
-             "meanwhile); extract.kv_cache_memory_bytes sets it", AUTO_KV_CACHE_BYTES / (1 << 30))
-    return dataclasses.replace(cfg, extract=dataclasses.replace(cfg.extract, kv_cache_memory_bytes=AUTO_KV_CACHE_BYTES))
+             "meanwhile); extract.kv_cache_memory_bytes sets it", kv / (1 << 30))
+    return dataclasses.replace(cfg, extract=dataclasses.replace(cfg.extract, kv_cache_memory_bytes=kv))
 
 
 def run_online(cfg: JobConfig, tokens_path: str, target_dir: str, out: Path, split: GpuSplit, *,
