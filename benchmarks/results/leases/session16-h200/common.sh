@@ -16,6 +16,7 @@ step() {
   echo "$(date +%T) start $name limit ${limit}s: $*" >> $R/queue.log
   local s=$(date +%s)
   timeout --signal=INT --kill-after=20 $limit "$@" > $R/$name.log 2>&1
-  echo "$(date +%T) end $name rc=$? $(( $(date +%s) - s ))s" >> $R/queue.log
+  local rc=$?  # taken at once: session 18 found that "$(date) rc=$?" reported date's status, 0, in every queue.log before
+  echo "$(date +%T) end $name rc=$rc $(( $(date +%s) - s ))s" >> $R/queue.log
   nvidia-smi --query-gpu=memory.used --format=csv,noheader >> $R/queue.log
 }
