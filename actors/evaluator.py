@@ -10,8 +10,12 @@ import os
 
 
 class EvaluatorActor:
-    def __init__(self, cpu_kvcache_space_gib: int = 1):
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_space_gib))
+    def __init__(self, cpu_kvcache_space_gib: int = 1, *, in_process: bool = False):
+        """in_process: the engine core in this actor's process (compat.vllm_engine.core_in_process:
+        on a CPU)."""
+        from compat.vllm_engine import engine_env
+
+        os.environ.update(engine_env(in_process=in_process, cpu_kvcache_space_gib=cpu_kvcache_space_gib))
         self.engine = None
 
     def measure(self, target_dir: str, draft_dir: str | None, **kwargs) -> dict:

@@ -28,7 +28,7 @@ class RegeneratorActor:
         import ray
         from transformers import AutoTokenizer
 
-        from compat.vllm_engine import Engine, VLLMStepEngine, engine_env, generation_engine_kwargs
+        from compat.vllm_engine import Engine, VLLMStepEngine, core_in_process, engine_env, generation_engine_kwargs
         from eagle3.evaluate import resolve_enforce_eager
         from eagle3.extract.extractor import target_text_config
         from eagle3.prepare.regenerate import TurnScheduler
@@ -43,9 +43,12 @@ class RegeneratorActor:
         text_cfg = target_text_config(model_dir)
         self.max_model_len = min(max_length, text_cfg.get("max_position_embeddings") or max_length)
         dtype, self.dtype = engine_dtype(dtype)  # self.dtype: the choice and why, for logs
-        self.enforce_eager = resolve_enforce_eager(regen_cfg.enforce_eager, gpu=bool(ray.get_gpu_ids()))
+        gpu = bool(ray.get_gpu_ids())
+        self.enforce_eager = resolve_enforce_eager(regen_cfg.enforce_eager, gpu=gpu)
+        self.in_process = core_in_process(on_gpu=gpu)
         t0 = time.perf_counter()
-        os.environ.update(engine_env(in_process=False, cpu_kvcache_space_gib=extract_cfg.cpu_kvcache_space_gib))
+        os.environ.update(engine_env(in_process=self.in_process,
+                                     cpu_kvcache_space_gib=extract_cfg.cpu_kvcache_space_gib))
         self.engine = Engine(**generation_engine_kwargs(
             model=model_dir, max_model_len=self.max_model_len, dtype=dtype,
             tensor_parallel_size=extract_cfg.tensor_parallel_size,
@@ -77,7 +80,8 @@ class RegeneratorActor:
 
     def info(self) -> dict:
         return {"replica": self.replica, "node_id": self.node_id, "host": socket.gethostname(), "pid": os.getpid(),
-                "startup_s": self.startup_s, "dtype": self.dtype, "enforce_eager": self.enforce_eager}
+                "startup_s": self.startup_s, "dtype": self.dtype, "enforce_eager": self.enforce_eager,
+                "in_process": self.in_process}
 
     def _drive(self) -> None:
         """The engine thread: the only one that touches the engine."""

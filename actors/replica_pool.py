@@ -55,6 +55,7 @@ class ReplicaPool:
         self.warm = warm  # new replicas' node ids -> refs of tasks to wait for along with the engines
         self.replicas: dict[int, Replica] = {}
         self.starts: list[dict] = []  # each engine start: replica, host, startup_s, dtype (the job's summary)
+        # and, where the actor says, enforce_eager and in_process (its engine core in the actor's process)
 
     def start(self, n: int, timeout_s: float) -> list[Replica]:
         """Place up to n replicas (`place`) and wait for their engines (`wait_up`)."""
@@ -99,7 +100,7 @@ class ReplicaPool:
             log.info("%s %d on %s (node %s): engine up in %.1fs, computing in %s", self.what, info["replica"],
                      info["host"], info["node_id"], info["startup_s"], info.get("dtype"))
             self.starts.append({k: info.get(k) for k in ("replica", "host", "startup_s", "dtype")}
-                               | {k: info[k] for k in ("enforce_eager",) if k in info})
+                               | {k: info[k] for k in ("enforce_eager", "in_process") if k in info})
         return new
 
     def replica_lost(self, index: int, timeout_s: float) -> None:

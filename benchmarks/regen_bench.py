@@ -200,21 +200,28 @@ def main(argv=None) -> int:
                 ("regenerate_unseeded", lambda: run_regenerate(llm, tok, samples, sampling, seeded=False, **regen))]
         windows = {name: [] for name, _ in arms}
         # Interleaved and rotated, so that a drift of the machine, or going first, touches every arm alike.
-        for rep in range(args.repeats):
-            for name, fn in arms[rep % len(arms):] + arms[:rep % len(arms)]:
-                r = fn()
-                windows[name].append({**r, "repeat": rep})
-                print(f"{name} #{rep}: {r['num_generated_tokens']} tokens in {r['seconds']:.1f}s = "
-                      f"{r['tokens_per_s']:,.0f} tokens/s", flush=True)
+        # SIGINT (a step limit's `timeout --signal=INT`) ends the windows: the ones done are written, and
+        # the result says it was cut (session 18's run was cut in its 7th of 8 windows and wrote nothing).
+        cut = None
+        try:
+            for rep in range(args.repeats):
+                for name, fn in arms[rep % len(arms):] + arms[:rep % len(arms)]:
+                    r = fn()
+                    windows[name].append({**r, "repeat": rep})
+                    print(f"{name} #{rep}: {r['num_generated_tokens']} tokens in {r['seconds']:.1f}s = "
+                          f"{r['tokens_per_s']:,.0f} tokens/s", flush=True)
+        except KeyboardInterrupt:
+            cut = f"cut by SIGINT after {sum(map(len, windows.values()))} of {args.repeats * len(arms)} windows"
+            print(cut, flush=True)
         runs = {name: {**ws[0], "tokens_per_s": statistics.median(w["tokens_per_s"] for w in ws),
-                       "windows": ws} for name, ws in windows.items()}
+                       "windows": ws} for name, ws in windows.items() if ws}
     finally:
         engine.close()
 
     from vllm import __version__ as vllm_version
 
     def ratio(a, b):
-        return runs[a]["tokens_per_s"] / runs[b]["tokens_per_s"]
+        return runs[a]["tokens_per_s"] / runs[b]["tokens_per_s"] if a in runs and b in runs else None
 
     ratios = {"regenerate_over_generate_seeded": ratio("regenerate_seeded", "generate_seeded"),
               "regenerate_over_generate_unseeded": ratio("regenerate_unseeded", "generate_unseeded"),
@@ -222,7 +229,7 @@ def main(argv=None) -> int:
               "regenerate_unseeded_over_seeded": ratio("regenerate_unseeded", "regenerate_seeded")}
     result = result_meta(args, target=args.target, sampling=vars(sampling), num_prompts=len(prompts),
                          num_prompt_tokens=sum(map(len, prompts)), vllm=vllm_version, startup_s=startup_s,
-                         warmup_s=warmup_s,
+                         warmup_s=warmup_s, cut=cut,
                          runs=runs, ratios=ratios)
     lines = [f"# Regeneration vs plain LLM.generate: {os.path.basename(os.path.normpath(args.target))}", "",
              f"{result['date']}, {result['machine']}, vLLM {vllm_version}, "
@@ -232,7 +239,8 @@ def main(argv=None) -> int:
              f"{args.max_num_seqs}, max_model_len {args.max_model_len}, {args.dtype}, "
              f"{'eager' if args.enforce_eager else 'CUDA graphs'}; engine start {startup_s:.0f} s, warm-up "
              f"{warmup_s:.1f} s. One engine, prefix cache reset before each run.", "",
-             f"Each arm {args.repeats} time(s), the order rotated each repeat; ratios from each arm's median tokens/s.",
+             f"Each arm {args.repeats} time(s), the order rotated each repeat; ratios from each arm's median tokens/s."
+             + (f" **{cut}**: an arm's median is over the windows it has." if cut else ""),
              "", "| run | repeat | generated tokens | seconds | tokens/s | finish reasons / turns |",
              "| --- | ---: | ---: | ---: | ---: | --- |"]
     for name, r in runs.items():
@@ -241,7 +249,7 @@ def main(argv=None) -> int:
             lines.append(f"| {name} | {w['repeat']} | {w['num_generated_tokens']} | {w['seconds']:.1f} | "
                          f"{w['tokens_per_s']:,.0f} | {detail} |")
         lines.append(f"| {name} | median | | | {r['tokens_per_s']:,.0f} | |")
-    lines += ["", *[f"- {k}: {v:.3f}" for k, v in ratios.items()], "",
+    lines += ["", *[f"- {k}: {v:.3f}" if v is not None else f"- {k}: no window" for k, v in ratios.items()], "",
               "Targets built by eagle3/real_targets.py are dequantized from 4-bit GGUF weights.", ""]
     path = write_result(args.out, "regen", args.tag, result, "\n".join(lines))
     print("\n".join(lines))

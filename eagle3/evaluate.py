@@ -136,7 +136,7 @@ class SpecDecodeEngine:
                  dtype: str = "auto", enforce_eager: bool = True, max_num_seqs: int | None = None,
                  gpu_memory_utilization: float = 0.85, trust_remote_code: bool = False,
                  kv_cache_memory_bytes: int | None = None):
-        from compat.vllm_engine import Engine, eagle3_engine_kwargs
+        from compat.vllm_engine import Engine, _in_process, eagle3_engine_kwargs
         from eagle3.precision import engine_dtype
 
         dtype, self.dtype = engine_dtype(dtype)  # self.dtype: the choice and why, for logs
@@ -149,6 +149,7 @@ class SpecDecodeEngine:
             gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code,
             kv_cache_memory_bytes=kv_cache_memory_bytes))
         self.startup_s = time.perf_counter() - t0
+        self.in_process = _in_process()  # the engine core in this process (compat.vllm_engine.core_in_process)
 
     @property
     def llm(self):
@@ -289,7 +290,8 @@ def measure_engine(target_dir: str, draft_dir: str | None, *, num_speculative_to
     t = time.perf_counter()
     with SpecDecodeEngine(target_dir, draft_dir, num_speculative_tokens=num_speculative_tokens, **engine) as e:
         res = {"num_speculative_tokens": num_speculative_tokens, "draft": draft_dir,
-               "enforce_eager": e.enforce_eager, "engine_start_s": e.startup_s, "dtype": e.dtype}
+               "enforce_eager": e.enforce_eager, "engine_start_s": e.startup_s, "dtype": e.dtype,
+               "in_process": e.in_process}
         if draft_dir is not None:
             res["acceptance"] = {s.mode: e.acceptance(prompts, max_tokens=max_tokens, temperature=s.temperature,
                                                       top_p=s.top_p, seed=seed) for s in samplings}
@@ -319,7 +321,8 @@ def eval_report(engines: list[dict], *, samplings: tuple[DecodeSampling, ...], s
         "max_tokens": max_tokens,
         "acceptance": [{"num_speculative_tokens": e["num_speculative_tokens"], **e["acceptance"]} for e in drafts],
         "speed": None,
-        "engines": [{k: e.get(k) for k in ("num_speculative_tokens", "enforce_eager", "engine_start_s", "dtype", "wall_s")}
+        "engines": [{k: e.get(k) for k in ("num_speculative_tokens", "enforce_eager", "engine_start_s", "dtype",
+                                           "in_process", "wall_s")}
                     | {"measured": [m for m in ("acceptance", "speed") if m in e]} for e in engines],
     }
     if windows:

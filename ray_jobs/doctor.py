@@ -30,9 +30,13 @@ def estimate_tokens(cfg: JobConfig) -> tuple[int, str]:
 
         col = pq.read_table(tokens, columns=["num_tokens"]).column("num_tokens")
         return int(sum(col.to_pylist())), "prepared tokens.parquet"
-    src = Path(cfg.prepare.conversations)
-    size = sum(p.stat().st_size for p in ([src] if src.is_file() else src.glob("*.jsonl"))) if src.exists() else 0
-    return size // 4, f"~4 bytes of {src} a token"
+    from eagle3.prepare.conversations import source_bytes
+
+    src, n = Path(cfg.prepare.conversations), cfg.prepare.max_samples
+    if not src.exists():
+        return 0, f"{src} not found"
+    of = f"the first {n} records of {src}" if n is not None else str(src)
+    return source_bytes(src, n) // 4, f"~4 bytes of {of} a token"
 
 
 def writes_hidden_states(cfg: JobConfig) -> bool:

@@ -47,6 +47,7 @@ def _evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[lis
     import ray
 
     from actors.evaluator import EvaluatorActor
+    from compat.vllm_engine import core_in_process
     from eagle3.evaluate import eval_report, eval_samplings, resolve_enforce_eager, speed_windows
     from eagle3.prepare.regenerate import resolve_sampling
 
@@ -77,7 +78,8 @@ def _evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[lis
         plan.append((0, None, serving, True))  # the target alone: the speedup's baseline
     results = []
     for k, draft, engine, timed in plan:
-        actor = ray.remote(EvaluatorActor).options(num_cpus=1, num_gpus=int(gpu)).remote(cfg.extract.cpu_kvcache_space_gib)
+        actor = ray.remote(EvaluatorActor).options(num_cpus=1, num_gpus=int(gpu)).remote(
+            cfg.extract.cpu_kvcache_space_gib, in_process=core_in_process(on_gpu=gpu))
         try:
             res = ray.get(actor.measure.remote(target_dir, draft, num_speculative_tokens=k, engine=engine,
                                                prompts=prompts, max_tokens=ev.max_tokens, samplings=samplings,
@@ -247,7 +249,8 @@ def startup_record(stages: dict) -> dict:
         rec["online"] = online["engine_starts"]
     if "eval" in stages:
         rec["eval"] = [{"num_speculative_tokens": r["num_speculative_tokens"], "startup_s": r.get("engine_start_s"),
-                        "dtype": r.get("dtype")} for r in stages["eval"].get("engines", [])]
+                        "dtype": r.get("dtype"), "in_process": r.get("in_process")}
+                       for r in stages["eval"].get("engines", [])]
     t = stages.get("train")
     if t and t.get("setup_s") is not None:
         rec["train"] = {"setup_s": t["setup_s"], "first_step_s": t.get("first_step_s"), "precision": t.get("precision")}

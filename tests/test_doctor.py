@@ -171,6 +171,24 @@ def test_disk_check_fails_when_the_dataset_does_not_fit(tmp_path):
     assert fp8 < 0.51 * bf16
 
 
+def test_dataset_estimate_reads_only_the_records_prepare_will_take(tmp_path):
+    """prepare.max_samples cuts the source: the doctor's disk estimate counts those records only (an
+    H200 job on 2,400 of ShareGPT's records was stopped for the whole 125 MB file's 145 GB)."""
+    from eagle3.config import load_job_config
+    from ray_jobs.doctor import estimate_tokens
+
+    records = [{"id": f"c{i}", "conversations": [{"from": "human", "value": "q" * 100},
+                                                  {"from": "gpt", "value": "a" * (300 + i)}]} for i in range(50)]
+    src = tmp_path / "sharegpt.json"
+    src.write_text(json.dumps(records))
+    whole, how = estimate_tokens(load_job_config(None, {"prepare.conversations": str(src), "output_dir": str(tmp_path)}))
+    assert whole == src.stat().st_size // 4 and how == f"~4 bytes of {src} a token"
+    cut, how = estimate_tokens(load_job_config(None, {"prepare.conversations": str(src), "output_dir": str(tmp_path),
+                                                      "prepare.max_samples": 10}))
+    assert cut == sum(len(json.dumps(r)) for r in records[:10]) // 4
+    assert 0.15 * whole < cut < 0.25 * whole and how == f"~4 bytes of the first 10 records of {src} a token"
+
+
 def test_disk_check_asks_no_room_when_training_online_writes_no_hidden_states(tmp_path):
     """Online training that re-extracts every epoch writes no hidden states (a data set whose
     hidden states would not fit is its use): the doctor must not stop it for disk space."""

@@ -71,6 +71,8 @@ def test_job_reports_its_startup_and_compute_dtype_and_logs_training_quietly(dem
     # one engine per k (here k=3 only), then the target alone (the speedup's baseline: eval.speed_batch_sizes)
     assert [e["num_speculative_tokens"] for e in startup["eval"]] == [3, 0]
     assert startup["doctor_dry_run"][0]["startup_s"] > 0 and startup["train"]["setup_s"] > 0
+    # on a CPU each eval engine's core runs in its actor's process (compat.vllm_engine.core_in_process)
+    assert [e["in_process"] for e in startup["eval"]] == [True, True]
     want = resolve_dtype("auto", on_gpu=False)  # this machine's CPU decides
     assert {s["dtype"].split()[0] for s in startup["extract"] + startup["eval"]} == {want}
     assert re.search(r"start-up +doctor dry run \d+s; extract engine \d+s; eval engines \d+s, \d+s; trainer set-up "

@@ -74,6 +74,7 @@ def test_whole_job_on_smollm2_and_sharegpt(tmp_path, smollm2_target, shared_ray)
     assert regen["num_samples"] > 0 and regen["num_generated_tokens"] > 0
     # regenerate.enforce_eager 'auto': eager on the CPU (a compiled SmolLM2 engine's start was 71 s of a 92 s stage)
     assert [s["enforce_eager"] for s in regen["engine_starts"]] == [True]
+    assert [s["in_process"] for s in regen["engine_starts"]] == [True]  # on a CPU: compat.vllm_engine.core_in_process
     extract = st["extract"]
     assert extract["num_samples"] == regen["num_samples"]
     assert extract["layer_ids"] == [2, 15, 27, 30]  # (2, n // 2, n - 3) and the last, for 30 layers
