@@ -27,6 +27,14 @@ DEMO = REPO / "data" / "demo_conversations.jsonl"
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# OpenMP threads sleep when a parallel region ends instead of spinning (libgomp's default spins ~300k
+# times first). The suite runs two xdist workers on 2 cores, each with its Ray cluster, engines and
+# trainers: spinning threads then take the cores from whatever the other worker runs. Read when torch
+# loads libgomp, so set here (before any test imports torch) and inherited by every job, Ray node and
+# engine the tests start. Beside a vLLM engine test, test_train's slow tests: 73-81 s with it against
+# 110-113 s without (benchmarks/results/job/test-tiers.md, session 19). The product leaves it alone.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+assert "torch" not in sys.modules, "tests/conftest.py: torch was imported before OMP_WAIT_POLICY was set"
 
 
 # Where the tiny target is kept between sessions; tests read it and never write into it.
