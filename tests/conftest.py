@@ -41,10 +41,24 @@ assert "torch" not in sys.modules, "tests/conftest.py: torch was imported before
 TEST_CACHE = Path(os.environ.get("EAGLE3_TEST_CACHE", Path.home() / ".cache" / "eagle3-ray-tests"))
 
 
+# Whether this session runs a test that needs the tiny target pretrained (a slow or GPU test: its
+# engines generate, its drafts learn the target's text); set once -m has deselected what it does not run.
+_PRETRAINED_NEEDED = True
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    global _PRETRAINED_NEEDED
+    _PRETRAINED_NEEDED = any(item.get_closest_marker("slow") or item.get_closest_marker("gpu") for item in items)
+
+
 @pytest.fixture(scope="session")
 def tiny_target() -> str:
     """eagle3.tiny.build_tiny_target(size=1, seed=0), built once per machine: its pretraining
-    takes ~40 s on 2 idle cores and minutes on a busy machine, most of the fast tier otherwise.
+    takes 70-100 s on 2 cores (this machine, session 19), most of a fresh machine's fast tier.
+    The fast tier alone (no slow or GPU test selected) gets it without the pretraining (a few
+    seconds): its tests read the target's files, config, tokenizer and tensors, never what its
+    weights generate; they pass on either.
     Kept under EAGLE3_TEST_CACHE in a directory named by what its bytes depend on (eagle3/tiny.py,
     eagle3/prepare/conversations.py, the conversations, the torch/transformers/tokenizers versions), so a
     change to any of them builds a new one; a file lock lets concurrent sessions share the build."""
@@ -58,7 +72,8 @@ def tiny_target() -> str:
     for path in (REPO / "eagle3" / "tiny.py", REPO / "eagle3" / "prepare" / "conversations.py", DEMO):
         key.update(path.read_bytes())
     key.update(" ".join(version(p) for p in ("torch", "transformers", "tokenizers")).encode())
-    out = TEST_CACHE / f"tiny-target-s1-seed0-{key.hexdigest()[:16]}"
+    steps = {} if _PRETRAINED_NEEDED else {"pretrain_steps": 0}
+    out = TEST_CACHE / f"tiny-target-s1-seed0-{key.hexdigest()[:16]}{'' if _PRETRAINED_NEEDED else '-untrained'}"
     TEST_CACHE.mkdir(parents=True, exist_ok=True)
     with open(TEST_CACHE / f"{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a complete build (its stamp written last) is reused as is
@@ -68,7 +83,7 @@ def tiny_target() -> str:
         conversations = TEST_CACHE / f"{out.name}.conversations.jsonl"
         if not conversations.exists() or conversations.read_bytes() != DEMO.read_bytes():
             conversations.write_bytes(DEMO.read_bytes())
-        return str(build_tiny_target(out, conversations, size=1, seed=0))
+        return str(build_tiny_target(out, conversations, size=1, seed=0, **steps))
 
 
 def start_ray_head(temp_dir: str, log, env: dict | None = None, num_cpus: int = 2) -> tuple[subprocess.Popen, dict]:
