@@ -54,3 +54,14 @@ class EvaluatorActor:
         engine, self.engine = self.engine, None
         if engine is not None:
             engine.close()
+
+
+def place_evaluator(cpu_kvcache_space_gib: int, *, gpu: bool):
+    """An EvaluatorActor placed as the job's eval stage places each engine: one CPU, the whole GPU
+    where the cluster has one, and its engine core where compat.vllm_engine.core_in_process puts it."""
+    import ray
+
+    from compat.vllm_engine import core_in_process
+
+    return ray.remote(EvaluatorActor).options(num_cpus=1, num_gpus=int(gpu)).remote(
+        cpu_kvcache_space_gib, in_process=core_in_process(on_gpu=gpu))

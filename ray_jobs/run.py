@@ -46,8 +46,7 @@ def _evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[lis
     (eagle3.evaluate.eval_report)."""
     import ray
 
-    from actors.evaluator import EvaluatorActor
-    from compat.vllm_engine import core_in_process
+    from actors.evaluator import place_evaluator
     from eagle3.evaluate import eval_report, eval_samplings, resolve_enforce_eager, speed_windows
     from eagle3.prepare.regenerate import resolve_sampling
 
@@ -78,8 +77,7 @@ def _evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[lis
         plan.append((0, None, serving, True))  # the target alone: the speedup's baseline
     results = []
     for k, draft, engine, timed in plan:
-        actor = ray.remote(EvaluatorActor).options(num_cpus=1, num_gpus=int(gpu)).remote(
-            cfg.extract.cpu_kvcache_space_gib, in_process=core_in_process(on_gpu=gpu))
+        actor = place_evaluator(cfg.extract.cpu_kvcache_space_gib, gpu=gpu)
         try:
             res = ray.get(actor.measure.remote(target_dir, draft, num_speculative_tokens=k, engine=engine,
                                                prompts=prompts, max_tokens=ev.max_tokens, samplings=samplings,

@@ -48,12 +48,9 @@ def target_vocab_size(target_dir: str) -> int:
 
 
 def _engine(ray, target_dir: str, draft_dir: str | None, k: int, max_model_len: int):
-    from actors.evaluator import EvaluatorActor
-    from compat.vllm_engine import core_in_process
+    from actors.evaluator import place_evaluator
 
-    gpu = ray.cluster_resources().get("GPU", 0) >= 1
-    actor = ray.remote(EvaluatorActor).options(num_cpus=1, num_gpus=int(gpu)).remote(
-        1, in_process=core_in_process(on_gpu=gpu))  # as the job's eval stage places it
+    actor = place_evaluator(1, gpu=ray.cluster_resources().get("GPU", 0) >= 1)  # as the job's eval stage places it
     ray.get(actor.start.remote(target_dir, draft_dir, num_speculative_tokens=k, max_model_len=max_model_len))
     return actor
 
