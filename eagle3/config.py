@@ -379,11 +379,12 @@ class EvalConfig:
     longer on a GPU, each timed several times; eval.json states them and whether each speedup
     exceeds the spread of its windows)."""
 
-    num_speculative_tokens: tuple[int, ...] = (1, 3)
+    num_speculative_tokens: tuple[int, ...] = (3,)
     """One engine per value; acceptance length = mean tokens accepted per verification step + 1.
-    Each engine costs a start (~25-50 s on the CPU, ~45-70 s on a GPU): 1 and 3 by default (the
-    acceptance per draft position of k=3's engine also estimates k=1 and 2: eval.json's
-    acceptance_length_prefix); list up to 5 for the whole curve."""
+    Each engine costs a start (~25-50 s on the CPU, ~20-70 s on a GPU): 3 alone by default, whose
+    acceptance per draft position also gives k=1 and 2 (eval.json's acceptance_length_prefix: the
+    acceptance length had the draft stopped after 1 or 2 tokens of the same verification steps);
+    list more values (up to 5) to measure each k in an engine of its own."""
     speed_k: int | None = None
     """num_speculative_tokens of the one draft engine whose decode tokens/s is timed against the
     target alone's; must be listed in num_speculative_tokens. None: 3 if listed, else the largest

@@ -160,7 +160,7 @@ def test_lists_are_checked_item_by_item_and_stored_as_declared():
     ("eval.num_prompts", 0, r"must be >= 1"),
     ("eval.max_tokens", 0, r"must be >= 1"),
     ("eval.num_speculative_tokens", [3, 3], r"list each value once"),
-    ("eval.speed_k", 5, r"must be one of eval\.num_speculative_tokens=\[1, 3\] \(its engine times"),
+    ("eval.speed_k", 5, r"must be one of eval\.num_speculative_tokens=\[3\] \(its engine times"),
     ("eval.speed_batch_sizes", [0, 16], r"give distinct batch sizes, each >= 1"),
     ("eval.speed_batch_sizes", [16, 16], r"give distinct batch sizes, each >= 1"),
     ("eval.enforce_eager", "yes", r"not one of 'auto', True, False"),
