@@ -49,6 +49,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 
+ARMS = ("generate_seeded", "regenerate_seeded", "generate_unseeded", "regenerate_unseeded")
+DIAGNOSTIC_ARMS = ("regenerate_seeded_deep", "regenerate_seeded_render_after")
+
+
 def sharegpt_first_turns(n: int, path: str | None = None) -> list[tuple[str, str]]:
     """(id, text) of the first user turn of the first `n` usable ShareGPT records, in file order.
     The packaged file is cut short: eagle3.prepare.conversations reads it record by record
@@ -88,23 +92,64 @@ def run_generate(llm, prompts: list[list[int]], params: list[dict]) -> dict:
     return {**res, "seconds": seconds, "tokens_per_s": res["num_generated_tokens"] / seconds}
 
 
+class _TimedEngine:
+    """A StepEngine that adds up the seconds its caller spends inside add() and step(): with a
+    multiprocess engine core, step() is where this process waits for the core's next output."""
+
+    def __init__(self, engine):
+        self._engine, self.add_s, self.step_s, self.steps = engine, 0.0, 0.0, 0
+
+    def add(self, request_id, prompt, params):
+        t0 = time.perf_counter()
+        self._engine.add(request_id, prompt, params)
+        self.add_s += time.perf_counter() - t0
+
+    def step(self):
+        t0 = time.perf_counter()
+        out = self._engine.step()
+        self.step_s += time.perf_counter() - t0
+        self.steps += 1
+        return out
+
+    def has_unfinished(self):
+        return self._engine.has_unfinished()
+
+
+def _timed_render(run, tok, **kw):
+    from eagle3.prepare.regenerate import render_shard
+
+    t0 = time.perf_counter()
+    table, stats = render_shard(run, tok, **kw)
+    return table, stats, time.perf_counter() - t0
+
+
 def run_regenerate(llm, tok, samples: list[tuple[str, list[dict]]], sampling, *, max_model_len: int,
-                   max_num_seqs: int, samples_per_shard: int, seeded: bool) -> dict:
+                   max_num_seqs: int, samples_per_shard: int, seeded: bool, deep: bool = False,
+                   render_after: bool = False) -> dict:
     """The replica's loop without Ray: shards handed in INFLIGHT_PER_REPLICA at a time, the next as
-    soon as one is done (the driver's commit is not timed), each rendered as the actor renders it."""
+    soon as one is done (the driver's commit is not timed), each rendered as the actor renders it.
+    Diagnostics of where the loop's time goes (issue 28: the stage ran at ~15k tokens/s seeded or
+    not while plain generate gained 18% without seeds): `deep` keeps max_num_seqs requests waiting in
+    the engine instead of a quarter of it (is the engine starved of requests between our steps?);
+    `render_after` renders the shards after the clock stops, not on a thread beside the loop (does
+    the rendering's Python, holding the GIL, slow the loop?). The result splits the loop's seconds
+    into waiting in engine.step(), engine.add(), and the scheduler's own, and gives the mean number
+    of requests this process had in the engine at each step."""
     from actors.regenerator import max_in_engine
     from compat.vllm_engine import VLLMStepEngine
-    from eagle3.prepare.regenerate import TurnScheduler, render_shard
+    from eagle3.prepare.regenerate import TurnScheduler
     from ray_jobs.regenerate import INFLIGHT_PER_REPLICA
 
     llm.reset_prefix_cache()
     shards = [samples[i:i + samples_per_shard] for i in range(0, len(samples), samples_per_shard)]
     sampling = sampling if seeded else dataclasses.replace(sampling, seed=None)  # regenerate.seed null
-    sched = TurnScheduler(VLLMStepEngine(llm), tok, sampling, max_model_len=max_model_len, cut="end",
-                          max_in_engine=max_in_engine(max_num_seqs))
+    limit = 2 * max_num_seqs if deep else max_in_engine(max_num_seqs)
+    engine = _TimedEngine(VLLMStepEngine(llm))
+    sched = TurnScheduler(engine, tok, sampling, max_model_len=max_model_len, cut="end", max_in_engine=limit)
     t0 = time.perf_counter()
-    handed = done = 0
-    renders = []
+    handed = done = in_engine = 0
+    renders, later = [], []
+    kw = dict(max_length=max_model_len, cut="end")
     with ThreadPoolExecutor(1) as render:  # the actor renders a shard in its caller's thread, not the engine's
         while handed < len(shards) or not sched.idle:
             while handed < len(shards) and handed - done < INFLIGHT_PER_REPLICA:
@@ -112,14 +157,25 @@ def run_regenerate(llm, tok, samples: list[tuple[str, list[dict]]], sampling, *,
                 handed += 1
             for run in sched.step():
                 done += 1
-                renders.append(render.submit(render_shard, run, tok, max_length=max_model_len, cut="end"))
-        stats = [r.result()[1] for r in renders]
+                if render_after:
+                    later.append(run)
+                else:
+                    renders.append(render.submit(_timed_render, run, tok, **kw))
+            in_engine += sched.num_in_engine
+        results = [r.result() for r in renders]
     seconds = time.perf_counter() - t0
+    if render_after:
+        results = [_timed_render(run, tok, **kw) for run in later]
+    stats = [r[1] for r in results]
     gen = sum(s.num_generated_tokens for s in stats)
     return {"num_generated_tokens": gen, "seconds": seconds, "tokens_per_s": gen / seconds,
             "num_turns": sum(s.num_turns for s in stats), "num_turns_ended": sum(s.num_turns_ended for s in stats),
             "num_turns_cut": sum(s.num_turns_cut for s in stats), "num_shards": len(stats),
-            "max_in_engine": max_in_engine(max_num_seqs), "shards_in_flight": INFLIGHT_PER_REPLICA}
+            "max_in_engine": limit, "shards_in_flight": INFLIGHT_PER_REPLICA,
+            "render_after": render_after, "render_s": sum(r[2] for r in results),
+            "loop": {"steps": engine.steps, "engine_step_s": engine.step_s, "engine_add_s": engine.add_s,
+                     "scheduler_s": seconds - engine.step_s - engine.add_s,
+                     "mean_in_engine": in_engine / max(engine.steps, 1)}}
 
 
 def main(argv=None) -> int:
@@ -134,6 +190,9 @@ def main(argv=None) -> int:
     ap.add_argument("--top-p", type=float, default=None, help="default: the target's generation_config.json")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="windows per arm, the arms' order rotated each time")
+    ap.add_argument("--arms", type=lambda v: v.split(","), default=list(ARMS),
+                    help=f"comma-separated, of {', '.join(ARMS + DIAGNOSTIC_ARMS)} (default: the first four); "
+                         "the diagnostic ones vary the stage's loop: see run_regenerate")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--enforce-eager", action="store_true", help="default off: CUDA graphs, as the stage runs")
@@ -144,6 +203,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results/regeneration")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
+    if unknown := set(args.arms) - set(ARMS + DIAGNOSTIC_ARMS):
+        ap.error(f"--arms: no arm {sorted(unknown)}; expected some of {', '.join(ARMS + DIAGNOSTIC_ARMS)}")
     if args.cpu_smoke:
         args.num_prompts, args.max_tokens, args.max_model_len = 8, 16, 512
         args.max_num_seqs, args.samples_per_shard, args.enforce_eager = 4, 2, True
@@ -194,10 +255,15 @@ def main(argv=None) -> int:
         warmup_s = time.perf_counter() - t0
         regen = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                      samples_per_shard=args.samples_per_shard)
-        arms = [("generate_seeded", lambda: run_generate(llm, prompts, seeded)),
-                ("regenerate_seeded", lambda: run_regenerate(llm, tok, samples, sampling, seeded=True, **regen)),
-                ("generate_unseeded", lambda: run_generate(llm, prompts, unseeded)),
-                ("regenerate_unseeded", lambda: run_regenerate(llm, tok, samples, sampling, seeded=False, **regen))]
+        every = {"generate_seeded": lambda: run_generate(llm, prompts, seeded),
+                 "regenerate_seeded": lambda: run_regenerate(llm, tok, samples, sampling, seeded=True, **regen),
+                 "generate_unseeded": lambda: run_generate(llm, prompts, unseeded),
+                 "regenerate_unseeded": lambda: run_regenerate(llm, tok, samples, sampling, seeded=False, **regen),
+                 "regenerate_seeded_deep": lambda: run_regenerate(llm, tok, samples, sampling, seeded=True,
+                                                                  deep=True, **regen),
+                 "regenerate_seeded_render_after": lambda: run_regenerate(llm, tok, samples, sampling, seeded=True,
+                                                                          render_after=True, **regen)}
+        arms = [(name, every[name]) for name in args.arms]
         windows = {name: [] for name, _ in arms}
         # Interleaved and rotated, so that a drift of the machine, or going first, touches every arm alike.
         # SIGINT (a step limit's `timeout --signal=INT`) ends the windows: the ones done are written, and
@@ -246,6 +312,11 @@ def main(argv=None) -> int:
     for name, r in runs.items():
         for w in r["windows"]:
             detail = w.get("finish_reasons") or {k: w[k] for k in ("num_turns", "num_turns_ended", "num_turns_cut")}
+            if loop := w.get("loop"):  # where the stage's loop spent its seconds
+                detail = (f"{detail}; {loop['steps']} steps: waiting in step {loop['engine_step_s']:.1f} s, add "
+                          f"{loop['engine_add_s']:.1f} s, scheduler {loop['scheduler_s']:.1f} s, "
+                          f"{loop['mean_in_engine']:.0f} in engine (at most {w['max_in_engine']}), render "
+                          f"{w['render_s']:.1f} s{' after the clock' if w['render_after'] else ''}")
             lines.append(f"| {name} | {w['repeat']} | {w['num_generated_tokens']} | {w['seconds']:.1f} | "
                          f"{w['tokens_per_s']:,.0f} | {detail} |")
         lines.append(f"| {name} | median | | | {r['tokens_per_s']:,.0f} | |")
