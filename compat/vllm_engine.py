@@ -145,14 +145,16 @@ def run_prefill(llm, prompt_token_ids: list[list[int]], *, capture: bool = True,
         if time.monotonic() > deadline:
             missing = [p for p in paths if p not in SINK and not os.path.exists(p)]
             raise TimeoutError(f"[vLLM] hidden states of {len(missing)} requests never arrived, e.g. {missing[:2]}")
-        if _in_process():
+        if engine_core_in_this_process():
             llm.llm_engine.step()
         else:
             time.sleep(0.001)
     return [take_hidden_states(p) for p in paths]
 
 
-def _in_process() -> bool:
+def engine_core_in_this_process() -> bool:
+    """Whether an engine started now runs its core in this process (engine_env(in_process=True) set
+    VLLM_ENABLE_V1_MULTIPROCESSING=0; see core_in_process), so that a step of it runs here."""
     return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
 
 

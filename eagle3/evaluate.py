@@ -136,7 +136,7 @@ class SpecDecodeEngine:
                  dtype: str = "auto", enforce_eager: bool = True, max_num_seqs: int | None = None,
                  gpu_memory_utilization: float = 0.85, trust_remote_code: bool = False,
                  kv_cache_memory_bytes: int | None = None):
-        from compat.vllm_engine import Engine, _in_process, eagle3_engine_kwargs
+        from compat.vllm_engine import Engine, eagle3_engine_kwargs, engine_core_in_this_process
         from eagle3.precision import engine_dtype
 
         dtype, self.dtype = engine_dtype(dtype)  # self.dtype: the choice and why, for logs
@@ -149,7 +149,7 @@ class SpecDecodeEngine:
             gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code,
             kv_cache_memory_bytes=kv_cache_memory_bytes))
         self.startup_s = time.perf_counter() - t0
-        self.in_process = _in_process()  # the engine core in this process (compat.vllm_engine.core_in_process)
+        self.in_process = engine_core_in_this_process()
 
     @property
     def llm(self):

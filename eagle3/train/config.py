@@ -185,8 +185,11 @@ class DataConfig:
 class CheckpointConfig:
     """DeepSpeed checkpoints in the run's storage (what a resume starts from)."""
 
-    checkpoint_every: int = 50
-    """Save a DeepSpeed checkpoint every this many steps (and always after the last step)."""
+    checkpoint_every: int = 200
+    """Save a DeepSpeed checkpoint every this many steps (and always after the last step). Each one
+    stops every rank for the write (a 135M target's 5M-parameter draft on an H200: ~0.7 s, 15 steps'
+    worth; a large target's draft, with its optimizer states, far more), and a failure loses the steps
+    since the last one."""
     num_checkpoints_to_keep: int | None = 2
     """Checkpoints kept in the run's storage (oldest deleted first); None keeps all."""
     max_failures: int = 3
@@ -312,11 +315,13 @@ class TrainConfig:
     reaches a training rank through the Ray object store, nothing written unless
     train.online.epochs is 'keep' (settings: train.online). Same order and same draft vocabulary
     as offline for the same data (tests/test_online.py)."""
-    eval_every_steps: int = 50
+    eval_every_steps: int = 100
     """Every this many optimizer steps, and after the last one, the draft's accuracy per TTT
     position (speculators' full_acc_i, as in training, without gradients) on the held-out split
     (prepare.heldout_fraction) goes into metrics.jsonl, the curves and the summary, beside the
-    training accuracy. Each evaluation costs forwards over up to eval_max_tokens tokens."""
+    training accuracy. Each evaluation costs forwards over up to eval_max_tokens tokens (SmolLM2's
+    draft on an H200: 0.4-0.7 s, ~10 steps' worth; the first one also compiles the no-grad forward:
+    25 s cold)."""
     eval_max_tokens: int = 65536
     """Held-out tokens (packed, all ranks together) an evaluation reads at most: the first
     micro-batches of the held-out samples in a fixed order, so every evaluation of a run, and of
