@@ -404,7 +404,13 @@ class EvalConfig:
     """Held-out prompts (the last records of the conversation file not used for training); the
     acceptance runs all of them, the timed windows cycle through them."""
     max_tokens: int = 64
-    """Tokens generated per prompt for acceptance (ignore_eos: exactly this many)."""
+    """Tokens generated per prompt for acceptance, at most (exactly, with ignore_eos)."""
+    ignore_eos: bool = False
+    """Acceptance runs: false = each answer ends where the target ends it (its EOS, or max_tokens),
+    as `vllm serve` answers a user; true = exactly max_tokens tokens a prompt, past the end of the
+    turn (text no user is served, which the draft never trained on: on SmolLM2 1.80 accepted against
+    2.68 predicted by held-out accuracy, benchmarks/results/README.md, session 20). The timed windows
+    always run past EOS (a batch keeps its size to the end); eval.json gives their acceptance too."""
     seed: int = 0
     """Sampled acceptance: request i's seed is seed + i (repeatable). Timed windows sample
     unseeded, as served requests do."""

@@ -5,9 +5,9 @@ Owns:
 - `SpecDecodeEngine`: one vLLM engine (the target, with a draft or without), and what is measured on
   it; `close()` or a `with` block releases the engine. `acceptance`: acceptance length = 1 +
   accepted draft tokens / verification steps (drafts), the mean number of tokens one target forward
-  produces, greedy or sampled (a seed per request), with `ignore_eos` so every prompt generates
-  exactly `max_tokens` tokens and runs with different num_speculative_tokens see the same number
-  of tokens; also vLLM's accepted tokens per draft position. Counters come from the engine's own
+  produces, greedy or sampled (a seed per request), each answer ending at the target's EOS as
+  served, or with `ignore_eos` exactly `max_tokens` tokens past it; also vLLM's accepted tokens per
+  draft position. Counters come from the engine's own
   Prometheus metrics (compat/vllm_engine.py), as differences before/after, so one engine serves
   several measurements. `speed`: output tokens/s over fixed windows (`SpeedWindow`: prompts decoded
   batch_size at a time, each exactly max_tokens tokens), each window timed `repeats` times.
@@ -283,10 +283,11 @@ class SpecDecodeEngine:
 def measure_engine(target_dir: str, draft_dir: str | None, *, num_speculative_tokens: int, engine: dict,
                    prompts: list[list[int]], max_tokens: int, samplings: tuple[DecodeSampling, ...],
                    windows: tuple[SpeedWindow, ...] = (), speed_prompts: list[list[int]] | None = None,
-                   seed: int = 0) -> dict:
+                   seed: int = 0, ignore_eos: bool = False) -> dict:
     """One engine of the job's eval stage: started (`engine`: SpecDecodeEngine's settings), the
     acceptance of its draft (if any) at each sampling on `prompts`, then the tokens/s of `windows`
-    (if any) at each sampling on `speed_prompts` (None: `prompts`), and released."""
+    (if any) at each sampling on `speed_prompts` (None: `prompts`), and released. ignore_eos: of
+    the acceptance runs (False: answers end at the target's EOS, as served)."""
     t = time.perf_counter()
     with SpecDecodeEngine(target_dir, draft_dir, num_speculative_tokens=num_speculative_tokens, **engine) as e:
         res = {"num_speculative_tokens": num_speculative_tokens, "draft": draft_dir,
@@ -294,7 +295,8 @@ def measure_engine(target_dir: str, draft_dir: str | None, *, num_speculative_to
                "in_process": e.in_process}
         if draft_dir is not None:
             res["acceptance"] = {s.mode: e.acceptance(prompts, max_tokens=max_tokens, temperature=s.temperature,
-                                                      top_p=s.top_p, seed=seed) for s in samplings}
+                                                      top_p=s.top_p, seed=seed, ignore_eos=ignore_eos)
+                                 for s in samplings}
         if windows:
             res["speed"] = e.speed(prompts if speed_prompts is None else speed_prompts, windows, samplings)
     res["wall_s"] = time.perf_counter() - t
@@ -309,7 +311,8 @@ SPEED_METHOD = ("each window is timed `repeats` times on each engine (the draft'
 
 
 def eval_report(engines: list[dict], *, samplings: tuple[DecodeSampling, ...], sampling_source: str,
-                windows: tuple[SpeedWindow, ...], speed_k: int | None, num_prompts: int, max_tokens: int) -> dict:
+                windows: tuple[SpeedWindow, ...], speed_k: int | None, num_prompts: int, max_tokens: int,
+                ignore_eos: bool = False) -> dict:
     """eval.json from measure_engine's results (one per engine: the draft's at each k, and the
     target alone's when speed is measured): acceptance per k and sampling, and the speedup of the
     draft at speed_k over the target alone for each window and sampling."""
@@ -319,6 +322,7 @@ def eval_report(engines: list[dict], *, samplings: tuple[DecodeSampling, ...], s
         "sampling_source": sampling_source,
         "num_prompts": num_prompts,
         "max_tokens": max_tokens,
+        "ignore_eos": ignore_eos,
         "acceptance": [{"num_speculative_tokens": e["num_speculative_tokens"], **e["acceptance"]} for e in drafts],
         "speed": None,
         "engines": [{k: e.get(k) for k in ("num_speculative_tokens", "enforce_eager", "engine_start_s", "dtype",

@@ -82,7 +82,7 @@ def _evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[lis
             res = ray.get(actor.measure.remote(target_dir, draft, num_speculative_tokens=k, engine=engine,
                                                prompts=prompts, max_tokens=ev.max_tokens, samplings=samplings,
                                                windows=windows if timed else (), speed_prompts=speed_prompts,
-                                               seed=ev.seed))
+                                               seed=ev.seed, ignore_eos=ev.ignore_eos))
         finally:
             ray.kill(actor)
         what = ", ".join(f"{m} acceptance length {a['acceptance_length']:.3f}" for m, a in res.get("acceptance", {}).items())
@@ -94,7 +94,7 @@ def _evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[lis
         results.append(res)
     return {"target": target_dir, "draft": draft_dir} | eval_report(
         results, samplings=samplings, sampling_source=source, windows=windows, speed_k=speed_k,
-        num_prompts=len(prompts), max_tokens=ev.max_tokens)
+        num_prompts=len(prompts), max_tokens=ev.max_tokens, ignore_eos=ev.ignore_eos)
 
 
 def runs_prepare(cfg: JobConfig, out: Path) -> bool:
@@ -371,7 +371,8 @@ def _eval_summary(ev: dict) -> list[str]:
              for m, s in ev["samplings"].items()}
     als = ", ".join(f"k={a['num_speculative_tokens']}: " + " / ".join(f"{a[m]['acceptance_length']:.2f}" for m in modes)
                     for a in ev["acceptance"])
-    lines = [f"  eval.json        acceptance length in vLLM ({' / '.join(label[m] for m in modes)}): {als}"]
+    ending = "past EOS" if ev.get("ignore_eos") else "answers ending at EOS"
+    lines = [f"  eval.json        acceptance length in vLLM ({' / '.join(label[m] for m in modes)}; {ending}): {als}"]
     sp = ev.get("speed")
     if sp:
         w = {x["batch_size"]: x for x in sp["windows"]}
@@ -380,11 +381,13 @@ def _eval_summary(ev: dict) -> list[str]:
                      f"timed {sp['windows'][0]['repeats']} times):")
         for r in sp["results"]:
             s, x = r["speedup"], w[r["batch_size"]]
+            al = r["with_draft"].get("acceptance_length")  # the windows run past EOS
             lines.append(f"                   batch {r['batch_size']:>3} {label[r['mode']]:<22} {s['ratio']:.2f}x "
                          f"({r['without_draft']['tokens_per_s']['mean']:.0f} -> {r['with_draft']['tokens_per_s']['mean']:.0f}"
                          f" tokens/s; windows {s['ratio_min']:.2f}-{s['ratio_max']:.2f}x"
-                         f"{'' if s['exceeds_spread'] else ', within the spread'}; {x['num_prompts']} prompts x "
-                         f"{x['max_tokens']} tokens)")
+                         f"{'' if s['exceeds_spread'] else ', within the spread'}"
+                         f"{f', AL {al:.2f}' if al else ''}; {x['num_prompts']} prompts x "
+                         f"{x['max_tokens']} tokens past EOS)")
     return lines
 
 

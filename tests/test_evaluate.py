@@ -105,9 +105,10 @@ def test_eval_report_pairs_each_window_with_the_baseline():
     from ray_jobs.run import _eval_summary
 
     lines = _eval_summary(ev)
-    assert lines[0].endswith("(greedy / T=0.7 top_p=0.9): k=1: 1.60 / 1.30, k=3: 2.20 / 1.60")
+    assert lines[0].endswith("(greedy / T=0.7 top_p=0.9; answers ending at EOS): k=1: 1.60 / 1.30, k=3: 2.20 / 1.60")
     assert "draft at k=3 over the target alone (CUDA graphs" in lines[1]
-    assert any("batch   1 greedy" in x and "1.50x (100 -> 150 tokens/s" in x and "within" not in x for x in lines)
+    assert any("batch   1 greedy" in x and "1.50x (100 -> 150 tokens/s" in x and "within" not in x
+               and "AL 2.30;" in x and "tokens past EOS)" in x for x in lines)
     assert any("batch   1 T=0.7 top_p=0.9" in x and "within the spread" in x for x in lines)
     # Engines that timed different windows cannot be compared.
     engines[2]["speed"][0] = _run(1, "greedy", [100.0], t1 + 1)
@@ -124,4 +125,7 @@ def test_eval_report_without_speed_has_no_baseline():
     assert ev["speed"] is None and list(ev["samplings"]) == ["greedy"]
     from ray_jobs.run import _eval_summary
 
-    assert _eval_summary(ev) == ["  eval.json        acceptance length in vLLM (greedy): k=1: 1.60"]
+    assert _eval_summary(ev) == ["  eval.json        acceptance length in vLLM (greedy; answers ending at EOS): k=1: 1.60"]
+    ev = eval_report(engines, samplings=eval_samplings(0.0, 1.0), sampling_source="test", windows=(), speed_k=None,
+                     num_prompts=8, max_tokens=48, ignore_eos=True)
+    assert ev["ignore_eos"] is True and "(greedy; past EOS)" in _eval_summary(ev)[0]
