@@ -512,6 +512,7 @@ def test_fp8_batches_equal_the_batches_of_samples_dequantised_on_the_host(tiny, 
 def test_deepspeed_config_per_zero_stage(stage, use_gpu):
     from deepspeed.runtime.config import DeepSpeedConfig
 
+    from eagle3.precision import cpu_has_native_bf16
     from eagle3.train.deepspeed_backend import deepspeed_config
 
     cfg = TrainConfig(num_steps=100, data=DataConfig(gradient_accumulation_steps=4),
@@ -519,19 +520,38 @@ def test_deepspeed_config_per_zero_stage(stage, use_gpu):
     ds = deepspeed_config(cfg, world_size=2, use_gpu=use_gpu)
     assert ds["zero_optimization"]["stage"] == stage
     assert ds["train_batch_size"] == 8 and ds["gradient_accumulation_steps"] == 4
-    assert ds["bf16"]["enabled"] is use_gpu  # auto: bf16 on GPU, fp32 on CPU
+    native = use_gpu or cpu_has_native_bf16()
+    assert ds["bf16"]["enabled"] is native  # auto: bf16 on GPU and on a CPU with native bf16, else fp32
     assert ds["scheduler"]["type"] == "WarmupCosineLR"
     assert ds["scheduler"]["params"]["cos_min_ratio"] == pytest.approx(0.1)
     assert ("optimizer" in ds) is use_gpu  # CPU: client torch AdamW
     # DeepSpeed's own parsing and batch-size check (it sees world size 1 without a process group)
     parsed = DeepSpeedConfig(deepspeed_config(cfg, world_size=1, use_gpu=use_gpu))
     assert parsed.zero_optimization_stage == stage and parsed.gradient_clipping == 0.5
-    assert parsed.train_batch_size == 4 and parsed.bfloat16_config.enabled is use_gpu
+    assert parsed.train_batch_size == 4 and parsed.bfloat16_config.enabled is native
     assert parsed.scheduler_name == "WarmupCosineLR" and parsed.scheduler_params["warmup_num_steps"] == 10
     if use_gpu:
         assert parsed.optimizer_name == "adamw" and parsed.optimizer_params["weight_decay"] == 0.01
     on = replace(cfg, optimizer=replace(cfg.optimizer, bf16=True))
     assert deepspeed_config(on, 1, use_gpu=False)["bf16"]["enabled"] is True
+    off = replace(cfg, optimizer=replace(cfg.optimizer, bf16=False))
+    assert deepspeed_config(off, 1, use_gpu=True)["bf16"]["enabled"] is False
+
+
+@pytest.mark.parametrize("flags", [frozenset(), frozenset({"avx512_bf16"}), frozenset({"amx_bf16"})])
+def test_trainer_precision_auto_follows_the_cpus_native_bf16(flags, monkeypatch):
+    """train.optimizer.bf16 null on the CPU: bf16 where the CPU computes it natively (the engines'
+    rule, eagle3.precision), fp32 where it would be emulated or oneDNN is capped below it."""
+    import eagle3.precision as precision
+    from eagle3.train.deepspeed_backend import resolve_bf16
+
+    monkeypatch.setattr(precision, "cpu_bf16_flags", lambda: flags)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    cfg = TrainConfig(num_steps=10)
+    assert resolve_bf16(cfg, use_gpu=False) is bool(flags)
+    assert resolve_bf16(cfg, use_gpu=True) is True
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert resolve_bf16(cfg, use_gpu=False) is False
 
 
 # ---------------------------------------------------------------------------------------------

@@ -56,8 +56,9 @@ class OptimizerConfig:
     (the default: the draft's frozen embeddings and lm_head stay replicated, trainable state
     is sharded); 3: shard parameters too (only worth it for very wide drafts; slower)."""
     bf16: bool | None = None
-    """bf16 mixed precision (fp32 master weights in the optimizer). None: on with GPUs, off on
-    CPU (CPUs without AMX run bf16 matmuls slower than fp32). True is allowed on CPU."""
+    """bf16 mixed precision (fp32 master weights in the optimizer). None: on with GPUs and on a CPU
+    that computes bf16 natively (AVX512-BF16, AMX, Arm BF16: 1.5x fp32's tokens/s on the demo), off on
+    a CPU that would emulate it (3-5x slower than fp32 there; eagle3/precision.py)."""
 
     def __post_init__(self):
         check_types(self, "train.optimizer")

@@ -8,7 +8,7 @@ Owns: the export directory's contents -
                        input_norm (if any), embed_tokens, lm_head, d2t/t2d (if the draft vocab
                        is smaller); verifier_lm_head / verifier_norm are left out by speculators
     provenance.json    eagle3.provenance: train config, git commit, package versions, schema version
-Weights are saved in the dtype they were trained in (fp32 on CPU, bf16 with bf16 training);
+Weights are saved in the dtype they were trained in (fp32, or bf16 with bf16 training);
 vLLM casts them to its own dtype.
 Does not own: starting vLLM (the eval stage does), gathering ZeRO-3 shards
 (eagle3.train.deepspeed_backend.gather_full_state_dict).
