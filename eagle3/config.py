@@ -498,6 +498,14 @@ class JobConfig:
         check_types(self, "")
         self._check_across_stages()
 
+    @property
+    def train_config(self) -> TrainConfig:
+        """train as the job trains with it: train.heldout_first_tokens null becomes eval.max_tokens, so
+        that the held-out accuracy beside vLLM's acceptance counts answers of the same length."""
+        if self.train.heldout_first_tokens is not None:
+            return self.train
+        return dataclasses.replace(self.train, heldout_first_tokens=self.eval.max_tokens)
+
     def _check_across_stages(self) -> None:
         """Limits between sections, which each engine would otherwise find only when it starts."""
         p, e, t, ev = self.prepare, self.extract, self.train, self.eval

@@ -144,7 +144,7 @@ def run_online(cfg: JobConfig, tokens_path: str, target_dir: str, out: Path, spl
               "layout": (layer_ids, hidden_size, ecfg.hs_dtype)}
     finished = False
     try:
-        summary = run_training(cfg.train, None, target_dir, str(out / "train"), str(out / "draft"), online=online,
+        summary = run_training(cfg.train_config, None, target_dir, str(out / "train"), str(out / "draft"), online=online,
                                gpus_per_worker=split.trainer_gpus or 1.0)
         finished = True
     finally:

@@ -210,7 +210,7 @@ def run(cfg: JobConfig) -> dict:
         files = Manifest(out / "hidden_states", cfg.extract.file_format).committed_files()
         if not files:
             raise ValueError(f"no committed hidden-state shards under {out / 'hidden_states'}: run the extract stage first")
-        summary = timed("train", run_training, cfg.train, files, target_dir, str(out / "train"), str(out / "draft"),
+        summary = timed("train", run_training, cfg.train_config, files, target_dir, str(out / "train"), str(out / "draft"),
                         heldout_threshold=training_threshold(out / "prepared"))
         write_provenance(out / "train", cfg.to_dict(), "train", {"summary": summary})
         write_provenance(out / "draft", cfg.to_dict(), "export", {"trained_from": files})
@@ -299,8 +299,10 @@ def _accuracy_lines(st: dict) -> list[str]:
         return "-" if values is None else " ".join(f"{v:.3f}" for v in values)
 
     lines = [f"  accuracy         per draft position at step {held['step']}: held-out {fmt(held['full_acc'])} "
-             f"({held['num_positions']} positions, {held['num_samples']} samples), "
-             f"training {fmt(held['train_full_acc'])}"]
+             f"({held['num_positions']} positions, {held['num_samples']} samples"
+             + (f"; over the first {held['first_tokens']} tokens of each turn {fmt(held['first_full_acc'])}, "
+                f"{held['first_num_positions']} positions" if "first_tokens" in held else "")
+             + f"), training {fmt(held['train_full_acc'])}"]
     # greedy: the trainer's accuracy is the draft's argmax against the target's
     evals = [r for r in (st.get("eval") or {}).get("acceptance", [])
              if (r.get("greedy") or {}).get("acceptance_rate_per_pos")]

@@ -202,6 +202,9 @@ def test_summary_and_curves_show_heldout_beside_training_and_vllm(tmp_path):
     text = format_summary(report)
     assert ("accuracy         per draft position at step 20: held-out 0.610 0.420 0.300 (812 positions, 8 samples), "
             "training 0.720 0.550 0.410, vLLM accepted (k=3, greedy) 0.580 0.350 0.200") in text
+    held.update(first_tokens=128, first_full_acc=[0.5, 0.3, 0.2], first_num_positions=400)
+    assert ("held-out 0.610 0.420 0.300 (812 positions, 8 samples; over the first 128 tokens of each turn "
+            "0.500 0.300 0.200, 400 positions), training 0.720") in format_summary(report)
     report["stages"]["train"]["heldout"] = None  # no split: no line
     assert "held-out" not in format_summary(report)
 
@@ -211,3 +214,13 @@ def test_summary_and_curves_show_heldout_beside_training_and_vllm(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     png = plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curves.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_job_counts_heldout_accuracy_over_answers_as_long_as_its_evals():
+    """train.heldout_first_tokens null: the job trains with eval.max_tokens there (JobConfig.train_config),
+    so the summary's held-out figure and vLLM's acceptance count answers of the same length."""
+    cfg = load_job_config(None, {"eval.max_tokens": 128})
+    assert cfg.train.heldout_first_tokens is None and cfg.train_config.heldout_first_tokens == 128
+    assert load_job_config(None, {"train.heldout_first_tokens": 0}).train_config.heldout_first_tokens == 0
+    with pytest.raises(ValueError, match=r"train\.heldout_first_tokens=-1"):
+        load_job_config(None, {"train.heldout_first_tokens": -1})

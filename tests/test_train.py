@@ -697,6 +697,28 @@ def test_heldout_evaluation_divides_the_batches_among_ranks(tiny):
     trainer.cfg, trainer.engine.calls = replace(cfg, eval_max_tokens=1), 0
     res = trainer.evaluate_heldout()
     assert trainer.engine.calls == 1 and res["heldout_samples"] == res["heldout_positions"] == 0
+    # heldout_first_tokens: a second forward per batch, counting only the first n tokens of each turn
+    trainer = Eagle3Trainer(replace(cfg, heldout_first_tokens=4), target, files, heldout_threshold=split.threshold)
+    trainer.engine = _DraftCaller(trainer.model)
+    trainer.device = trainer.engine.device
+    trainer.loss_config = resolve_loss_config(cfg.draft.loss, loss_implementation())
+    first = trainer.evaluate_heldout()
+    assert trainer.engine.calls == 2 * calls and first["heldout_first_tokens"] == 4
+    assert first["heldout_full_acc_0"] == pytest.approx(whole["heldout_full_acc_0"])  # the whole-answer figure unchanged
+    assert 0 < first["heldout_first_positions"] < first["heldout_positions"]
+    assert 0 <= first["heldout_first_full_acc_2"] <= first["heldout_first_full_acc_0"] <= 1
+
+
+def test_first_of_each_run_keeps_the_first_n_tokens_of_each_turn():
+    import torch
+
+    from eagle3.train.trainer import first_of_each_run
+
+    mask = torch.tensor([[1, 1, 1, 0, 0, 1, 1, 1, 1, 0, 1]], dtype=torch.bool)
+    assert first_of_each_run(mask, 2).int().tolist() == [[1, 1, 0, 0, 0, 1, 1, 0, 0, 0, 1]]
+    assert torch.equal(first_of_each_run(mask, 4), mask)
+    assert not first_of_each_run(mask, 0).any()
+    assert not first_of_each_run(torch.zeros(1, 5, dtype=torch.bool), 3).any()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -323,6 +323,14 @@ class TrainConfig:
     training accuracy. Each evaluation costs forwards over up to eval_max_tokens tokens (SmolLM2's
     draft on an H200: 0.4-0.7 s, ~10 steps' worth; the first one also compiles the no-grad forward:
     25 s cold)."""
+    heldout_first_tokens: int | None = None
+    """Also count the held-out accuracy over only the first this many tokens of each assistant turn
+    (heldout_first_full_acc_i beside heldout_full_acc_i; one more forward per held-out batch), to set
+    beside vLLM's acceptance over answers of at most eval.max_tokens: a small target's long answers
+    end in loops a draft predicts almost always (SmolLM2 at T 0.2: 72.5% of the tokens after position
+    128 close an 8-gram seen earlier in the answer, 14.8% before; benchmarks/results/quality/
+    answer-repeats-cpu-smollm2.md), so accuracy over whole answers overstates acceptance on short
+    ones. None: the job sets eval.max_tokens (eagle3.config.JobConfig.train_config); 0: off."""
     eval_max_tokens: int = 65536
     """Held-out tokens (packed, all ranks together) an evaluation reads at most: the first
     micro-batches of the held-out samples in a fixed order, so every evaluation of a run, and of
@@ -346,6 +354,8 @@ class TrainConfig:
         if self.eval_every_steps < 1:
             _fail("eval_every_steps", self.eval_every_steps, "must be >= 1 step (prepare.heldout_fraction: 0 turns "
                   "the held-out evaluation off)")
+        if self.heldout_first_tokens is not None and self.heldout_first_tokens < 0:
+            _fail("heldout_first_tokens", self.heldout_first_tokens, "must be >= 1 token, 0 (off) or null")
         if self.eval_max_tokens < 1:
             _fail("eval_max_tokens", self.eval_max_tokens, "must be >= 1 token (at least one micro-batch is read)")
         # Limits between a section and the stage's own length.

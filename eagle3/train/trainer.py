@@ -71,6 +71,17 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def first_of_each_run(mask, n: int):
+    """`mask` (bool, [..., T]) kept only at the first n positions of each run of True (one run: the
+    loss-masked tokens of one assistant turn, in target coordinates): the positions a vLLM answer of
+    at most n tokens would be scored on."""
+    counts = mask.long().cumsum(-1)
+    # counts at the last False before each position (0 before any): positions into the current run
+    at_false = torch.where(mask, torch.zeros_like(counts), counts)
+    into_run = counts - torch.cummax(at_false, dim=-1).values
+    return mask & (into_run <= n)
+
+
 def _data_range(before: dict, after: dict) -> tuple[int, int, int]:
     """(epoch, first, end) positions of the samples in the micro-batch taken between two data
     states (eagle3.train.data.packing.PackedBatches: a batch never straddles epochs)."""
@@ -271,14 +282,22 @@ class Eagle3Trainer:
         ttt = self.cfg.draft.ttt_steps
         names = [f"{m}_{i}_{part}" for m in ("full_acc", "cond_acc", "loss") for i in range(ttt)
                  for part in ("sum", "total")]
-        sums = torch.zeros(len(names) + 1, dtype=torch.float64)
+        first = self.cfg.heldout_first_tokens or 0  # also over the first `first` tokens of each turn
+        first_names = [f"full_acc_{i}_{part}" for i in range(ttt) for part in ("sum", "total")] if first else []
+        sums = torch.zeros(len(names) + len(first_names) + 1, dtype=torch.float64)
 
         def forward(rows: list, batches: PackedBatches, counted: bool) -> None:
             inputs = device_inputs(batches.pack(rows), self.device, dtype)
-            _, _, metrics = self.engine(**inputs, ttt_steps=ttt, ttt_step_loss_decay=self.cfg.draft.ttt_step_loss_decay,
-                                        loss_config=self.loss_config)
+            kw = {"ttt_steps": ttt, "ttt_step_loss_decay": self.cfg.draft.ttt_step_loss_decay,
+                  "loss_config": self.loss_config}
+            _, _, metrics = self.engine(**inputs, **kw)
+            got = [metrics[n] for n in names]
+            if first:
+                inputs["loss_mask"] = first_of_each_run(inputs["loss_mask"], first)
+                _, _, metrics = self.engine(**inputs, **kw)
+                got += [metrics[n] for n in first_names]
             if counted:
-                sums[:-1] += torch.stack([metrics[n].detach().double().reshape(()) for n in names]).cpu()
+                sums[:-1] += torch.stack([m.detach().double().reshape(()) for m in got]).cpu()
                 sums[-1] += len(rows)
 
         was_training = self.engine.module.training
@@ -308,12 +327,15 @@ class Eagle3Trainer:
             sums = sums.to(self.device) if dist.get_backend() == "nccl" else sums
             dist.all_reduce(sums)
             sums = sums.cpu()
-        vals = dict(zip(names + ["_samples"], sums.tolist(), strict=True))
+        vals = dict(zip(names + ["first_" + n for n in first_names] + ["_samples"], sums.tolist(), strict=True))
         out: dict = {}
         for i in range(ttt):
-            for m in ("full_acc", "cond_acc", "loss"):
+            for m in ("full_acc", "cond_acc", "loss") + (("first_full_acc",) if first else ()):
                 total = vals[f"{m}_{i}_total"]
                 out[f"heldout_{m}_{i}"] = vals[f"{m}_{i}_sum"] / total if total > 0 else 0.0
+        if first:
+            out["heldout_first_tokens"] = first
+            out["heldout_first_positions"] = int(vals["first_full_acc_0_total"])
         out.update(heldout_positions=int(vals["full_acc_0_total"]), heldout_samples=int(vals["_samples"]),
                    heldout_eval_s=time.perf_counter() - t0)
         return out
@@ -330,7 +352,11 @@ class Eagle3Trainer:
                 "cond_acc": [step_metrics[f"heldout_cond_acc_{i}"] for i in range(ttt)],
                 "train_full_acc": [sum(w[i] for w in window) / len(window) for i in range(ttt)] if window else None,
                 "train_steps_averaged": len(window),
-                "num_positions": step_metrics["heldout_positions"], "num_samples": step_metrics["heldout_samples"]}
+                "num_positions": step_metrics["heldout_positions"], "num_samples": step_metrics["heldout_samples"],
+                **({"first_tokens": step_metrics["heldout_first_tokens"],
+                    "first_full_acc": [step_metrics[f"heldout_first_full_acc_{i}"] for i in range(ttt)],
+                    "first_num_positions": step_metrics["heldout_first_positions"]}
+                   if "heldout_first_tokens" in step_metrics else {})}
 
     def checkpoint_due(self) -> bool:
         """After the step just taken: every checkpoint_every steps, and after the last one."""
