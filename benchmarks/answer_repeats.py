@@ -49,11 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from benchmarks.common import result_meta, write_result
-    from benchmarks.regen_bench import sharegpt_first_turns
+    from benchmarks.regen_bench import first_turn_prompts
     from compat.vllm_engine import Engine, engine_env, generation_engine_kwargs
     from eagle3.config import RegenerateConfig
     from eagle3.precision import resolve_dtype
-    from eagle3.prepare.chat_template import prompt_ids
     from eagle3.prepare.regenerate import resolve_sampling, turn_seed
 
     gpu = bool(os.environ.get("CUDA_VISIBLE_DEVICES", "x")) and _has_cuda()
@@ -64,14 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     tok = AutoTokenizer.from_pretrained(args.target)
     sampling = resolve_sampling(RegenerateConfig(temperature=args.temperature, top_p=args.top_p,
                                                  max_tokens=args.max_tokens), args.target)
-    ids, prompts = [], []
-    for sid, text in sharegpt_first_turns(4 * args.num_prompts, args.sharegpt):
-        p = prompt_ids(tok, [{"role": "user", "content": text}])
-        if len(p) + args.max_tokens <= args.max_model_len:
-            ids.append(sid)
-            prompts.append(p)
-            if len(prompts) == args.num_prompts:
-                break
+    _, ids, prompts = first_turn_prompts(tok, args.num_prompts, args.max_tokens, args.max_model_len, args.sharegpt)
     params = [SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=args.max_tokens,
                              seed=turn_seed(sampling.seed, sid, 0)) for sid in ids]
     with Engine(**generation_engine_kwargs(model=args.target, max_model_len=args.max_model_len,

@@ -53,6 +53,24 @@ ARMS = ("generate_seeded", "regenerate_seeded", "generate_unseeded", "regenerate
 DIAGNOSTIC_ARMS = ("regenerate_seeded_deep", "regenerate_seeded_render_after")
 
 
+def first_turn_prompts(tok, n: int, max_tokens: int, max_model_len: int, path: str | None = None):
+    """(turns, ids, prompts): the first user turns read (sharegpt_first_turns, up to 4n), and the
+    ids and token ids (the target's chat template, `tok`) of the first n that leave room for
+    max_tokens within max_model_len, so every request gets the same max_tokens."""
+    from eagle3.prepare.chat_template import prompt_ids
+
+    turns = sharegpt_first_turns(4 * n, path)
+    ids, prompts = [], []
+    for sid, text in turns:
+        p = prompt_ids(tok, [{"role": "user", "content": text}])
+        if len(p) + max_tokens <= max_model_len:
+            ids.append(sid)
+            prompts.append(p)
+            if len(prompts) == n:
+                break
+    return turns, ids, prompts
+
+
 def sharegpt_first_turns(n: int, path: str | None = None) -> list[tuple[str, str]]:
     """(id, text) of the first user turn of the first `n` usable ShareGPT records, in file order.
     The packaged file is cut short: eagle3.prepare.conversations reads it record by record
@@ -212,7 +230,6 @@ def main(argv=None) -> int:
         args.tag = args.tag or "cpu-smoke"
 
     from compat.vllm_engine import Engine, engine_env, generate_texts, generation_engine_kwargs
-    from eagle3.prepare.chat_template import prompt_ids
     from eagle3.config import RegenerateConfig
     from eagle3.prepare.regenerate import resolve_sampling, turn_seed
     from benchmarks.common import result_meta, write_result
@@ -225,15 +242,7 @@ def main(argv=None) -> int:
                                                  max_tokens=args.max_tokens, seed=args.seed), args.target)
     if sampling.temperature <= 0:
         raise ValueError(f"--temperature {sampling.temperature}: seeds matter only when sampling; give one > 0")
-    turns = sharegpt_first_turns(4 * args.num_prompts, args.sharegpt)
-    ids, prompts = [], []
-    for sid, text in turns:
-        p = prompt_ids(tok, [{"role": "user", "content": text}])
-        if len(p) + args.max_tokens <= args.max_model_len:
-            ids.append(sid)
-            prompts.append(p)
-            if len(prompts) == args.num_prompts:
-                break
+    turns, ids, prompts = first_turn_prompts(tok, args.num_prompts, args.max_tokens, args.max_model_len, args.sharegpt)
     base = {"temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": sampling.max_tokens}
     seeded = [{**base, "seed": turn_seed(sampling.seed, sid, 0)} for sid in ids]
     unseeded = [dict(base) for _ in ids]
