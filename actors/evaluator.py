@@ -1,8 +1,9 @@
 """Ray actor holding one vLLM engine (target + EAGLE-3 draft, or the target alone) and running
 eagle3.evaluate's measurements on it. One actor per engine setting (num_speculative_tokens, CUDA
-graphs or eager are engine settings): a fresh process gives the engine the whole device and
-frees it when the actor is killed. `measure` releases its engine before it returns; an engine
-from `start` is released by `shutdown`."""
+graphs or eager are engine settings): a fresh process, its share of the device, freed when the
+actor is killed. `measure` starts, measures and releases an engine in one call; the job's eval
+stage starts several engines side by side (`start` on each actor at once) and then measures them
+one at a time (`measure_started`); an engine from `start` is released by `shutdown`."""
 
 from __future__ import annotations
 
@@ -34,6 +35,12 @@ class EvaluatorActor:
         self.engine = SpecDecodeEngine(target_dir, draft_dir, **engine_kwargs)
         return self.engine.startup_s
 
+    def measure_started(self, **kwargs) -> dict:
+        """eagle3.evaluate.measure on the engine from `start`."""
+        from eagle3.evaluate import measure
+
+        return measure(self._need_engine(), **kwargs)
+
     def _need_engine(self):
         if self.engine is None:
             raise RuntimeError("no engine: call start(target_dir, draft_dir, ...) first")
@@ -56,12 +63,13 @@ class EvaluatorActor:
             engine.close()
 
 
-def place_evaluator(cpu_kvcache_space_gib: int, *, gpu: bool):
-    """An EvaluatorActor placed as the job's eval stage places each engine: one CPU, the whole GPU
-    where the cluster has one, and its engine core where compat.vllm_engine.core_in_process puts it."""
+def place_evaluator(cpu_kvcache_space_gib: int, *, gpu: bool, gpu_share: float = 1.0):
+    """An EvaluatorActor placed as the job's eval stage places each engine: one CPU, gpu_share of a
+    GPU where the cluster has one (the whole GPU, or its share when engines start side by side), and
+    its engine core where compat.vllm_engine.core_in_process puts it."""
     import ray
 
     from compat.vllm_engine import core_in_process
 
-    return ray.remote(EvaluatorActor).options(num_cpus=1, num_gpus=int(gpu)).remote(
+    return ray.remote(EvaluatorActor).options(num_cpus=1, num_gpus=gpu_share if gpu else 0).remote(
         cpu_kvcache_space_gib, in_process=core_in_process(on_gpu=gpu))

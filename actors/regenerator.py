@@ -54,6 +54,7 @@ class RegeneratorActor:
             tensor_parallel_size=extract_cfg.tensor_parallel_size,
             pipeline_parallel_size=extract_cfg.pipeline_parallel_size, max_num_seqs=regen_cfg.max_num_seqs,
             gpu_memory_utilization=extract_cfg.engine_gpu_memory_utilization,
+            kv_cache_memory_bytes=extract_cfg.kv_cache_memory_bytes if gpu else None,
             enforce_eager=self.enforce_eager,
             trust_remote_code=trust_remote_code))
         # Prepare's tokenizer, from the same directory: the regenerated samples are encoded as the

@@ -173,16 +173,19 @@ def core_in_process(*, on_gpu: bool) -> bool:
 def generation_engine_kwargs(*, model: str, max_model_len: int, dtype: str = "bfloat16",
                              tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, max_num_seqs: int = 256,
                              gpu_memory_utilization: float = 0.85, enforce_eager: bool = False,
-                             trust_remote_code: bool = False) -> dict:
+                             trust_remote_code: bool = False, kv_cache_memory_bytes: int | None = None) -> dict:
     """A plain generation engine (the regenerate stage). Prefix caching on: the prompt of a
     conversation's turn r extends turn r-1's prompt and answer, so most of each prefill is
     cached. The tokenizer is loaded: outputs come back as text. On CPU, no part-prefilled
-    requests (cpu_seeded_sampling_kwargs): regeneration samples with per-turn seeds."""
+    requests (cpu_seeded_sampling_kwargs): regeneration samples with per-turn seeds.
+    kv_cache_memory_bytes (GPU): a set KV cache, for replicas that start side by side on one GPU
+    (eagle3_engine_kwargs says why)."""
+    kv = {} if kv_cache_memory_bytes is None else {"kv_cache_memory_bytes": kv_cache_memory_bytes}
     return dict(
         model=model, dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size, max_num_seqs=max_num_seqs,
         gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, enable_prefix_caching=True,
-        trust_remote_code=trust_remote_code, **cpu_seeded_sampling_kwargs(max_model_len),
+        trust_remote_code=trust_remote_code, **cpu_seeded_sampling_kwargs(max_model_len), **kv,
     )
 
 

@@ -166,8 +166,10 @@ class ExtractConfig:
     (counted from its config; with a KV cache of 4 GiB each where kv_cache_memory_bytes is null) and
     1 otherwise: on one H200, 4 replicas of SmolLM2-135M's shape extracted 1.89x one
     (benchmarks/results/extraction/replicas-h200-smol.md); the 1B shape's one engine already ran at
-    0.86x plain prefill. Regeneration, online training and CPU clusters take 1. The extract stage's
-    log and summary say what auto chose and why."""
+    0.86x plain prefill. The regenerate stage places its replicas by the same rule (a 135M
+    target's one generation engine generated ~15k tokens/s on an H200, at 14 ms a step for ~280
+    sequences: far from what the device does). Online training and CPU clusters take 1. The extract and regenerate stages'
+    logs and summaries say what auto chose and why."""
     samples_per_shard: int = 256
     """Unit of work handed out to replicas and committed to the manifest (at most this many
     samples; shard_bytes may lower it)."""
@@ -287,7 +289,7 @@ class ExtractConfig:
 
     @property
     def per_gpu(self) -> int:
-        """replicas_per_gpu as a number: 'auto' is 1 until the extract stage resolves it
+        """replicas_per_gpu as a number: 'auto' is 1 until the extract or regenerate stage resolves it
         (ray_jobs.extract.resolve_replicas_per_gpu), and stays 1 everywhere else."""
         return 1 if self.replicas_per_gpu == "auto" else self.replicas_per_gpu
 
@@ -400,6 +402,14 @@ class EvalConfig:
     the figure a user gets) and eager on the CPU (no graphs there). true: eager everywhere (starts
     faster, decodes slower on a GPU). Engines that only measure acceptance always run eager:
     acceptance does not depend on graphs, and eager starts faster."""
+    engines_at_once: Literal["auto", True, False] = "auto"
+    """Whether the engines start side by side, each on its share of the device, and are then measured
+    one at a time while the others idle: their starts overlap (~70 s each with CUDA graphs on an
+    H200, for a 135M target). 'auto': true for a small target on a GPU (extraction's rule for
+    several replicas a GPU, ray_jobs.extract.small_target: under 0.5B parameters, engines of one
+    GPU), each engine with its share of extract.gpu_memory_utilization and a KV cache of
+    extract.kv_cache_memory_bytes (4 GiB where null); false elsewhere. false: one engine at a time,
+    the device to itself."""
     num_prompts: int = 16
     """Held-out prompts (the last records of the conversation file not used for training); the
     acceptance runs all of them, the timed windows cycle through them."""

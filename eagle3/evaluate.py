@@ -15,7 +15,8 @@ Owns:
   platform), `spread` of repeated timings, `speedup` (with / without a draft, and whether the
   difference exceeds the spread), `eval_samplings` (greedy and the served sampling),
   `resolve_enforce_eager`, and `eval_report` (eval.json from the engines' results).
-- `measure_engine`: one engine of the job's eval stage, started, measured and released.
+- `measure`: the job's eval measurements on a started engine; `measure_engine`: one engine started,
+  measured and released.
 - `draft_accuracy`: the trainer's metric (speculators' full_acc_i: the draft's argmax equals the
   target's argmax at loss-masked positions, step i of the TTT unroll) for an exported draft on
   hidden-state shards: the training side of a train/serve comparison, through the exported files
@@ -142,6 +143,7 @@ class SpecDecodeEngine:
         dtype, self.dtype = engine_dtype(dtype)  # self.dtype: the choice and why, for logs
         self.draft_dir, self.k = draft_dir, num_speculative_tokens
         self.enforce_eager = enforce_eager
+        self.started_at = time.time()  # wall clock: the driver compares it with when it placed the actor
         t0 = time.perf_counter()
         self.engine = Engine(**eagle3_engine_kwargs(
             target=target_dir, draft=draft_dir, num_speculative_tokens=num_speculative_tokens,
@@ -281,25 +283,31 @@ class SpecDecodeEngine:
 
 
 def measure_engine(target_dir: str, draft_dir: str | None, *, num_speculative_tokens: int, engine: dict,
-                   prompts: list[list[int]], max_tokens: int, samplings: tuple[DecodeSampling, ...],
-                   windows: tuple[SpeedWindow, ...] = (), speed_prompts: list[list[int]] | None = None,
-                   seed: int = 0, ignore_eos: bool = False) -> dict:
-    """One engine of the job's eval stage: started (`engine`: SpecDecodeEngine's settings), the
-    acceptance of its draft (if any) at each sampling on `prompts`, then the tokens/s of `windows`
-    (if any) at each sampling on `speed_prompts` (None: `prompts`), and released. ignore_eos: of
-    the acceptance runs (False: answers end at the target's EOS, as served)."""
-    t = time.perf_counter()
+                   **measure_kwargs) -> dict:
+    """One engine of the job's eval stage: started (`engine`: SpecDecodeEngine's settings),
+    measured (`measure`) and released."""
     with SpecDecodeEngine(target_dir, draft_dir, num_speculative_tokens=num_speculative_tokens, **engine) as e:
-        res = {"num_speculative_tokens": num_speculative_tokens, "draft": draft_dir,
-               "enforce_eager": e.enforce_eager, "engine_start_s": e.startup_s, "dtype": e.dtype,
-               "in_process": e.in_process}
-        if draft_dir is not None:
-            res["acceptance"] = {s.mode: e.acceptance(prompts, max_tokens=max_tokens, temperature=s.temperature,
-                                                      top_p=s.top_p, seed=seed, ignore_eos=ignore_eos)
-                                 for s in samplings}
-        if windows:
-            res["speed"] = e.speed(prompts if speed_prompts is None else speed_prompts, windows, samplings)
-    res["wall_s"] = time.perf_counter() - t
+        return measure(e, **measure_kwargs)
+
+
+def measure(e: SpecDecodeEngine, *, prompts: list[list[int]], max_tokens: int, samplings: tuple[DecodeSampling, ...],
+            windows: tuple[SpeedWindow, ...] = (), speed_prompts: list[list[int]] | None = None, seed: int = 0,
+            ignore_eos: bool = False) -> dict:
+    """The eval stage's measurements on a started engine: the acceptance of its draft (if any) at
+    each sampling on `prompts`, then the tokens/s of `windows` (if any) at each sampling on
+    `speed_prompts` (None: `prompts`). ignore_eos: of the acceptance runs (False: answers end at
+    the target's EOS, as served). wall_s: the engine's start and these measurements."""
+    t = time.perf_counter()
+    res = {"num_speculative_tokens": e.k, "draft": e.draft_dir, "enforce_eager": e.enforce_eager,
+           "engine_start_s": e.startup_s, "engine_started_at": e.started_at, "dtype": e.dtype,
+           "in_process": e.in_process}
+    if e.draft_dir is not None:
+        res["acceptance"] = {s.mode: e.acceptance(prompts, max_tokens=max_tokens, temperature=s.temperature,
+                                                  top_p=s.top_p, seed=seed, ignore_eos=ignore_eos)
+                             for s in samplings}
+    if windows:
+        res["speed"] = e.speed(prompts if speed_prompts is None else speed_prompts, windows, samplings)
+    res["wall_s"] = e.startup_s + time.perf_counter() - t
     return res
 
 
@@ -326,7 +334,7 @@ def eval_report(engines: list[dict], *, samplings: tuple[DecodeSampling, ...], s
         "acceptance": [{"num_speculative_tokens": e["num_speculative_tokens"], **e["acceptance"]} for e in drafts],
         "speed": None,
         "engines": [{k: e.get(k) for k in ("num_speculative_tokens", "enforce_eager", "engine_start_s", "dtype",
-                                           "in_process", "wall_s")}
+                                           "in_process", "wall_s", "before_engine_s", "engines_at_once")}
                     | {"measured": [m for m in ("acceptance", "speed") if m in e]} for e in engines],
     }
     if windows:

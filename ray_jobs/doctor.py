@@ -106,40 +106,62 @@ def node_report(cfg: JobConfig, target_dir: str, num_tokens: int, with_dry_run: 
     rows = checks["rows"] + ([dry] if dry is not None else [])
     # Versions last, listed first: an untested version is judged by this node's seams and dry run.
     rows = doctor.check_versions(rows) + rows
-    return {"host": host, "rows": [r.to_dict() for r in rows],
+    return {"host": host, "rows": [r.to_dict() for r in rows], "finished_at": time.time(),
             "seconds": {"checks": round(checks["seconds"], 1), "dry_run": round(t_dry, 1) if with_dry_run else None,
                         "total": round(time.perf_counter() - t0, 1)}}
 
 
 def run_doctor(cfg: JobConfig, target_dir: str, *, dry_run: bool = True) -> tuple[bool, str, list[dict]]:
     """Run the checks on every alive node; return (all ok, printable table, reports)."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    return start_doctor(cfg, target_dir, dry_run=dry_run).result()
 
-    t0 = time.perf_counter()
-    num_tokens, how = estimate_tokens(cfg)
-    task = ray.remote(max_calls=1, num_cpus=0)(node_report)
-    nodes = [n for n in ray.nodes() if n["Alive"]]
-    # One dry run per node type (GPU count), on a node that has CPUs to start an engine.
-    seen, refs = set(), []
-    for n in sorted(nodes, key=lambda n: -n["Resources"].get("CPU", 0)):
-        kind = n["Resources"].get("GPU", 0)
-        do_dry = dry_run and n["Resources"].get("CPU", 0) >= 1 and kind not in seen
-        seen.add(kind) if do_dry else None
-        refs.append((n, task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False),
-                                     num_gpus=min(1, kind) if do_dry and kind else 0)
-                     .remote(cfg, target_dir, num_tokens, do_dry)))
-    reports = []
-    for node, ref in refs:
-        rep = ray.get(ref)
-        rep["node_ip"] = node["NodeManagerAddress"]
-        reports.append(rep)
-    ok, table = format_reports(reports)
-    where = "; ".join(f"{r['node_ip']}: checks {r['seconds']['checks']:.0f}s"
-                      + (f" beside the dry run {r['seconds']['dry_run']:.0f}s" if r["seconds"]["dry_run"] is not None
-                         else "") + f", task {r['seconds']['total']:.0f}s" for r in reports if r.get("seconds"))
-    return ok, (f"{table} in {time.perf_counter() - t0:.0f}s ({where}; dataset estimate from {how}: "
-                f"{num_tokens} tokens)"), reports
+
+class DoctorRun:
+    """The doctor's tasks, submitted; `result()` waits for them. The job runs prepare meanwhile (no
+    model loads there) and calls result() before the first engine starts."""
+
+    def __init__(self, cfg: JobConfig, target_dir: str, *, dry_run: bool = True):
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        self.submitted_at = time.time()
+        self.num_tokens, self.how = estimate_tokens(cfg)
+        task = ray.remote(max_calls=1, num_cpus=0)(node_report)
+        nodes = [n for n in ray.nodes() if n["Alive"]]
+        # One dry run per node type (GPU count), on a node that has CPUs to start an engine.
+        seen, self.refs = set(), []
+        for n in sorted(nodes, key=lambda n: -n["Resources"].get("CPU", 0)):
+            kind = n["Resources"].get("GPU", 0)
+            do_dry = dry_run and n["Resources"].get("CPU", 0) >= 1 and kind not in seen
+            seen.add(kind) if do_dry else None
+            self.refs.append((n, task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False),
+                                              num_gpus=min(1, kind) if do_dry and kind else 0)
+                              .remote(cfg, target_dir, self.num_tokens, do_dry)))
+
+    def result(self) -> tuple[bool, str, list[dict]]:
+        """(all ok, printable table, reports); `seconds`: from the tasks' submission to the last one's
+        end (the job may call this later, after prepare)."""
+        import ray
+
+        reports = []
+        for node, ref in self.refs:
+            rep = ray.get(ref)
+            rep["node_ip"] = node["NodeManagerAddress"]
+            reports.append(rep)
+        ok, table = format_reports(reports)
+        where = "; ".join(f"{r['node_ip']}: checks {r['seconds']['checks']:.0f}s"
+                          + (f" beside the dry run {r['seconds']['dry_run']:.0f}s" if r["seconds"]["dry_run"] is not None
+                             else "") + f", task {r['seconds']['total']:.0f}s" for r in reports if r.get("seconds"))
+        ends = [r.get("finished_at") or time.time() for r in reports]
+        self.seconds = (max(ends) if ends else time.time()) - self.submitted_at
+        return ok, (f"{table} in {self.seconds:.0f}s ({where}; dataset estimate from {self.how}: "
+                    f"{self.num_tokens} tokens)"), reports
+
+
+def start_doctor(cfg: JobConfig, target_dir: str, *, dry_run: bool = True) -> DoctorRun:
+    """Submit the checks of every alive node (one task each, node affinity); DoctorRun.result()
+    collects them."""
+    return DoctorRun(cfg, target_dir, dry_run=dry_run)
 
 
 def format_reports(reports: list[dict]) -> tuple[bool, str]:

@@ -64,23 +64,32 @@ def given_kv_cache_bytes(ecfg: ExtractConfig) -> int:
     return ecfg.kv_cache_memory_bytes or AUTO_KV_CACHE_BYTES
 
 
-def resolve_replicas_per_gpu(ecfg: ExtractConfig, text_cfg: dict, *, cluster_gpus: int) -> tuple[ExtractConfig, str]:
-    """(the extract config with replicas_per_gpu a number, why): 'auto' becomes AUTO_REPLICAS_PER_GPU
-    for a target of fewer than AUTO_REPLICAS_MAX_PARAMS parameters on a GPU cluster (vLLM engines of
-    one GPU each), else 1; a number stays as given."""
-    if ecfg.replicas_per_gpu != "auto":
-        return ecfg, "set"
+def small_target(ecfg: ExtractConfig, text_cfg: dict, *, cluster_gpus: int) -> tuple[bool, str]:
+    """(whether engines of this target share a GPU, why): a target of fewer than
+    AUTO_REPLICAS_MAX_PARAMS parameters whose vLLM engines take one GPU each leaves most of an
+    H200 idle (a 135M target's prefill engine: 80k-164k tokens/s), so the job starts several of its
+    engines a GPU: extraction's and regeneration's replicas (replicas_per_gpu 'auto'), the eval
+    stage's engines side by side (eval.engines_at_once 'auto')."""
     if cluster_gpus == 0 or ecfg.backend != "vllm" or ecfg.tensor_parallel_size * ecfg.pipeline_parallel_size > 1:
-        return dataclasses.replace(ecfg, replicas_per_gpu=1), "auto: 1 (engines of whole GPUs, or no GPU)"
+        return False, "engines of whole GPUs, or no GPU"
     params = approx_num_params(text_cfg)
     if params >= AUTO_REPLICAS_MAX_PARAMS:
-        return dataclasses.replace(ecfg, replicas_per_gpu=1), \
-            f"auto: 1 (a {params / 1e9:.2f}B-parameter target keeps one engine busy)"
+        return False, f"a {params / 1e9:.2f}B-parameter target keeps one engine busy"
+    return True, (f"a {params / 1e9:.2f}B-parameter target, under {AUTO_REPLICAS_MAX_PARAMS / 1e9:.1f}B: one "
+                  "engine leaves the GPU idle")
+
+
+def resolve_replicas_per_gpu(ecfg: ExtractConfig, text_cfg: dict, *, cluster_gpus: int) -> tuple[ExtractConfig, str]:
+    """(the extract config with replicas_per_gpu a number, why): 'auto' becomes AUTO_REPLICAS_PER_GPU
+    for a small_target on a GPU cluster, else 1; a number stays as given."""
+    if ecfg.replicas_per_gpu != "auto":
+        return ecfg, "set"
+    small, why = small_target(ecfg, text_cfg, cluster_gpus=cluster_gpus)
+    if not small:
+        return dataclasses.replace(ecfg, replicas_per_gpu=1), f"auto: 1 ({why})"
     kv = given_kv_cache_bytes(ecfg)
     return (dataclasses.replace(ecfg, replicas_per_gpu=AUTO_REPLICAS_PER_GPU, kv_cache_memory_bytes=kv),
-            f"auto: {AUTO_REPLICAS_PER_GPU} (a {params / 1e9:.2f}B-parameter target, under "
-            f"{AUTO_REPLICAS_MAX_PARAMS / 1e9:.1f}B: one engine leaves the GPU idle; "
-            f"KV cache {kv / (1 << 30):.1f} GiB each)")
+            f"auto: {AUTO_REPLICAS_PER_GPU} ({why}; KV cache {kv / (1 << 30):.1f} GiB each)")
 
 
 def approx_num_params(text_cfg: dict) -> int:

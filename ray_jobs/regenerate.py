@@ -1,5 +1,6 @@
 """Regenerate driver: the target rewrites every assistant turn of the prepared conversations
-(eagle3/prepare/regenerate.py says how), on engine replicas placed as extraction's are, each shard
+(eagle3/prepare/regenerate.py says how), on engine replicas placed as extraction's are (several a
+GPU for a small target: extract.replicas_per_gpu, ray_jobs.extract.small_target), each shard
 committed exactly once; then regenerated/tokens.parquet for extraction.
 
 What crosses this process: sample ids, each shard's source messages (text, kilobytes per
@@ -39,7 +40,8 @@ def run_regenerate(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: s
     from eagle3.prepare.regenerate import (conversation_ids, cut_warning, fallback_warning, finalize, regenerate_fingerprint,
                                    reject_warning, resolve_sampling, sampling_fallbacks, source_messages)
     from actors.replica_pool import ReplicaPool, failure_reason, is_system_failure
-    from ray_jobs.extract import replica_layout
+    from eagle3.extract.extractor import target_text_config
+    from ray_jobs.extract import replica_layout, resolve_replicas_per_gpu
 
     rcfg, ecfg = cfg.regenerate, cfg.extract
     t_start = time.perf_counter()
@@ -68,7 +70,13 @@ def run_regenerate(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: s
         wanted = {ids[j] for s in sched.todo for j in range(*plan.rows(s))}
         messages = source_messages(cfg.prepare.conversations, cfg.prepare.max_samples, wanted,
                                    leading_assistant=cfg.prepare.leading_assistant)
+        ecfg, why = resolve_replicas_per_gpu(ecfg, target_text_config(target_dir),
+                                             cluster_gpus=int(ray.cluster_resources().get("GPU", 0)))
         bundle, num_replicas = replica_layout(ecfg, len(sched.todo))
+        summary["placement"] = {"num_replicas": num_replicas, "bundle": bundle, "replicas_per_gpu": ecfg.per_gpu,
+                                "why": why}
+        log.info("regenerate: %d replica(s), each %s; replicas_per_gpu %d (extract.replicas_per_gpu %s)",
+                 num_replicas, bundle, ecfg.per_gpu, why)
         pool = ReplicaPool(sched, RegeneratorActor, lambda index: ((target_dir, rcfg, ecfg, sampling), dict(
             max_length=cfg.prepare.max_length, dtype=cfg.target.dtype, trust_remote_code=cfg.target.trust_remote_code,
             assistant_only_loss=cfg.prepare.assistant_only_loss, replica=index,

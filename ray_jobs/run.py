@@ -42,8 +42,9 @@ def _prepare(cfg: JobConfig, target_dir: str, out: Path) -> dict:
 
 
 def _evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[list[int]]) -> dict:
-    """The eval stage: one engine (one Ray actor, the device to itself) at a time; eval.json's dict
-    (eagle3.evaluate.eval_report)."""
+    """The eval stage: one engine (one Ray actor) per setting, started one at a time with the device
+    to itself, or side by side (eval.engines_at_once: a small target's engines share its GPU) and
+    then measured one at a time, the others idle; eval.json's dict (eagle3.evaluate.eval_report)."""
     import ray
 
     from actors.evaluator import place_evaluator
@@ -75,26 +76,91 @@ def _evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[lis
             for k in ev.num_speculative_tokens]
     if speed_k is not None:
         plan.append((0, None, serving, True))  # the target alone: the speedup's baseline
+    at_once, why = engines_at_once(cfg, target_dir, len(plan), gpu=gpu)
+    share = 1.0
+    if at_once:
+        from ray_jobs.extract import given_kv_cache_bytes, gpu_share
+
+        share = gpu_share(len(plan))
+        if gpu:  # each engine its share of the device, and a KV cache of a set size (no profiling of the others)
+            plan = [(k, d, {**e, "gpu_memory_utilization": cfg.extract.gpu_memory_utilization / len(plan),
+                            "kv_cache_memory_bytes": given_kv_cache_bytes(cfg.extract)}, t) for k, d, e, t in plan]
+    log.info("eval: %d engine(s), %s (%s)", len(plan), "started side by side, then measured one at a time"
+             if at_once else "one at a time", why)
     results = []
-    for k, draft, engine, timed in plan:
-        actor = place_evaluator(cfg.extract.cpu_kvcache_space_gib, gpu=gpu)
+    for group in ([plan] if at_once else [[u] for u in plan]):
+        placed_at = time.time()
+        actors = [place_evaluator(cfg.extract.cpu_kvcache_space_gib, gpu=gpu, gpu_share=share) for _ in group]
         try:
-            res = ray.get(actor.measure.remote(target_dir, draft, num_speculative_tokens=k, engine=engine,
-                                               prompts=prompts, max_tokens=ev.max_tokens, samplings=samplings,
-                                               windows=windows if timed else (), speed_prompts=speed_prompts,
-                                               seed=ev.seed, ignore_eos=ev.ignore_eos))
+            ray.get([a.start.remote(target_dir, draft, num_speculative_tokens=k, **engine)
+                     for a, (k, draft, engine, _) in zip(actors, group)])
+            for a, (k, draft, engine, timed) in zip(actors, group):
+                res = ray.get(a.measure_started.remote(
+                    prompts=prompts, max_tokens=ev.max_tokens, samplings=samplings, windows=windows if timed else (),
+                    speed_prompts=speed_prompts, seed=ev.seed, ignore_eos=ev.ignore_eos))
+                ray.get(a.shutdown.remote())
+                # The actor's process start and imports, and waiting for its share of the device.
+                res["before_engine_s"] = res.pop("engine_started_at") - placed_at
+                res["engines_at_once"] = len(group)
+                what = ", ".join(f"{m} acceptance length {acc['acceptance_length']:.3f}"
+                                 for m, acc in res.get("acceptance", {}).items())
+                if "speed" in res:
+                    what += ("; " if what else "") + ", ".join(
+                        f"batch {r['batch_size']} {r['mode']} {r['tokens_per_s']['mean']:.0f} tokens/s" for r in res["speed"])
+                log.info("eval: %s (engine %s, started in %.0f s, %.0f s after its actor was placed%s): %s",
+                         f"num_speculative_tokens={k}" if draft else "target alone",
+                         "eager" if engine["enforce_eager"] else "CUDA graphs", res["engine_start_s"],
+                         res["before_engine_s"], f"; {len(group)} side by side" if len(group) > 1 else "", what)
+                results.append(res)
         finally:
-            ray.kill(actor)
-        what = ", ".join(f"{m} acceptance length {a['acceptance_length']:.3f}" for m, a in res.get("acceptance", {}).items())
-        if "speed" in res:
-            what += ("; " if what else "") + ", ".join(f"batch {r['batch_size']} {r['mode']} "
-                                                       f"{r['tokens_per_s']['mean']:.0f} tokens/s" for r in res["speed"])
-        log.info("eval: %s (engine %s, started in %.0f s): %s", f"num_speculative_tokens={k}" if draft else
-                 "target alone", "eager" if engine["enforce_eager"] else "CUDA graphs", res["engine_start_s"], what)
-        results.append(res)
+            for a in actors:
+                ray.kill(a)
     return {"target": target_dir, "draft": draft_dir} | eval_report(
         results, samplings=samplings, sampling_source=source, windows=windows, speed_k=speed_k,
         num_prompts=len(prompts), max_tokens=ev.max_tokens, ignore_eos=ev.ignore_eos)
+
+
+def engines_at_once(cfg: JobConfig, target_dir: str, num_engines: int, *, gpu: bool) -> tuple[bool, str]:
+    """(whether the eval stage starts its engines side by side, why): eval.engines_at_once, where
+    'auto' is true for several engines of a small target on a GPU (ray_jobs.extract.small_target:
+    each engine start, ~70 s with CUDA graphs on an H200 for a 135M target, overlaps the others',
+    and the memory of a few such engines is a small part of the device's)."""
+    setting = cfg.eval.engines_at_once
+    if num_engines < 2:
+        return False, "one engine"
+    if setting != "auto":
+        return bool(setting), "eval.engines_at_once"
+    if not gpu:
+        return False, "auto: on the CPU (engines start in seconds there)"
+    from eagle3.extract.extractor import target_text_config
+    from ray_jobs.extract import small_target
+
+    small, why = small_target(cfg.extract, target_text_config(target_dir), cluster_gpus=1)
+    return small, f"auto: {why}"
+
+
+class _Background:
+    """fn(*args) in a daemon thread of the driver; result() joins it and returns its value or raises
+    its error. Daemon: a job that stops (the doctor failed) does not wait for it."""
+
+    def __init__(self, fn, *args):
+        import threading
+
+        self._out: dict = {}
+        self._thread = threading.Thread(target=self._run, args=(fn, args), name="job-background", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn, args) -> None:
+        try:
+            self._out["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - re-raised by result() in the driver's thread
+            self._out["error"] = e
+
+    def result(self):
+        self._thread.join()
+        if "error" in self._out:
+            raise self._out["error"]
+        return self._out["value"]
 
 
 def runs_prepare(cfg: JobConfig, out: Path) -> bool:
@@ -152,19 +218,29 @@ def run(cfg: JobConfig) -> dict:
         # Once per job, here: a split that cannot work fails before any model loads; run_online places by it.
         split = split_gpus(cfg, int(ray.cluster_resources().get("GPU", 0)))
     target_dir = timed("target", resolve_target, cfg, out)
+    report["target"] = target_dir
+    # The doctor's tasks and prepare run side by side (prepare loads no model: a tokenizer, Ray tasks
+    # over the conversations); the doctor's verdict comes first, and stops the job before any engine.
+    # The doctor is submitted first: its disk estimate reads an earlier run's prepared tokens, if any.
+    doctor = preparing = None
     if cfg.doctor:
-        from ray_jobs.doctor import run_doctor
+        from ray_jobs.doctor import start_doctor
 
-        ok, table, doctor_reports = timed("doctor", run_doctor, cfg, target_dir)
+        doctor = start_doctor(cfg, target_dir)
+    if runs_prepare(cfg, out):
+        preparing = _Background(timed, "prepare", _prepare, cfg, target_dir, out / "prepared")
+    if doctor is not None:
+        ok, table, doctor_reports = doctor.result()
+        report["seconds"]["doctor"] = round(doctor.seconds, 2)
         print(table, flush=True)
         report["startup"]["doctor_dry_run"] = [{"host": rep["host"], "startup_s": row.get("seconds")}
                                                for rep in doctor_reports for row in rep["rows"]
                                                if row["name"] == "dry run" and row.get("seconds") is not None]
         if not ok:
-            raise SystemExit("doctor: a check failed (table above); nothing was loaded. Fix it, or set doctor: false")
-    report["target"] = target_dir
-    if runs_prepare(cfg, out):
-        report["stages"]["prepare"] = timed("prepare", _prepare, cfg, target_dir, out / "prepared")
+            raise SystemExit("doctor: a check failed (table above); no model was loaded (prepare ran beside the "
+                             "doctor, nothing after it). Fix it, or set doctor: false")
+    if preparing is not None:
+        report["stages"]["prepare"] = preparing.result()
 
     tokens_path, tokens_source = out / "prepared" / "tokens.parquet", "prepared"
     if cfg.regenerate.enabled:
@@ -247,7 +323,8 @@ def startup_record(stages: dict) -> dict:
         rec["online"] = online["engine_starts"]
     if "eval" in stages:
         rec["eval"] = [{"num_speculative_tokens": r["num_speculative_tokens"], "startup_s": r.get("engine_start_s"),
-                        "dtype": r.get("dtype"), "in_process": r.get("in_process")}
+                        "dtype": r.get("dtype"), "in_process": r.get("in_process"),
+                        "before_engine_s": r.get("before_engine_s"), "engines_at_once": r.get("engines_at_once")}
                        for r in stages["eval"].get("engines", [])]
     t = stages.get("train")
     if t and t.get("setup_s") is not None:
@@ -262,7 +339,9 @@ def _startup_line(startup: dict) -> str | None:
                       ("extract", "extract engine"), ("online", "online engine"), ("eval", "eval engine")):
         starts = [s["startup_s"] for s in startup.get(key, []) if s.get("startup_s") is not None]
         if starts:
-            parts.append(f"{what}{'s' if len(starts) > 1 else ''} " + ", ".join(f"{v:.0f}s" for v in starts))
+            side = any((s.get("engines_at_once") or 1) > 1 for s in startup.get(key, []))
+            parts.append(f"{what}{'s' if len(starts) > 1 else ''} " + ", ".join(f"{v:.0f}s" for v in starts)
+                         + (" side by side" if side else ""))
     t = startup.get("train")
     if t:
         parts.append(f"trainer set-up {t['setup_s']:.0f}s"

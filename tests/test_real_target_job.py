@@ -55,9 +55,12 @@ def test_whole_job_on_smollm2_and_sharegpt(tmp_path, smollm2_target, shared_ray)
             "prepare.leading_assistant=drop", "prepare.num_eval_prompts=4",
             "regenerate.enabled=true", "regenerate.max_tokens=48", "regenerate.cut=end",
             "extract.samples_per_shard=8", f"train.num_steps={STEPS}",
-            "eval.num_speculative_tokens=[2]", "eval.num_prompts=4", "eval.max_tokens=32",
+            "eval.num_speculative_tokens=[1, 2]", "eval.num_prompts=4", "eval.max_tokens=32",
             # acceptance only: the speedup is test_e2e's, and a baseline engine is one more start
-            "eval.speed_batch_sizes=[]"]
+            "eval.speed_batch_sizes=[]",
+            # the two engines side by side, as 'auto' starts a small target's on a GPU ('auto' is one
+            # at a time on the CPU)
+            "eval.engines_at_once=true"]
     proc = subprocess.run([sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml",
                            *[arg for s in sets for arg in ("--set", s)]],
                           cwd=REPO, capture_output=True, text=True, timeout=1500)
@@ -89,11 +92,17 @@ def test_whole_job_on_smollm2_and_sharegpt(tmp_path, smollm2_target, shared_ray)
     assert (out / "draft" / "model.safetensors").stat().st_size > 0
 
     ev = json.loads((out / "eval.json").read_text())
-    assert ev["speed"] is None and [e["num_speculative_tokens"] for e in ev["engines"]] == [2]
+    assert ev["speed"] is None and [e["num_speculative_tokens"] for e in ev["engines"]] == [1, 2]
+    assert [e["engines_at_once"] for e in ev["engines"]] == [2, 2]
+    assert "eval: 2 engine(s), started side by side, then measured one at a time (eval.engines_at_once)" in proc.stderr
+    # Both were up before either was measured: the second engine started before the first one's
+    # measurements ended (each engine's wall_s: its start and its measurements).
+    first, second = ev["engines"]
+    assert second["before_engine_s"] < first["before_engine_s"] + first["wall_s"]
     # the sampled mode is the target's published sampling, as regeneration's
     assert ev["samplings"]["sampled"] == {"temperature": 0.2, "top_p": 0.9}
-    [acc] = ev["acceptance"]
-    assert acc["num_speculative_tokens"] == 2
+    assert [a["num_speculative_tokens"] for a in ev["acceptance"]] == [1, 2]
+    acc = ev["acceptance"][1]
     for mode in ("greedy", "sampled"):
         a = acc[mode]
         # vLLM's two counters agree: the accepted tokens per draft position add up to all accepted tokens

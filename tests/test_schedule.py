@@ -8,41 +8,49 @@ import pytest
 from eagle3.extract.schedule import ShardFailed, ShardScheduler
 
 
-def test_dispatch_fills_replicas_in_order_up_to_the_bound():
+def test_dispatch_deals_shards_round_robin_up_to_the_bound():
     s = ShardScheduler(7, max_inflight_per_replica=2)
     a, b = s.add_replica(), s.add_replica()
-    assert s.assign() == [(a, 0), (a, 1), (b, 2), (b, 3)]
+    assert s.assign() == [(a, 0), (b, 1), (a, 2), (b, 3)]
     assert s.assign() == []  # every replica at its bound
     assert s.replicas[a].load == 2 and s.replicas[b].load == 2
     s.commit(1)
-    assert s.assign() == [(a, 4)]  # the freed slot, and only it
+    assert s.assign() == [(b, 4)]  # the freed slot, and only it
     for shard in (0, 2, 3, 4):
         s.commit(shard)
-    assert s.assign() == [(a, 5), (a, 6)]
+    assert s.assign() == [(a, 5), (b, 6)]
     s.commit(5), s.commit(6)
     assert s.finished and s.committed == set(range(7))
-    assert s.replicas[a].done == [1, 0, 4, 5, 6] and s.replicas[b].done == [2, 3]
+    assert s.replicas[a].done == [0, 2, 5] and s.replicas[b].done == [1, 3, 4, 6]
+
+
+def test_fewer_shards_than_slots_still_give_every_replica_work():
+    """Regeneration of a small target: 4 replicas on one GPU, 3 shards in flight each, 9 shards."""
+    s = ShardScheduler(9, max_inflight_per_replica=3)
+    replicas = [s.add_replica() for _ in range(4)]
+    s.assign()
+    assert [s.replicas[r].load for r in replicas] == [3, 2, 2, 2]
 
 
 def test_a_lost_replicas_shards_go_out_again_to_the_others_first():
     s = ShardScheduler(6, max_inflight_per_replica=2)
     a, b = s.add_replica(), s.add_replica()
-    s.assign()  # a: 0, 1   b: 2, 3
-    assert s.lose(2, "ActorDiedError", replica_died=True) is True  # b is dead now
+    assert s.assign() == [(a, 0), (b, 1), (a, 2), (b, 3)]
+    assert s.lose(1, "ActorDiedError", replica_died=True) is True  # b is dead now
     assert s.lose(3, "ActorDiedError", replica_died=True) is False  # ... and was already
     assert not s.replicas[b].alive and s.replicas[b].load == 0
     s.commit(0)
     # The lost shards come back before the untouched ones, and only the live replica gets work.
     assert s.assign() == [(a, 3)]
-    s.commit(1)
-    assert s.assign() == [(a, 2)]
+    s.commit(2)
+    assert s.assign() == [(a, 1)]
     assert not s.needs_replica()  # a is alive
     c = s.add_replica()  # a replacement joins and takes the rest
     assert s.assign() == [(c, 4), (c, 5)]
-    for shard in (3, 2, 4, 5):
+    for shard in (3, 1, 4, 5):
         s.commit(shard)
     assert s.finished and sorted(s.committed) == list(range(6))
-    assert s.failures == {2: ["ActorDiedError"], 3: ["ActorDiedError"]}
+    assert s.failures == {1: ["ActorDiedError"], 3: ["ActorDiedError"]}
 
 
 def test_a_failed_write_is_redone_and_its_replica_keeps_working():

@@ -108,6 +108,11 @@ def test_summary_shows_each_engine_start_the_trainers_setup_and_the_dtypes():
     text = format_summary({**report, "startup": startup_record(stages)})
     assert "start-up         online engine 19s; eval engines 22s, 21s; trainer set-up 35s, first step 2.0s" in text
     assert "compute dtype    engines bfloat16 (auto: GPU), float32 (auto: CPU); trainer float32" in text
+    # engines started side by side (eval.engines_at_once) say so
+    for e in stages["eval"]["engines"]:
+        e["engines_at_once"] = 2
+    text = format_summary({**report, "startup": startup_record(stages)})
+    assert "eval engines 22s, 21s side by side; trainer set-up" in text
 
 
 def test_replicas_per_gpu_needs_one_gpu_replicas_and_divides_the_memory():
@@ -156,6 +161,85 @@ def test_replicas_per_gpu_auto_gives_a_small_target_four_engines_a_gpu():
     assert load_job_config(None, {"train.source": "online"}).extract.per_gpu == 1  # online: auto is 1
     with pytest.raises(ValueError, match=r"extract.replicas_per_gpu='four': expected an integer or one of 'auto'"):
         load_job_config(None, {"extract.replicas_per_gpu": "four"})
+
+
+def test_eval_engines_start_side_by_side_for_a_small_target_on_a_gpu(tmp_path):
+    """eval.engines_at_once 'auto': a small target's engines (extraction's rule: under 0.5B
+    parameters, engines of one GPU) start side by side on a GPU, and one at a time on the CPU, for a
+    larger target, or with one engine; true and false hold everywhere."""
+    from ray_jobs.run import engines_at_once
+
+    small, large = tmp_path / "small", tmp_path / "large"
+    for d, text in ((small, SMOLLM2_135M), (large, QWEN25_1_5B)):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(text))
+    auto = load_job_config(None, {})
+    assert auto.eval.engines_at_once == "auto"
+    at_once, why = engines_at_once(auto, str(small), 2, gpu=True)
+    assert at_once and why.startswith("auto: a 0.13B-parameter target")
+    assert engines_at_once(auto, str(large), 2, gpu=True) == (False, "auto: a 1.54B-parameter target keeps one engine busy")
+    assert engines_at_once(auto, str(small), 2, gpu=False)[0] is False
+    assert engines_at_once(auto, str(small), 1, gpu=True) == (False, "one engine")
+    tp2 = load_job_config(None, {"extract.tensor_parallel_size": 2})
+    assert engines_at_once(tp2, str(small), 2, gpu=True)[0] is False
+    forced = load_job_config(None, {"eval.engines_at_once": True})
+    assert engines_at_once(forced, str(large), 3, gpu=False) == (True, "eval.engines_at_once")
+    assert engines_at_once(load_job_config(None, {"eval.engines_at_once": False}), str(small), 2, gpu=True)[0] is False
+    with pytest.raises(ValueError, match=r"eval.engines_at_once='yes'"):
+        load_job_config(None, {"eval.engines_at_once": "yes"})
+
+
+class _FakeDoctor:
+    """What ray_jobs.doctor.start_doctor returns, without Ray: the verdict after `wait` seconds."""
+
+    def __init__(self, ok: bool, events: list, wait: float):
+        self.ok, self.events, self.wait, self.seconds = ok, events, wait, wait
+
+    def result(self):
+        import time
+
+        time.sleep(self.wait)
+        self.events.append("doctor done")
+        return self.ok, "  FAIL  target architecture  (a table)" if not self.ok else "doctor: all checks passed", []
+
+
+@pytest.mark.parametrize("doctor_ok", [True, False])
+def test_prepare_runs_beside_the_doctor_whose_verdict_comes_first(tmp_path, monkeypatch, capsys, doctor_ok):
+    """The job submits the doctor's tasks and runs prepare meanwhile (prepare loads no model); a failed
+    doctor stops the job with its table as soon as it answers, before prepare ends and before any
+    engine; a passed one lets the job go on with prepare's summary. The driver's order only: Ray and
+    the doctor's checks are stood in for (their own tests: tests/test_doctor.py, tests/test_e2e.py)."""
+    import time
+
+    import ray_jobs.cluster
+    import ray_jobs.doctor
+    import ray_jobs.run as run_mod
+
+    events: list = []
+
+    def fake_prepare(cfg, target_dir, out):
+        events.append("prepare started")
+        time.sleep(0.6)
+        events.append("prepare done")
+        return {"num_samples": 1}
+
+    monkeypatch.setattr(ray_jobs.cluster, "init_ray", lambda *a, **k: None)
+    monkeypatch.setattr(run_mod, "resolve_target", lambda cfg, out: "target-dir")
+    monkeypatch.setattr(run_mod, "_prepare", fake_prepare)
+    monkeypatch.setattr(ray_jobs.doctor, "start_doctor", lambda cfg, target_dir: _FakeDoctor(doctor_ok, events, 0.2))
+    src = tmp_path / "c.jsonl"
+    src.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
+    cfg = load_job_config(None, {"output_dir": str(tmp_path / "out"), "prepare.conversations": str(src),
+                                 "stages": ["prepare"], "doctor": True})
+    if not doctor_ok:
+        with pytest.raises(SystemExit, match="doctor: a check failed .*no model was loaded"):
+            run_mod.run(cfg)
+        assert events[:2] == ["prepare started", "doctor done"]  # the verdict did not wait for prepare
+        assert "FAIL  target architecture" in capsys.readouterr().out
+        return
+    report = run_mod.run(cfg)
+    assert events == ["prepare started", "doctor done", "prepare done"]
+    assert report["stages"]["prepare"] == {"num_samples": 1} and report["seconds"]["doctor"] == pytest.approx(0.2)
 
 
 # ------------------------------------------------------------------------------ real Ray, real vLLM

@@ -90,10 +90,17 @@ class ShardScheduler:
             self.num_shards = max(self.num_shards, s + 1)
 
     def assign(self) -> list[tuple[int, int]]:
-        """(replica, shard) pairs to dispatch now; they count as in flight from here on."""
+        """(replica, shard) pairs to dispatch now; they count as in flight from here on. Round-robin,
+        one shard a replica a pass: when there are fewer shards than slots (4 replicas with 3 slots
+        each, 9 shards), every replica gets work (3, 2, 2, 2), not the first ones all of it."""
         out = []
-        for r in self.replicas.values():
-            while r.alive and r.load < self.max_inflight and self.todo:
+        while self.todo:
+            open_ = [r for r in self.replicas.values() if r.alive and r.load < self.max_inflight]
+            if not open_:
+                break
+            for r in open_:
+                if not self.todo:
+                    break
                 shard = self.todo.popleft()
                 r.inflight.add(shard)
                 self.inflight[shard] = r.index
