@@ -22,7 +22,10 @@ demo: install
 # demo job, runs once; xdist hands out files with more tests first): much of a slow test is
 # single-threaded start-up (imports, Ray and engine starts; a CPU vLLM engine decodes on one
 # thread), so two workers fill 2 cores better than one. Three workers, and the heaviest files
-# first (two whole jobs side by side), were slower: benchmarks/results/job/test-tiers.md.
+# first (two whole jobs side by side), were slower: benchmarks/results/job/test-tiers.md. The files
+# go out in tests/conftest.py's SLOW_FILE_ORDER (--no-loadscope-reorder): the costliest first, the
+# short ones last so that both workers end together, and the second worker's first two need no tiny
+# target, so it works while the first builds it on a fresh machine.
 # The fast tier in FAST_PROCESSES workers too, its tests handed out one by one (xdist's --dist
 # load): 86 s against 121 s in one process, back to back on 2 cores (test-tiers.md, session 17).
 # pytest's exit code 5 means the tier selected no test (e.g. a -k filter from PYTEST_ARGS): not a
@@ -33,7 +36,7 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 FAST := $(PYTEST) -n $(FAST_PROCESSES) --durations=10 -m "not slow and not gpu" tests
 # No workers on a GPU host (-n 0: in this process): a GPU test wants the device to itself.
 SLOW_PROCESSES ?= $(if $(shell command -v nvidia-smi),0,2)
-SLOW := $(PYTEST) -n $(SLOW_PROCESSES) --dist loadfile --durations=$(DURATIONS) -m "slow or gpu" tests
+SLOW := $(PYTEST) -n $(SLOW_PROCESSES) --dist loadfile --no-loadscope-reorder --durations=$(DURATIONS) -m "slow or gpu" tests
 
 test: install
 	$(FAST) || [ $$? -eq 5 ]

@@ -46,10 +46,28 @@ TEST_CACHE = Path(os.environ.get("EAGLE3_TEST_CACHE", Path.home() / ".cache" / "
 _PRETRAINED_NEEDED = True
 
 
+# The slow tier's files in the order its two xdist workers take them (`make test` runs it with
+# --dist loadfile --no-loadscope-reorder: whole files, in collection order, the first four two to a
+# worker, then each to the first worker free). Heaviest first by worker-seconds in a full run
+# (benchmarks/results/job/test-tiers.md, session 22), so that the last files are short ones and the
+# workers end together, except the second worker's first two files (2nd and 4th here), which need no
+# tiny target: on a fresh machine the first worker builds it (70-100 s, its pretraining) while the
+# second works instead of waiting on the build's lock. A file not listed goes after the listed ones.
+SLOW_FILE_ORDER = ("test_faults.py", "test_real_target_job.py", "test_online.py", "test_e2e_qwen3.py", "test_train.py",
+                   "test_e2e.py", "test_security.py", "test_quality.py", "test_startup.py", "test_extract.py",
+                   "test_doctor.py", "test_regenerate.py", "test_compat.py", "test_prepare.py", "test_engine_logs.py")
+
+
+def _file_rank(item) -> int:
+    name = item.path.name
+    return SLOW_FILE_ORDER.index(name) if name in SLOW_FILE_ORDER else len(SLOW_FILE_ORDER)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     global _PRETRAINED_NEEDED
     _PRETRAINED_NEEDED = any(item.get_closest_marker("slow") or item.get_closest_marker("gpu") for item in items)
+    items.sort(key=_file_rank)  # stable: a file's tests keep their order
 
 
 @pytest.fixture(scope="session")
