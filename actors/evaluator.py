@@ -8,12 +8,14 @@ one at a time (`measure_started`); an engine from `start` is released by `shutdo
 from __future__ import annotations
 
 import os
+import time
 
 
 class EvaluatorActor:
     def __init__(self, cpu_kvcache_space_gib: int = 1, *, in_process: bool = False):
         """in_process: the engine core in this actor's process (compat.vllm_engine.core_in_process:
         on a CPU)."""
+        self.created_at = time.time()  # the driver compares it with when it placed this actor
         from compat.vllm_engine import engine_env
 
         os.environ.update(engine_env(in_process=in_process, cpu_kvcache_space_gib=cpu_kvcache_space_gib))
@@ -39,7 +41,7 @@ class EvaluatorActor:
         """eagle3.evaluate.measure on the engine from `start`."""
         from eagle3.evaluate import measure
 
-        return measure(self._need_engine(), **kwargs)
+        return measure(self._need_engine(), **kwargs) | {"actor_created_at": self.created_at}
 
     def _need_engine(self):
         if self.engine is None:
@@ -49,8 +51,8 @@ class EvaluatorActor:
     def acceptance(self, prompts: list[list[int]], **kwargs) -> dict:
         return self._need_engine().acceptance(prompts, **kwargs)
 
-    def speed(self, prompts: list[list[int]], windows, samplings) -> list[dict]:
-        return self._need_engine().speed(prompts, windows, samplings)
+    def speed(self, prompts: list[list[int]], windows, samplings, **kwargs) -> list[dict]:
+        return self._need_engine().speed(prompts, windows, samplings, **kwargs)
 
     def generate(self, prompts: list[list[int]], **kwargs) -> list[list[int]]:
         return self._need_engine().generate(prompts, **kwargs)

@@ -405,7 +405,9 @@ class EvalConfig:
     engines_at_once: Literal["auto", True, False] = "auto"
     """Whether the engines start side by side, each on its share of the device, and are then measured
     one at a time while the others idle: their starts overlap (~70 s each with CUDA graphs on an
-    H200, for a 135M target). 'auto': true for a small target on a GPU (extraction's rule for
+    H200, for a 135M target: the SmolLM2 job's eval stage took 144 s, session 22), and the draft's
+    engine and the target alone's take turns at the timed windows, round by round, so that eval.json
+    pairs each round with the draft with the same round without it. 'auto': true for a small target on a GPU (extraction's rule for
     several replicas a GPU, ray_jobs.extract.small_target: under 0.5B parameters, engines of one
     GPU), each engine with its share of extract.gpu_memory_utilization and a KV cache of
     extract.kv_cache_memory_bytes (4 GiB where null); false elsewhere. false: one engine at a time,

@@ -235,7 +235,8 @@ class SpecDecodeEngine:
         }
 
     def speed(self, prompts: list[list[int]], windows: tuple[SpeedWindow, ...] | list[SpeedWindow],
-              samplings: tuple[DecodeSampling, ...] | list[DecodeSampling]) -> list[dict]:
+              samplings: tuple[DecodeSampling, ...] | list[DecodeSampling], *, rounds: range | list[int] | None = None,
+              warmup: bool = True) -> list[dict]:
         """Output tokens/s (generated tokens over the window's wall seconds, its prompts' prefill
         included) of each window at each sampling, one entry per (window, sampling) with every
         repeat's seconds and tokens; `prompts` are cycled to fill a window. Sampled requests carry
@@ -243,18 +244,22 @@ class SpecDecodeEngine:
         vLLM's sampler, a slower path). One untimed wave of each (window, sampling) first (first-
         call work: buffers, lazy kernels), then the repeats interleaved (repeat r of every window
         before repeat r+1 of any), so that a drift of the machine spreads over all of them rather
-        than biasing one. A draft engine also gives the acceptance length over its timed windows."""
+        than biasing one. A draft engine also gives the acceptance length over its timed windows.
+        rounds: which repeats to time (None: all); warmup False: no untimed wave. The job's eval
+        stage times engines that stand side by side one round at a time, alternating between them
+        (merge_speed joins the rounds)."""
         if not prompts:
             raise ValueError("speed needs at least one prompt")
         runs = {}
         for w in windows:
             for s in samplings:
-                self._generate(_cycle(prompts, w.batch_size), max_tokens=w.max_tokens, temperature=s.temperature,
-                               top_p=s.top_p)  # warm-up, untimed
+                if warmup:
+                    self._generate(_cycle(prompts, w.batch_size), max_tokens=w.max_tokens, temperature=s.temperature,
+                                   top_p=s.top_p)  # warm-up, untimed
                 runs[w, s] = {"batch_size": w.batch_size, "mode": s.mode, "temperature": s.temperature,
                               "top_p": s.top_p, "num_prompts": w.num_prompts, "max_tokens": w.max_tokens,
                               "seconds": [], "num_tokens": [], "drafts": 0, "accepted": 0}
-        for r in range(max((w.repeats for w in windows), default=0)):
+        for r in (range(max((w.repeats for w in windows), default=0)) if rounds is None else rounds):
             for w in windows:
                 if r >= w.repeats:
                     continue
@@ -273,13 +278,23 @@ class SpecDecodeEngine:
                         after = self._counters()
                         run["drafts"] += after["num_drafts"] - before["num_drafts"]
                         run["accepted"] += after["num_accepted_tokens"] - before["num_accepted_tokens"]
-        out = []
-        for run in runs.values():
-            drafts, accepted = run.pop("drafts"), run.pop("accepted")
-            run["tokens_per_s"] = spread([n / s for n, s in zip(run["num_tokens"], run["seconds"])])
-            run["acceptance_length"] = 1.0 + accepted / drafts if drafts else None
-            out.append(run)
-        return out
+        return merge_speed([list(runs.values())])
+
+
+def merge_speed(parts: list[list[dict]]) -> list[dict]:
+    """One engine's speed runs from several SpecDecodeEngine.speed calls (each a list with one run
+    per (window, sampling), in the same order): every call's seconds and tokens in call order, its
+    drafts and accepted tokens summed, then each run's tokens_per_s spread and acceptance length."""
+    out = []
+    for runs in zip(*parts):
+        run = {k: v for k, v in runs[0].items() if k not in ("tokens_per_s", "acceptance_length")}
+        run["seconds"] = [x for r in runs for x in r["seconds"]]
+        run["num_tokens"] = [x for r in runs for x in r["num_tokens"]]
+        run["drafts"], run["accepted"] = sum(r["drafts"] for r in runs), sum(r["accepted"] for r in runs)
+        run["tokens_per_s"] = spread([n / s for n, s in zip(run["num_tokens"], run["seconds"])]) if run["seconds"] else None
+        run["acceptance_length"] = 1.0 + run["accepted"] / run["drafts"] if run["drafts"] else None
+        out.append(run)
+    return out
 
 
 def measure_engine(target_dir: str, draft_dir: str | None, *, num_speculative_tokens: int, engine: dict,
@@ -315,7 +330,10 @@ SPEED_METHOD = ("each window is timed `repeats` times on each engine (the draft'
                 "target alone), repeats interleaved; tokens_per_s: generated tokens / wall seconds of a window, prefill "
                 "of its prompts included; speedup.ratio = mean tokens/s with the draft / without; ratio_min and "
                 "ratio_max: the slowest and fastest pairing of one window with and one without; exceeds_spread: "
-                "both on the same side of 1, i.e. the difference is larger than the spread of the windows")
+                "both on the same side of 1, i.e. the difference is larger than the spread of the windows. Engines "
+                "side by side (eval.engines_at_once) take turns instead, round r of every window on one engine and "
+                "then the other, the order reversed every other round (interleaved: true); paired: the ratios of "
+                "each round's two windows, and paired_exceeds_one: all of them on the same side of 1")
 
 
 def eval_report(engines: list[dict], *, samplings: tuple[DecodeSampling, ...], sampling_source: str,
@@ -334,13 +352,14 @@ def eval_report(engines: list[dict], *, samplings: tuple[DecodeSampling, ...], s
         "acceptance": [{"num_speculative_tokens": e["num_speculative_tokens"], **e["acceptance"]} for e in drafts],
         "speed": None,
         "engines": [{k: e.get(k) for k in ("num_speculative_tokens", "enforce_eager", "engine_start_s", "dtype",
-                                           "in_process", "wall_s", "before_engine_s", "engines_at_once")}
+                                           "in_process", "wall_s", "before_engine_s", "actor_start_s", "engines_at_once")}
                     | {"measured": [m for m in ("acceptance", "speed") if m in e]} for e in engines],
     }
     if windows:
         with_draft = next(e for e in drafts if e["num_speculative_tokens"] == speed_k)
         without = next(e for e in engines if e["draft"] is None)
         base = {(r["batch_size"], r["mode"]): r for r in without["speed"]}
+        interleaved = bool(with_draft.get("speed_interleaved") and without.get("speed_interleaved"))
         results = []
         for r in with_draft["speed"]:
             b = base[r["batch_size"], r["mode"]]
@@ -349,12 +368,17 @@ def eval_report(engines: list[dict], *, samplings: tuple[DecodeSampling, ...], s
                                    f"{b['num_tokens']} without")
             rates = [n / s for n, s in zip(r["num_tokens"], r["seconds"])]
             base_rates = [n / s for n, s in zip(b["num_tokens"], b["seconds"])]
+            sp = speedup(rates, base_rates)
+            if interleaved:
+                paired = [x / y for x, y in zip(rates, base_rates)]
+                sp |= {"paired": spread(paired), "paired_exceeds_one": ranges_apart(paired, [1.0])}
             results.append({k: r[k] for k in ("batch_size", "mode", "temperature", "top_p")}
                            | {"with_draft": {k: r[k] for k in ("tokens_per_s", "seconds", "num_tokens",
                                                                 "acceptance_length")},
                               "without_draft": {k: b[k] for k in ("tokens_per_s", "seconds", "num_tokens")},
-                              "speedup": speedup(rates, base_rates)})
+                              "speedup": sp})
         report["speed"] = {"num_speculative_tokens": speed_k, "enforce_eager": with_draft["enforce_eager"],
+                           "interleaved": interleaved,
                            "windows": [asdict(w) | {"num_tokens": w.num_tokens} for w in windows],
                            "method": SPEED_METHOD, "results": results}
     return report

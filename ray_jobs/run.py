@@ -94,13 +94,23 @@ def _evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[lis
         try:
             ray.get([a.start.remote(target_dir, draft, num_speculative_tokens=k, **engine)
                      for a, (k, draft, engine, _) in zip(actors, group)])
-            for a, (k, draft, engine, timed) in zip(actors, group):
-                res = ray.get(a.measure_started.remote(
-                    prompts=prompts, max_tokens=ev.max_tokens, samplings=samplings, windows=windows if timed else (),
-                    speed_prompts=speed_prompts, seed=ev.seed, ignore_eos=ev.ignore_eos))
+            # Engines side by side that both time the windows (the draft's at speed_k and the target
+            # alone) take turns, one round of every window each: a drift of the machine meets both.
+            timed = [i for i, u in enumerate(group) if u[3]] if windows else []
+            interleave = len(timed) > 1
+            done = [ray.get(a.measure_started.remote(
+                prompts=prompts, max_tokens=ev.max_tokens, samplings=samplings,
+                windows=windows if t and not interleave else (), speed_prompts=speed_prompts, seed=ev.seed,
+                ignore_eos=ev.ignore_eos)) for a, (_, _, _, t) in zip(actors, group)]
+            if interleave:
+                _interleaved_speed(ray, [actors[i] for i in timed], [done[i] for i in timed], speed_prompts, windows,
+                                   samplings)
+            for a, res, (k, draft, engine, _) in zip(actors, done, group):
                 ray.get(a.shutdown.remote())
-                # The actor's process start and imports, and waiting for its share of the device.
+                # The actor's process start and imports, and waiting for its share of the device: split
+                # into placement to the actor's first line (actor_start_s) and from there to the engine.
                 res["before_engine_s"] = res.pop("engine_started_at") - placed_at
+                res["actor_start_s"] = res.pop("actor_created_at") - placed_at
                 res["engines_at_once"] = len(group)
                 what = ", ".join(f"{m} acceptance length {acc['acceptance_length']:.3f}"
                                  for m, acc in res.get("acceptance", {}).items())
@@ -118,6 +128,32 @@ def _evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[lis
     return {"target": target_dir, "draft": draft_dir} | eval_report(
         results, samplings=samplings, sampling_source=source, windows=windows, speed_k=speed_k,
         num_prompts=len(prompts), max_tokens=ev.max_tokens, ignore_eos=ev.ignore_eos)
+
+
+def _interleaved_speed(ray, actors: list, results: list[dict], prompts, windows, samplings) -> None:
+    """The timed windows on engines that stand side by side: each engine's untimed warm-up waves, then
+    round r of every window on each engine in turn (the order reversed every other round), merged per
+    engine (eagle3.evaluate.merge_speed) into its result's "speed"; its wall_s gains the time."""
+    from eagle3.evaluate import merge_speed
+
+    spent = [0.0] * len(actors)
+    parts: list[list] = [[] for _ in actors]
+
+    def timed_call(i: int, **kwargs):
+        t = time.perf_counter()
+        out = ray.get(actors[i].speed.remote(prompts, windows, samplings, **kwargs))
+        spent[i] += time.perf_counter() - t
+        return out
+
+    for i in range(len(actors)):
+        timed_call(i, rounds=[], warmup=True)
+    for r in range(max(w.repeats for w in windows)):
+        for i in (range(len(actors)) if r % 2 == 0 else reversed(range(len(actors)))):
+            parts[i].append(timed_call(i, rounds=[r], warmup=False))
+    for i, res in enumerate(results):
+        res["speed"] = merge_speed(parts[i])
+        res["speed_interleaved"] = True
+        res["wall_s"] += spent[i]
 
 
 def engines_at_once(cfg: JobConfig, target_dir: str, num_engines: int, *, gpu: bool) -> tuple[bool, str]:
@@ -459,7 +495,8 @@ def _eval_summary(ev: dict) -> list[str]:
         w = {x["batch_size"]: x for x in sp["windows"]}
         lines.append(f"  eval.json        decode speedup, draft at k={sp['num_speculative_tokens']} over the target "
                      f"alone ({'eager' if sp['enforce_eager'] else 'CUDA graphs'}; output tokens/s, each window "
-                     f"timed {sp['windows'][0]['repeats']} times):")
+                     f"timed {sp['windows'][0]['repeats']} times"
+                     f"{', the engines taking turns' if sp.get('interleaved') else ''}):")
         for r in sp["results"]:
             s, x = r["speedup"], w[r["batch_size"]]
             al = r["with_draft"].get("acceptance_length")  # the windows run past EOS
@@ -467,7 +504,9 @@ def _eval_summary(ev: dict) -> list[str]:
                          f"({r['without_draft']['tokens_per_s']['mean']:.0f} -> {r['with_draft']['tokens_per_s']['mean']:.0f}"
                          f" tokens/s; windows {s['ratio_min']:.2f}-{s['ratio_max']:.2f}x"
                          f"{'' if s['exceeds_spread'] else ', within the spread'}"
-                         f"{f', AL {al:.2f}' if al else ''}; {x['num_prompts']} prompts x "
+                         + (f"; rounds paired {s['paired']['min']:.2f}-{s['paired']['max']:.2f}x"
+                            f"{'' if s['paired_exceeds_one'] else ', across 1'}" if "paired" in s else "")
+                         + f"{f', AL {al:.2f}' if al else ''}; {x['num_prompts']} prompts x "
                          f"{x['max_tokens']} tokens past EOS)")
     return lines
 

@@ -117,6 +117,48 @@ def test_eval_report_pairs_each_window_with_the_baseline():
                     num_prompts=8, max_tokens=48)
 
 
+def test_rounds_timed_in_turns_merge_and_pair_each_round_with_the_baselines():
+    """Engines side by side time the windows in turns (ray_jobs.run._interleaved_speed): one
+    SpecDecodeEngine.speed call per round, merged per engine; the report then pairs round r with
+    the draft with round r without it. A drift that slows both engines' round 2 alike leaves the
+    paired ratios tight while the unpaired range crosses 1."""
+    from eagle3.evaluate import merge_speed
+
+    def part(rate, tokens, drafts, accepted):
+        return [{"batch_size": 1, "mode": "greedy", "temperature": 0.0, "top_p": 1.0, "num_prompts": 2,
+                 "max_tokens": 24, "seconds": [tokens / rate], "num_tokens": [tokens], "drafts": drafts,
+                 "accepted": accepted}]
+
+    t1 = speed_windows((1,), gpu=False)[0].num_tokens
+    with_draft = merge_speed([part(r, t1, 10, 12) for r in (130.0, 132.0, 80.0)])
+    without = merge_speed([part(r, t1, 0, 0) for r in (100.0, 101.0, 61.0)])  # round 2: the machine slowed
+    [w] = with_draft
+    assert w["num_tokens"] == [t1] * 3 and w["tokens_per_s"]["mean"] == pytest.approx((130 + 132 + 80) / 3)
+    assert w["acceptance_length"] == pytest.approx(1 + 36 / 30) and without[0]["acceptance_length"] is None
+    engines = [{"num_speculative_tokens": 3, "draft": "d", "enforce_eager": False, "engine_start_s": 1.0, "wall_s": 2.0,
+                "acceptance": {"greedy": _acc(2.2, 3)}, "speed": with_draft, "speed_interleaved": True},
+               {"num_speculative_tokens": 0, "draft": None, "enforce_eager": False, "engine_start_s": 1.0,
+                "wall_s": 2.0, "speed": without, "speed_interleaved": True}]
+    ev = eval_report(engines, samplings=eval_samplings(0.0, 1.0), sampling_source="test",
+                     windows=speed_windows((1,), gpu=False), speed_k=3, num_prompts=2, max_tokens=24)
+    [r] = ev["speed"]["results"]
+    sp = r["speedup"]
+    assert ev["speed"]["interleaved"] is True and sp["exceeds_spread"] is False  # 80/101 < 1 < 132/61
+    assert sp["paired"]["min"] == pytest.approx(1.3) and sp["paired"]["max"] == pytest.approx(80 / 61)
+    assert sp["paired_exceeds_one"] is True
+    from ray_jobs.run import _eval_summary
+
+    lines = _eval_summary(ev)
+    assert "the engines taking turns" in lines[1]
+    assert any("within the spread; rounds paired 1.30-1.31x" in x for x in lines)
+    # Engines measured one after the other have no pairs.
+    for e in engines:
+        e.pop("speed_interleaved")
+    ev = eval_report(engines, samplings=eval_samplings(0.0, 1.0), sampling_source="test",
+                     windows=speed_windows((1,), gpu=False), speed_k=3, num_prompts=2, max_tokens=24)
+    assert ev["speed"]["interleaved"] is False and "paired" not in ev["speed"]["results"][0]["speedup"]
+
+
 def test_eval_report_without_speed_has_no_baseline():
     engines = [{"num_speculative_tokens": 1, "draft": "d", "enforce_eager": True, "engine_start_s": 20.0,
                 "wall_s": 30.0, "acceptance": {"greedy": _acc(1.6, 1)}}]

