@@ -47,7 +47,6 @@ def _evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[lis
     then measured one at a time, the others idle; eval.json's dict (eagle3.evaluate.eval_report)."""
     import ray
 
-    from actors.evaluator import place_evaluator
     from eagle3.evaluate import eval_report, eval_samplings, resolve_enforce_eager, speed_windows
     from eagle3.prepare.regenerate import resolve_sampling
 
@@ -87,47 +86,62 @@ def _evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[lis
                             "kv_cache_memory_bytes": given_kv_cache_bytes(cfg.extract)}, t) for k, d, e, t in plan]
     log.info("eval: %d engine(s), %s (%s)", len(plan), "started side by side, then measured one at a time"
              if at_once else "one at a time", why)
+    measure = {"prompts": prompts, "max_tokens": ev.max_tokens, "samplings": samplings, "speed_prompts": speed_prompts,
+               "seed": ev.seed, "ignore_eos": ev.ignore_eos}
     results = []
     for group in ([plan] if at_once else [[u] for u in plan]):
-        placed_at = time.time()
-        actors = [place_evaluator(cfg.extract.cpu_kvcache_space_gib, gpu=gpu, gpu_share=share) for _ in group]
-        try:
-            ray.get([a.start.remote(target_dir, draft, num_speculative_tokens=k, **engine)
-                     for a, (k, draft, engine, _) in zip(actors, group)])
-            # Engines side by side that both time the windows (the draft's at speed_k and the target
-            # alone) take turns, one round of every window each: a drift of the machine meets both.
-            timed = [i for i, u in enumerate(group) if u[3]] if windows else []
-            interleave = len(timed) > 1
-            done = [ray.get(a.measure_started.remote(
-                prompts=prompts, max_tokens=ev.max_tokens, samplings=samplings,
-                windows=windows if t and not interleave else (), speed_prompts=speed_prompts, seed=ev.seed,
-                ignore_eos=ev.ignore_eos)) for a, (_, _, _, t) in zip(actors, group)]
-            if interleave:
-                _interleaved_speed(ray, [actors[i] for i in timed], [done[i] for i in timed], speed_prompts, windows,
-                                   samplings)
-            for a, res, (k, draft, engine, _) in zip(actors, done, group):
-                ray.get(a.shutdown.remote())
-                # The actor's process start and imports, and waiting for its share of the device: split
-                # into placement to the actor's first line (actor_start_s) and from there to the engine.
-                res["before_engine_s"] = res.pop("engine_started_at") - placed_at
-                res["actor_start_s"] = res.pop("actor_created_at") - placed_at
-                res["engines_at_once"] = len(group)
-                what = ", ".join(f"{m} acceptance length {acc['acceptance_length']:.3f}"
-                                 for m, acc in res.get("acceptance", {}).items())
-                if "speed" in res:
-                    what += ("; " if what else "") + ", ".join(
-                        f"batch {r['batch_size']} {r['mode']} {r['tokens_per_s']['mean']:.0f} tokens/s" for r in res["speed"])
-                log.info("eval: %s (engine %s, started in %.0f s, %.0f s after its actor was placed%s): %s",
-                         f"num_speculative_tokens={k}" if draft else "target alone",
-                         "eager" if engine["enforce_eager"] else "CUDA graphs", res["engine_start_s"],
-                         res["before_engine_s"], f"; {len(group)} side by side" if len(group) > 1 else "", what)
-                results.append(res)
-        finally:
-            for a in actors:
-                ray.kill(a)
+        results += _measure_group(ray, cfg, target_dir, group, gpu=gpu, share=share, measure=measure, windows=windows)
     return {"target": target_dir, "draft": draft_dir} | eval_report(
         results, samplings=samplings, sampling_source=source, windows=windows, speed_k=speed_k,
         num_prompts=len(prompts), max_tokens=ev.max_tokens, ignore_eos=ev.ignore_eos)
+
+
+def _measure_group(ray, cfg: JobConfig, target_dir: str, group: list, *, gpu: bool, share: float, measure: dict,
+                   windows) -> list[dict]:
+    """One group of the eval plan's engines ((k, draft, engine settings, timed) each): placed and
+    started at once, then measured one at a time (eagle3.evaluate.measure), the two that time the
+    windows taking turns at them (_interleaved_speed), then released; each engine's result, with
+    how long its actor and its engine took to start."""
+    from actors.evaluator import place_evaluator
+
+    placed_at = time.time()
+    actors = [place_evaluator(cfg.extract.cpu_kvcache_space_gib, gpu=gpu, gpu_share=share) for _ in group]
+    try:
+        ray.get([a.start.remote(target_dir, draft, num_speculative_tokens=k, **engine)
+                 for a, (k, draft, engine, _) in zip(actors, group)])
+        # Engines side by side that both time the windows (the draft's at speed_k and the target
+        # alone) take turns, one round of every window each: a drift of the machine meets both.
+        timed = [i for i, u in enumerate(group) if u[3]] if windows else []
+        interleave = len(timed) > 1
+        done = [ray.get(a.measure_started.remote(**measure, windows=windows if t and not interleave else ()))
+                for a, (_, _, _, t) in zip(actors, group)]
+        if interleave:
+            _interleaved_speed(ray, [actors[i] for i in timed], [done[i] for i in timed], measure["speed_prompts"],
+                               windows, measure["samplings"])
+        for a, res, (k, draft, engine, _) in zip(actors, done, group):
+            ray.get(a.shutdown.remote())
+            # The wait before the engine (the actor's process start and imports, and its share of the
+            # device), and of it the wait for the actor's first line.
+            res["before_engine_s"] = res.pop("engine_started_at") - placed_at
+            res["actor_start_s"] = res.pop("actor_created_at") - placed_at
+            res["engines_at_once"] = len(group)
+            log.info("eval: %s", _engine_line(res, draft, engine))
+        return done
+    finally:
+        for a in actors:
+            ray.kill(a)
+
+
+def _engine_line(res: dict, draft: str | None, engine: dict) -> str:
+    """'num_speculative_tokens=3 (engine CUDA graphs, started in 42 s, ...): greedy acceptance length 1.860, ...'."""
+    what = ", ".join(f"{m} acceptance length {acc['acceptance_length']:.3f}" for m, acc in res.get("acceptance", {}).items())
+    if "speed" in res:
+        what += ("; " if what else "") + ", ".join(
+            f"batch {r['batch_size']} {r['mode']} {r['tokens_per_s']['mean']:.0f} tokens/s" for r in res["speed"])
+    name = f"num_speculative_tokens={res['num_speculative_tokens']}" if draft else "target alone"
+    side = f"; {res['engines_at_once']} side by side" if res["engines_at_once"] > 1 else ""
+    return (f"{name} (engine {'eager' if engine['enforce_eager'] else 'CUDA graphs'}, started in "
+            f"{res['engine_start_s']:.0f} s, {res['before_engine_s']:.0f} s after its actor was placed{side}): {what}")
 
 
 def _interleaved_speed(ray, actors: list, results: list[dict], prompts, windows, samplings) -> None:
