@@ -1,9 +1,9 @@
 """Ray actor holding one vLLM engine (target + EAGLE-3 draft, or the target alone) and running
 eagle3.evaluate's measurements on it. One actor per engine setting (num_speculative_tokens, CUDA
 graphs or eager are engine settings): a fresh process, its share of the device, freed when the
-actor is killed. `measure` starts, measures and releases an engine in one call; the job's eval
-stage starts several engines side by side (`start` on each actor at once) and then measures them
-one at a time (`measure_started`); an engine from `start` is released by `shutdown`."""
+actor is killed. The job's eval stage starts its engines (`start` on each actor, several at once
+when they share the device) and measures them one at a time (`measure_started`, and `speed` for
+engines that take turns at the timed windows); `shutdown` releases an engine."""
 
 from __future__ import annotations
 
@@ -20,13 +20,6 @@ class EvaluatorActor:
 
         os.environ.update(engine_env(in_process=in_process, cpu_kvcache_space_gib=cpu_kvcache_space_gib))
         self.engine = None
-
-    def measure(self, target_dir: str, draft_dir: str | None, **kwargs) -> dict:
-        """One engine of the job's eval stage: started, measured and released
-        (eagle3.evaluate.measure_engine)."""
-        from eagle3.evaluate import measure_engine
-
-        return measure_engine(target_dir, draft_dir, **kwargs)
 
     def start(self, target_dir: str, draft_dir: str | None, **engine_kwargs) -> float:
         """Start this actor's engine (eagle3.evaluate.SpecDecodeEngine); returns its start seconds."""

@@ -15,8 +15,8 @@ Owns:
   platform), `spread` of repeated timings, `speedup` (with / without a draft, and whether the
   difference exceeds the spread), `eval_samplings` (greedy and the served sampling),
   `resolve_enforce_eager`, and `eval_report` (eval.json from the engines' results).
-- `measure`: the job's eval measurements on a started engine; `measure_engine`: one engine started,
-  measured and released.
+- `measure`: the job's eval measurements on a started engine; `merge_speed`: one engine's timed
+  windows from several `speed` calls (engines side by side take turns, a round at a time).
 - `draft_accuracy`: the trainer's metric (speculators' full_acc_i: the draft's argmax equals the
   target's argmax at loss-masked positions, step i of the TTT unroll) for an exported draft on
   hidden-state shards: the training side of a train/serve comparison, through the exported files
@@ -297,14 +297,6 @@ def merge_speed(parts: list[list[dict]]) -> list[dict]:
     return out
 
 
-def measure_engine(target_dir: str, draft_dir: str | None, *, num_speculative_tokens: int, engine: dict,
-                   **measure_kwargs) -> dict:
-    """One engine of the job's eval stage: started (`engine`: SpecDecodeEngine's settings),
-    measured (`measure`) and released."""
-    with SpecDecodeEngine(target_dir, draft_dir, num_speculative_tokens=num_speculative_tokens, **engine) as e:
-        return measure(e, **measure_kwargs)
-
-
 def measure(e: SpecDecodeEngine, *, prompts: list[list[int]], max_tokens: int, samplings: tuple[DecodeSampling, ...],
             windows: tuple[SpeedWindow, ...] = (), speed_prompts: list[list[int]] | None = None, seed: int = 0,
             ignore_eos: bool = False) -> dict:
@@ -339,7 +331,7 @@ SPEED_METHOD = ("each window is timed `repeats` times on each engine (the draft'
 def eval_report(engines: list[dict], *, samplings: tuple[DecodeSampling, ...], sampling_source: str,
                 windows: tuple[SpeedWindow, ...], speed_k: int | None, num_prompts: int, max_tokens: int,
                 ignore_eos: bool = False) -> dict:
-    """eval.json from measure_engine's results (one per engine: the draft's at each k, and the
+    """eval.json from measure's results (one per engine: the draft's at each k, and the
     target alone's when speed is measured): acceptance per k and sampling, and the speedup of the
     draft at speed_k over the target alone for each window and sampling."""
     drafts = sorted((e for e in engines if e["draft"] is not None), key=lambda e: e["num_speculative_tokens"])
