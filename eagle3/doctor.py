@@ -135,9 +135,13 @@ def estimate_dataset_bytes(num_tokens: int, num_layers: int, hidden_size: int, h
     return num_tokens * (num_layers * hidden_size * per_value + scale + 5)  # + input_ids (4) + loss_mask (1)
 
 
-def check_disk(output_dir: str, estimated_bytes: int | None, margin: float = 1.2) -> Check:
+def check_disk(output_dir: str, estimated_bytes: int | None, margin: float = 1.2, *, rough: str | None = None) -> Check:
     """Room under output_dir for the hidden states; estimated_bytes None: the job writes none
-    (online training that re-extracts every epoch), and the row only reports the free space."""
+    (online training that re-extracts every epoch), and the row only reports the free space.
+    rough: why the estimate is only rough (counted from the source's bytes, or from prepared answers
+    the regenerate stage will rewrite); a rough estimate that does not fit is a warning, not a stop:
+    the extract stage checks again with the exact token count before its engines start
+    (ray_jobs.extract.check_room)."""
     path = Path(output_dir).resolve()
     probe = path
     while not probe.exists():
@@ -147,10 +151,14 @@ def check_disk(output_dir: str, estimated_bytes: int | None, margin: float = 1.2
         return Check("disk space", True, f"{free / 1e9:.1f} GB free at {probe}; no hidden states are written "
                      "(train.source online, train.online.epochs reextract)")
     ok = free >= estimated_bytes * margin
-    return Check("disk space", ok, f"{free / 1e9:.1f} GB free at {probe}; the dataset needs ~{estimated_bytes / 1e9:.2f} GB "
-                 f"(+{round((margin - 1) * 100)}% margin)",
-                 "" if ok else "point output_dir at a larger volume, use extract.hs_dtype=float8_e4m3fn (half), "
-                               "or extract fewer samples")
+    detail = (f"{free / 1e9:.1f} GB free at {probe}; the dataset needs ~{estimated_bytes / 1e9:.2f} GB "
+              f"(+{round((margin - 1) * 100)}% margin)")
+    fix = "" if ok else ("point output_dir at a larger volume, use extract.hs_dtype=float8_e4m3fn (half), "
+                         "or extract fewer samples")
+    if ok or rough is None:
+        return Check("disk space", ok, detail, fix)
+    return Check("disk space", True, f"{detail}, a rough estimate ({rough}): the extract stage checks the exact "
+                 "size before its engines start", fix, warn=True)
 
 
 def cut_config(target_dir: str, out_dir: str, num_layers: int = DRY_RUN_LAYERS) -> str:

@@ -23,13 +23,16 @@ from pathlib import Path
 from eagle3.config import JobConfig, load_job_config
 
 
+PREPARED_ESTIMATE = "prepared tokens.parquet"
+
+
 def estimate_tokens(cfg: JobConfig) -> tuple[int, str]:
     tokens = Path(cfg.output_dir) / "prepared" / "tokens.parquet"
     if tokens.exists():
         import pyarrow.parquet as pq
 
         col = pq.read_table(tokens, columns=["num_tokens"]).column("num_tokens")
-        return int(sum(col.to_pylist())), "prepared tokens.parquet"
+        return int(sum(col.to_pylist())), PREPARED_ESTIMATE
     from eagle3.prepare.conversations import source_bytes
 
     src, n = Path(cfg.prepare.conversations), cfg.prepare.max_samples
@@ -47,7 +50,18 @@ def writes_hidden_states(cfg: JobConfig) -> bool:
     return not (online and cfg.train.online.epochs == "reextract")
 
 
-def node_report(cfg: JobConfig, target_dir: str, num_tokens: int, with_dry_run: bool) -> dict:
+def rough_estimate(cfg: JobConfig, how: str) -> str | None:
+    """Why the disk estimate of estimate_tokens is only rough, or None where it counts prepared tokens
+    that extraction will read as they are."""
+    if how != PREPARED_ESTIMATE:
+        return "counted from the source's bytes"
+    if cfg.regenerate.enabled and "extract" in cfg.stages:
+        return "prepared answers, which the regenerate stage rewrites"
+    return None
+
+
+def node_report(cfg: JobConfig, target_dir: str, num_tokens: int, with_dry_run: bool, *,
+                rough: str | None = None) -> dict:
     """One node's rows, and where its time went ({"seconds": {"checks", "dry_run", "total"}}). The
     dry run (an engine start: most of the doctor's time) runs in this task's main thread (vLLM's
     engine start installs signal handlers, which only the main thread may), the other checks
@@ -78,7 +92,8 @@ def node_report(cfg: JobConfig, target_dir: str, num_tokens: int, with_dry_run: 
             rows = doctor.check_seams(target_dir, cfg.target.trust_remote_code)
             rows += doctor.check_gpus()
             rows.append(doctor.check_disk(cfg.output_dir, doctor.estimate_dataset_bytes(
-                num_tokens, layers, text["hidden_size"], cfg.extract.hs_dtype) if writes_hidden_states(cfg) else None))
+                num_tokens, layers, text["hidden_size"], cfg.extract.hs_dtype) if writes_hidden_states(cfg) else None,
+                rough=rough))
             checks["rows"] = rows
         except BaseException as e:  # noqa: BLE001 - re-raised in the task's thread below
             checks["error"] = e
@@ -113,18 +128,20 @@ def node_report(cfg: JobConfig, target_dir: str, num_tokens: int, with_dry_run: 
 
 def run_doctor(cfg: JobConfig, target_dir: str, *, dry_run: bool = True) -> tuple[bool, str, list[dict]]:
     """Run the checks on every alive node; return (all ok, printable table, reports)."""
-    return start_doctor(cfg, target_dir, dry_run=dry_run).result()
+    return DoctorRun(cfg, target_dir, dry_run=dry_run).result()
 
 
 class DoctorRun:
-    """The doctor's tasks, submitted; `result()` waits for them. The job runs prepare meanwhile (no
-    model loads there) and calls result() before the first engine starts."""
+    """The doctor's tasks (one per alive node, node affinity), submitted on construction; `result()`
+    waits for them. The job runs prepare meanwhile (no model loads there) and calls result() before
+    the first engine starts."""
 
     def __init__(self, cfg: JobConfig, target_dir: str, *, dry_run: bool = True):
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self.submitted_at = time.time()
+        self.seconds: float | None = None  # from submission to the last task's end, once result() returned
         self.num_tokens, self.how = estimate_tokens(cfg)
         task = ray.remote(max_calls=1, num_cpus=0)(node_report)
         nodes = [n for n in ray.nodes() if n["Alive"]]
@@ -136,7 +153,7 @@ class DoctorRun:
             seen.add(kind) if do_dry else None
             self.refs.append((n, task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False),
                                               num_gpus=min(1, kind) if do_dry and kind else 0)
-                              .remote(cfg, target_dir, self.num_tokens, do_dry)))
+                              .remote(cfg, target_dir, self.num_tokens, do_dry, rough=rough_estimate(cfg, self.how))))
 
     def result(self) -> tuple[bool, str, list[dict]]:
         """(all ok, printable table, reports); `seconds`: from the tasks' submission to the last one's
@@ -156,12 +173,6 @@ class DoctorRun:
         self.seconds = (max(ends) if ends else time.time()) - self.submitted_at
         return ok, (f"{table} in {self.seconds:.0f}s ({where}; dataset estimate from {self.how}: "
                     f"{self.num_tokens} tokens)"), reports
-
-
-def start_doctor(cfg: JobConfig, target_dir: str, *, dry_run: bool = True) -> DoctorRun:
-    """Submit the checks of every alive node (one task each, node affinity); DoctorRun.result()
-    collects them."""
-    return DoctorRun(cfg, target_dir, dry_run=dry_run)
 
 
 def format_reports(reports: list[dict]) -> tuple[bool, str]:

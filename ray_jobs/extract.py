@@ -64,13 +64,13 @@ def given_kv_cache_bytes(ecfg: ExtractConfig) -> int:
     return ecfg.kv_cache_memory_bytes or AUTO_KV_CACHE_BYTES
 
 
-def small_target(ecfg: ExtractConfig, text_cfg: dict, *, cluster_gpus: int) -> tuple[bool, str]:
+def small_target(ecfg: ExtractConfig, text_cfg: dict, *, gpu: bool) -> tuple[bool, str]:
     """(whether engines of this target share a GPU, why): a target of fewer than
     AUTO_REPLICAS_MAX_PARAMS parameters whose vLLM engines take one GPU each leaves most of an
     H200 idle (a 135M target's prefill engine: 80k-164k tokens/s), so the job starts several of its
     engines a GPU: extraction's and regeneration's replicas (replicas_per_gpu 'auto'), the eval
     stage's engines side by side (eval.engines_at_once 'auto')."""
-    if cluster_gpus == 0 or ecfg.backend != "vllm" or ecfg.tensor_parallel_size * ecfg.pipeline_parallel_size > 1:
+    if not gpu or ecfg.backend != "vllm" or ecfg.tensor_parallel_size * ecfg.pipeline_parallel_size > 1:
         return False, "engines of whole GPUs, or no GPU"
     params = approx_num_params(text_cfg)
     if params >= AUTO_REPLICAS_MAX_PARAMS:
@@ -84,7 +84,7 @@ def resolve_replicas_per_gpu(ecfg: ExtractConfig, text_cfg: dict, *, cluster_gpu
     for a small_target on a GPU cluster, else 1; a number stays as given."""
     if ecfg.replicas_per_gpu != "auto":
         return ecfg, "set"
-    small, why = small_target(ecfg, text_cfg, cluster_gpus=cluster_gpus)
+    small, why = small_target(ecfg, text_cfg, gpu=cluster_gpus > 0)
     if not small:
         return dataclasses.replace(ecfg, replicas_per_gpu=1), f"auto: 1 ({why})"
     kv = given_kv_cache_bytes(ecfg)
@@ -151,12 +151,15 @@ def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str,
     t_start = time.perf_counter()
     tokens = pq.read_table(tokens_path)
     check_schema(tokens.schema, "tokens")
-    plan, layer_ids, _, fingerprint = extraction_plan(ecfg, target_dir, tokens, tokens_source)
+    plan, layer_ids, hidden_size, fingerprint = extraction_plan(ecfg, target_dir, tokens, tokens_source)
     manifest = Manifest(Path(out_dir), ecfg.file_format)
     manifest.open(fingerprint)
     committed = manifest.committed()
     sched = ShardScheduler(plan.num_shards, committed, max_inflight_per_replica=ecfg.max_inflight_shards)
     log.info("%s (shards of up to %d samples)", sched.describe_resume("extract"), plan.samples_per_shard)
+    num_tokens = tokens.column("num_tokens").to_pylist()
+    check_room(out_dir, sum(sum(num_tokens[slice(*plan.rows(s))]) for s in sched.todo), len(layer_ids), hidden_size,
+               ecfg.hs_dtype)
 
     summary = {"num_shards": plan.num_shards, "samples_per_shard": plan.samples_per_shard,
                "shards_skipped": len(sched.skipped), "layer_ids": layer_ids}
@@ -192,6 +195,22 @@ def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str,
     summary.update(_totals(manifest, plan))
     summary["seconds"] = time.perf_counter() - t_start
     return summary
+
+
+# The extract stage's own disk check counts the exact tokens: its margin only covers the files' framing.
+EXACT_MARGIN = 1.05
+
+
+def check_room(out_dir: str, num_tokens: int, num_layers: int, hidden_size: int, hs_dtype: str) -> None:
+    """Raise ValueError, before any engine starts, when out_dir's disk cannot hold the hidden states
+    of the num_tokens tokens left to extract. The doctor's check beside prepare can only estimate
+    them (eagle3.doctor.check_disk, rough); here the tokens are the ones extraction reads."""
+    from eagle3.doctor import check_disk, estimate_dataset_bytes
+
+    row = check_disk(out_dir, estimate_dataset_bytes(num_tokens, num_layers, hidden_size, hs_dtype), EXACT_MARGIN)
+    if not row.ok:
+        raise ValueError(f"extract: no room for the hidden states of {num_tokens} tokens: {row.detail}; {row.fix}. "
+                         "Nothing was extracted; committed shards stay, and a resubmitted job resumes")
 
 
 def _extract_loop(sched: ShardScheduler, pool: ReplicaPool, plan: ShardPlan, tokens, manifest: Manifest,

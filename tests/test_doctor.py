@@ -171,6 +171,39 @@ def test_disk_check_fails_when_the_dataset_does_not_fit(tmp_path):
     assert fp8 < 0.51 * bf16
 
 
+def test_a_rough_disk_estimate_warns_and_extraction_checks_the_exact_size(tmp_path):
+    """The doctor runs beside prepare, so its disk estimate is rough: ~4 bytes of the source a token
+    (1.5x prepare's count on 2,400 ShareGPT records), or prepared answers that regeneration rewrites.
+    All of the wheel's ShareGPT file estimates 145 GB of SmolLM2 hidden states where its regenerated
+    tokens need ~35 GB: such an estimate that does not fit warns; the extract stage then checks the
+    tokens it reads, and stops before its engines where they do not fit."""
+    import shutil
+
+    from eagle3.config import load_job_config
+    from eagle3.doctor import check_disk
+    from ray_jobs.doctor import PREPARED_ESTIMATE, rough_estimate
+    from ray_jobs.extract import check_room
+
+    free = shutil.disk_usage(tmp_path).free
+    row = check_disk(str(tmp_path), 2 * free, rough="counted from the source's bytes")
+    assert row.ok and row.warn and "a rough estimate (counted from the source's bytes)" in row.detail
+    assert "the extract stage checks the exact size" in row.detail and "float8_e4m3fn" in row.fix
+    assert not check_disk(str(tmp_path), 2 * free).ok  # prepared tokens, extracted as they are: a stop
+    fits = check_disk(str(tmp_path), free // 4, rough="counted from the source's bytes")
+    assert fits.ok and not fits.warn
+    cfg = load_job_config(None, {})
+    assert rough_estimate(cfg, "~4 bytes of x.json a token") == "counted from the source's bytes"
+    assert rough_estimate(cfg, PREPARED_ESTIMATE) is None
+    regen = load_job_config(None, {"regenerate.enabled": True})
+    assert rough_estimate(regen, PREPARED_ESTIMATE) == "prepared answers, which the regenerate stage rewrites"
+
+    per_token = 4 * 576 * 2 + 5  # SmolLM2: 4 layers of 576 in bf16, the token id and its loss mask
+    check_room(str(tmp_path / "hs"), free // per_token // 2, 4, 576, "bfloat16")  # half the disk: goes on
+    with pytest.raises(ValueError, match=r"extract: no room for the hidden states of \d+ tokens: .* GB free at "
+                                         r".*float8_e4m3fn.*Nothing was extracted"):
+        check_room(str(tmp_path / "hs"), free // per_token, 4, 576, "bfloat16")  # all of it, less than the margin
+
+
 def test_dataset_estimate_reads_only_the_records_prepare_will_take(tmp_path):
     """prepare.max_samples cuts the source: the doctor's disk estimate counts those records only (an
     H200 job on 2,400 of ShareGPT's records was stopped for the whole 125 MB file's 145 GB)."""

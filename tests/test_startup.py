@@ -190,16 +190,17 @@ def test_eval_engines_start_side_by_side_for_a_small_target_on_a_gpu(tmp_path):
 
 
 class _FakeDoctor:
-    """What ray_jobs.doctor.start_doctor returns, without Ray: the verdict after `wait` seconds."""
+    """ray_jobs.doctor.DoctorRun without Ray: the verdict after `wait` seconds."""
 
     def __init__(self, ok: bool, events: list, wait: float):
-        self.ok, self.events, self.wait, self.seconds = ok, events, wait, wait
+        self.ok, self.events, self.wait, self.seconds = ok, events, wait, None
 
     def result(self):
         import time
 
         time.sleep(self.wait)
         self.events.append("doctor done")
+        self.seconds = self.wait
         return self.ok, "  FAIL  target architecture  (a table)" if not self.ok else "doctor: all checks passed", []
 
 
@@ -226,7 +227,7 @@ def test_prepare_runs_beside_the_doctor_whose_verdict_comes_first(tmp_path, monk
     monkeypatch.setattr(ray_jobs.cluster, "init_ray", lambda *a, **k: None)
     monkeypatch.setattr(run_mod, "resolve_target", lambda cfg, out: "target-dir")
     monkeypatch.setattr(run_mod, "_prepare", fake_prepare)
-    monkeypatch.setattr(ray_jobs.doctor, "start_doctor", lambda cfg, target_dir: _FakeDoctor(doctor_ok, events, 0.2))
+    monkeypatch.setattr(ray_jobs.doctor, "DoctorRun", lambda cfg, target_dir: _FakeDoctor(doctor_ok, events, 0.2))
     src = tmp_path / "c.jsonl"
     src.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
     cfg = load_job_config(None, {"output_dir": str(tmp_path / "out"), "prepare.conversations": str(src),
