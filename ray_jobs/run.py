@@ -439,7 +439,33 @@ def _accuracy_lines(st: dict) -> list[str]:
         widest = max(evals, key=lambda r: r["num_speculative_tokens"])
         lines[-1] += (f", vLLM accepted (k={widest['num_speculative_tokens']}, greedy) "
                       f"{fmt(widest['greedy']['acceptance_rate_per_pos'])}")
+    if bound := _bound_line(st, held):
+        lines.append(f"                   {bound}")
     return lines
+
+
+# How much more the draft may score at its first position on its training data than on held-out
+# conversations before the summary calls it short of data. Measured on SmolLM2 at 1,500 steps
+# (benchmarks/results/job/job-h200-smollm2-sharegpt.md, session 23): 0.089 on 1.52M tokens, where 5x the
+# data raised AL(k=3) from 1.85 to 1.94; 0.018 on 7.85M tokens, where held-out accuracy over the eval's
+# first 128 tokens no longer moved.
+DATA_BOUND_GAP = 0.05
+
+
+def _bound_line(st: dict, held: dict) -> str | None:
+    """What more of, data or steps, would raise the draft's accuracy: the gap between its training
+    and held-out accuracy at the first draft position (whole turns), and its passes over the data."""
+    train, heldout = held.get("train_full_acc"), held.get("full_acc")
+    if not train or not heldout:
+        return None
+    gap = train[0] - heldout[0]
+    t, data = st.get("train") or {}, (st.get("extract") or {}).get("num_tokens")
+    passes = f", {t['tokens'] / data:.1f} passes over {data} tokens" if t.get("tokens") and data else ""
+    if gap >= DATA_BOUND_GAP:
+        return (f"short of data: the draft scores {gap:.3f} more at position 1 on its training data than held out"
+                f"{passes}; more conversations (prepare.max_samples, a larger source) should raise it")
+    return (f"not short of data: training and held-out accuracy meet at position 1 ({gap:+.3f}{passes}); more "
+            "data alone will not raise it, more steps (train.num_steps) may")
 
 
 def format_summary(report: dict) -> str:

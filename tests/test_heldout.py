@@ -205,6 +205,18 @@ def test_summary_and_curves_show_heldout_beside_training_and_vllm(tmp_path):
     held.update(first_tokens=128, first_full_acc=[0.5, 0.3, 0.2], first_num_positions=400)
     assert ("held-out 0.610 0.420 0.300 (812 positions, 8 samples; over the first 128 tokens of each turn "
             "0.500 0.300 0.200, 400 positions), training 0.720") in format_summary(report)
+    # Training 0.110 above held out at position 1: short of data (session 23: 0.089 on SmolLM2's 1x data,
+    # where 5x the data raised AL); level: more data alone will not help.
+    assert ("short of data: the draft scores 0.110 more at position 1 on its training data than held out; more "
+            "conversations (prepare.max_samples, a larger source) should raise it") in text
+    held["train_full_acc"] = [0.63, 0.45, 0.31]
+    assert "not short of data: training and held-out accuracy meet at position 1 (+0.020); more" in format_summary(report)
+    from ray_jobs.run import _bound_line
+
+    assert _bound_line({"train": {"tokens": 7600}, "extract": {"num_tokens": 1000}}, held) == (
+        "not short of data: training and held-out accuracy meet at position 1 (+0.020, 7.6 passes over 1000 "
+        "tokens); more data alone will not raise it, more steps (train.num_steps) may")
+    held["train_full_acc"] = [0.72, 0.55, 0.41]
     report["stages"]["train"]["heldout"] = None  # no split: no line
     assert "held-out" not in format_summary(report)
 
