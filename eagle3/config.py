@@ -413,7 +413,7 @@ class EvalConfig:
     extract.kv_cache_memory_bytes (4 GiB where null); false elsewhere. false: one engine at a time,
     the device to itself."""
     num_prompts: int = 16
-    """Held-out prompts (the last records of the conversation file not used for training); the
+    """Held-out prompts (prepare.num_eval_prompts holds the first good records out of training); the
     acceptance runs all of them, the timed windows cycle through them."""
     max_tokens: int = 64
     """Tokens generated per prompt for acceptance, at most (exactly, with ignore_eos)."""
