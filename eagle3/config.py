@@ -403,8 +403,8 @@ class EvalConfig:
     faster, decodes slower on a GPU). Engines that only measure acceptance always run eager:
     acceptance does not depend on graphs, and eager starts faster."""
     engines_at_once: Literal["auto", True, False] = "auto"
-    """Whether the engines start side by side, each on its share of the device, and are then measured
-    one at a time while the others idle: their starts overlap (~70 s each with CUDA graphs on an
+    """Whether the engines start side by side, each on its share of the device, their acceptance then
+    measured side by side and their timed windows taken in turns: their starts overlap (~70 s each with CUDA graphs on an
     H200, for a 135M target: the SmolLM2 job's eval stage took 144 s, session 22), and the draft's
     engine and the target alone's take turns at the timed windows, round by round, so that eval.json
     pairs each round with the draft with the same round without it. 'auto': true for a small target on a GPU (extraction's rule for

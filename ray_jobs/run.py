@@ -43,8 +43,9 @@ def _prepare(cfg: JobConfig, target_dir: str, out: Path) -> dict:
 
 def _evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[list[int]]) -> dict:
     """The eval stage: one engine (one Ray actor) per setting, started one at a time with the device
-    to itself, or side by side (eval.engines_at_once: a small target's engines share its GPU) and
-    then measured one at a time, the others idle; eval.json's dict (eagle3.evaluate.eval_report)."""
+    to itself, or side by side (eval.engines_at_once: a small target's engines share its GPU), their
+    acceptance measured side by side and their timed windows taken in turns (_measure_group);
+    eval.json's dict (eagle3.evaluate.eval_report)."""
     import ray
 
     from eagle3.evaluate import eval_report, eval_samplings, resolve_enforce_eager, speed_windows
@@ -84,7 +85,7 @@ def _evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[lis
         if gpu:  # each engine its share of the device, and a KV cache of a set size (no profiling of the others)
             plan = [(k, d, {**e, "gpu_memory_utilization": cfg.extract.gpu_memory_utilization / len(plan),
                             "kv_cache_memory_bytes": given_kv_cache_bytes(cfg.extract)}, t) for k, d, e, t in plan]
-    log.info("eval: %d engine(s), %s (%s)", len(plan), "started side by side, then measured one at a time"
+    log.info("eval: %d engine(s), %s (%s)", len(plan), "started side by side, timed in turns"
              if at_once else "one at a time", why)
     measure = {"prompts": prompts, "max_tokens": ev.max_tokens, "samplings": samplings, "speed_prompts": speed_prompts,
                "seed": ev.seed, "ignore_eos": ev.ignore_eos}
@@ -99,9 +100,10 @@ def _evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[lis
 def _measure_group(ray, cfg: JobConfig, target_dir: str, group: list, *, gpu: bool, share: float, measure: dict,
                    windows) -> list[dict]:
     """One group of the eval plan's engines ((k, draft, engine settings, timed) each): placed and
-    started at once, then measured one at a time (eagle3.evaluate.measure), the two that time the
-    windows taking turns at them (_interleaved_speed), then released; each engine's result, with
-    how long its actor and its engine took to start."""
+    started at once, then measured (eagle3.evaluate.measure): what times nothing (acceptance) side by
+    side, timed windows with no other engine working, the two that time them taking turns
+    (_interleaved_speed); then released. Each engine's result, with how long its actor and its
+    engine took to start."""
     from actors.evaluator import place_evaluator
 
     placed_at = time.time()
@@ -113,8 +115,14 @@ def _measure_group(ray, cfg: JobConfig, target_dir: str, group: list, *, gpu: bo
         # alone) take turns, one round of every window each: a drift of the machine meets both.
         timed = [i for i, u in enumerate(group) if u[3]] if windows else []
         interleave = len(timed) > 1
-        done = [ray.get(a.measure_started.remote(**measure, windows=windows if t and not interleave else ()))
-                for a, (_, _, _, t) in zip(actors, group)]
+        own_windows = [windows if i in timed and not interleave else () for i in range(len(group))]
+        # Calls that time nothing (acceptance, and engines whose windows come in turns below) run side
+        # by side; a call that times its windows runs alone.
+        untimed = [i for i, w in enumerate(own_windows) if not w]
+        done = dict(zip(untimed, ray.get([actors[i].measure_started.remote(**measure, windows=()) for i in untimed])))
+        done |= {i: ray.get(actors[i].measure_started.remote(**measure, windows=w))
+                 for i, w in enumerate(own_windows) if w}
+        done = [done[i] for i in range(len(group))]
         if interleave:
             _interleaved_speed(ray, [actors[i] for i in timed], [done[i] for i in timed], measure["speed_prompts"],
                                windows, measure["samplings"])
@@ -145,12 +153,11 @@ def _engine_line(res: dict, draft: str | None, engine: dict) -> str:
 
 
 def _interleaved_speed(ray, actors: list, results: list[dict], prompts, windows, samplings) -> None:
-    """The timed windows on engines that stand side by side: each engine's untimed warm-up waves, then
-    round r of every window on each engine in turn (the order reversed every other round), merged per
+    """The timed windows on engines that stand side by side: their untimed warm-up waves (all at once),
+    then round r of every window on each engine in turn (the order reversed every other round), merged per
     engine (eagle3.evaluate.merge_speed) into its result's "speed"; its wall_s gains the time."""
     from eagle3.evaluate import merge_speed
 
-    spent = [0.0] * len(actors)
     parts: list[list] = [[] for _ in actors]
 
     def timed_call(i: int, **kwargs):
@@ -159,8 +166,9 @@ def _interleaved_speed(ray, actors: list, results: list[dict], prompts, windows,
         spent[i] += time.perf_counter() - t
         return out
 
-    for i in range(len(actors)):
-        timed_call(i, rounds=[], warmup=True)
+    t = time.perf_counter()  # the untimed warm-up waves, all engines at once
+    ray.get([a.speed.remote(prompts, windows, samplings, rounds=[], warmup=True) for a in actors])
+    spent = [time.perf_counter() - t] * len(actors)
     for r in range(max(w.repeats for w in windows)):
         for i in (range(len(actors)) if r % 2 == 0 else reversed(range(len(actors)))):
             parts[i].append(timed_call(i, rounds=[r], warmup=False))

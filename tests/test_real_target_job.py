@@ -92,7 +92,7 @@ def test_whole_job_on_smollm2_and_sharegpt(tmp_path, smollm2_target, shared_ray)
     ev = json.loads((out / "eval.json").read_text())
     assert [e["num_speculative_tokens"] for e in ev["engines"]] == [2, 0]
     assert [e["engines_at_once"] for e in ev["engines"]] == [2, 2]
-    assert "eval: 2 engine(s), started side by side, then measured one at a time (eval.engines_at_once)" in proc.stderr
+    assert "eval: 2 engine(s), started side by side, timed in turns (eval.engines_at_once)" in proc.stderr
     # Both were up before either was measured: the second engine started before the first one's
     # measurements ended (each engine's wall_s: its start and its measurements).
     first, second = ev["engines"]
