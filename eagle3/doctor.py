@@ -135,6 +135,27 @@ def estimate_dataset_bytes(num_tokens: int, num_layers: int, hidden_size: int, h
     return num_tokens * (num_layers * hidden_size * per_value + scale + 5)  # + input_ids (4) + loss_mask (1)
 
 
+def existing_parent(path: str) -> Path:
+    """path, or its nearest parent that exists (an output directory not made yet)."""
+    probe = Path(path).resolve()
+    while not probe.exists():
+        probe = probe.parent
+    return probe
+
+
+def free_bytes(path: str) -> int:
+    """Bytes free on the file system that path (or its nearest existing parent) is on."""
+    return shutil.disk_usage(existing_parent(path)).free
+
+
+def size_text(num_bytes: float) -> str:
+    """'63.6 GB', '1.3 MB': decimal units, three significant figures at most."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.3g} {unit}"
+    return f"{num_bytes:.0f} bytes"
+
+
 def check_disk(output_dir: str, estimated_bytes: int | None, margin: float = 1.2, *, rough: str | None = None) -> Check:
     """Room under output_dir for the hidden states; estimated_bytes None: the job writes none
     (online training that re-extracts every epoch), and the row only reports the free space.
@@ -142,16 +163,13 @@ def check_disk(output_dir: str, estimated_bytes: int | None, margin: float = 1.2
     the regenerate stage will rewrite); a rough estimate that does not fit is a warning, not a stop:
     the extract stage checks again with the exact token count before its engines start
     (ray_jobs.extract.check_room)."""
-    path = Path(output_dir).resolve()
-    probe = path
-    while not probe.exists():
-        probe = probe.parent
+    probe = existing_parent(output_dir)
     free = shutil.disk_usage(probe).free
     if estimated_bytes is None:
-        return Check("disk space", True, f"{free / 1e9:.1f} GB free at {probe}; no hidden states are written "
+        return Check("disk space", True, f"{size_text(free)} free at {probe}; no hidden states are written "
                      "(train.source online, train.online.epochs reextract)")
     ok = free >= estimated_bytes * margin
-    detail = (f"{free / 1e9:.1f} GB free at {probe}; the dataset needs ~{estimated_bytes / 1e9:.2f} GB "
+    detail = (f"{size_text(free)} free at {probe}; the dataset needs ~{size_text(estimated_bytes)} "
               f"(+{round((margin - 1) * 100)}% margin)")
     fix = "" if ok else ("point output_dir at a larger volume, use extract.hs_dtype=float8_e4m3fn (half), "
                          "or extract fewer samples")

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from actors.replica_pool import ReplicaPool, failure_reason, is_system_failure
 from eagle3.config import ExtractConfig, JobConfig
+from eagle3.doctor import size_text
 from eagle3.extract.manifest import Manifest, ShardPlan, tokens_fingerprint
 from eagle3.extract.schedule import ShardScheduler
 from ray_jobs.metrics import extract_metrics
@@ -158,8 +159,10 @@ def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str,
     sched = ShardScheduler(plan.num_shards, committed, max_inflight_per_replica=ecfg.max_inflight_shards)
     log.info("%s (shards of up to %d samples)", sched.describe_resume("extract"), plan.samples_per_shard)
     num_tokens = tokens.column("num_tokens").to_pylist()
-    check_room(out_dir, sum(sum(num_tokens[slice(*plan.rows(s))]) for s in sched.todo), len(layer_ids), hidden_size,
-               ecfg.hs_dtype)
+    if left := sum(sum(num_tokens[slice(*plan.rows(s))]) for s in sched.todo):
+        need, free = check_room(out_dir, left, len(layer_ids), hidden_size, ecfg.hs_dtype)
+        log.info("extract: %d tokens left to extract: %s bytes of hidden states (~%s), %s free at %s", left,
+                 f"{need:,}", size_text(need), size_text(free), out_dir)
 
     summary = {"num_shards": plan.num_shards, "samples_per_shard": plan.samples_per_shard,
                "shards_skipped": len(sched.skipped), "layer_ids": layer_ids}
@@ -201,16 +204,19 @@ def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str,
 EXACT_MARGIN = 1.05
 
 
-def check_room(out_dir: str, num_tokens: int, num_layers: int, hidden_size: int, hs_dtype: str) -> None:
-    """Raise ValueError, before any engine starts, when out_dir's disk cannot hold the hidden states
-    of the num_tokens tokens left to extract. The doctor's check beside prepare can only estimate
-    them (eagle3.doctor.check_disk, rough); here the tokens are the ones extraction reads."""
-    from eagle3.doctor import check_disk, estimate_dataset_bytes
+def check_room(out_dir: str, num_tokens: int, num_layers: int, hidden_size: int, hs_dtype: str) -> tuple[int, int]:
+    """(bytes the hidden states of the num_tokens tokens left to extract take, bytes free under
+    out_dir); ValueError, before any engine starts, when they do not fit. The doctor's check beside
+    prepare can only estimate them (eagle3.doctor.check_disk, rough); here the tokens are the ones
+    extraction reads."""
+    from eagle3.doctor import check_disk, estimate_dataset_bytes, free_bytes
 
-    row = check_disk(out_dir, estimate_dataset_bytes(num_tokens, num_layers, hidden_size, hs_dtype), EXACT_MARGIN)
+    need = estimate_dataset_bytes(num_tokens, num_layers, hidden_size, hs_dtype)
+    row = check_disk(out_dir, need, EXACT_MARGIN)
     if not row.ok:
         raise ValueError(f"extract: no room for the hidden states of {num_tokens} tokens: {row.detail}; {row.fix}. "
                          "Nothing was extracted; committed shards stay, and a resubmitted job resumes")
+    return need, free_bytes(out_dir)
 
 
 def _extract_loop(sched: ShardScheduler, pool: ReplicaPool, plan: ShardPlan, tokens, manifest: Manifest,

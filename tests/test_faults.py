@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -84,19 +85,26 @@ def test_shard_that_does_not_fit_is_a_clear_error_and_leaves_nothing(tmp_path, n
 # ---------------------------------------------------------------------------------------------
 # the real job: prepare + extract (hf backend: the engine is not under test) on a local cluster
 
+def _job_args(out: Path, conversations: Path, tiny_target: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml", "--set", f"output_dir={out}",
+            "--set", f"target.model={tiny_target}", "--set", f"prepare.conversations={conversations}",
+            "--set", "prepare.num_eval_prompts=1", "--set", "stages=[prepare, extract]", "--set", "doctor=false",
+            "--set", "extract.backend=hf", "--set", "extract.samples_per_shard=4", "--set", "ray.num_cpus=2", *extra]
+
+
 def _job(out: Path, conversations: Path, tiny_target: str, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml", "--set", f"output_dir={out}",
-         "--set", f"target.model={tiny_target}", "--set", f"prepare.conversations={conversations}",
-         "--set", "prepare.num_eval_prompts=1", "--set", "stages=[prepare, extract]", "--set", "doctor=false",
-         "--set", "extract.backend=hf", "--set", "extract.samples_per_shard=4", "--set", "ray.num_cpus=2", *extra],
-        cwd=REPO, capture_output=True, text=True, timeout=600)
+    return subprocess.run(_job_args(out, conversations, tiny_target, *extra), cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
 
 
 @pytest.mark.slow
 def test_output_filesystem_full_mid_extraction_then_resubmit_completes(tiny_target, tmp_path, shared_ray):
-    """Both runs on the session's shared cluster (conftest's shared_ray): the fault is the output
-    file system's, not the cluster's."""
+    """The output file system, too small: the extract stage says so before its engine starts, and
+    extracts nothing (ray_jobs.extract.check_room). Then room enough at the start, filled by another
+    writer once the check has passed: the run stops at the first shard that does not fit, with
+    every committed shard whole; the resubmitted run, the file system freed, finishes the rest.
+    All runs on the session's shared cluster (conftest's shared_ray): the fault is the output file
+    system's, not the cluster's."""
     from eagle3.extract.manifest import Manifest
 
     root = Path(tempfile.mkdtemp(prefix="e3full-"))
@@ -107,6 +115,30 @@ def test_output_filesystem_full_mid_extraction_then_resubmit_completes(tiny_targ
             first = _job(out, data, tiny_target, "--set", f"ray.address={shared_ray}")
             text = first.stdout + first.stderr
             assert first.returncode != 0, text[-3000:]
+            assert re.search(r"extract: no room for the hidden states of \d+ tokens: .* MB free at "
+                             rf"{re.escape(str(fs))}; the dataset needs", text), text[-3000:]
+            assert "Nothing was extracted" in text and "extraction replica" not in text  # no engine started
+            assert Manifest(fs).committed() == {}
+
+            _resize(fs, "64m")
+            ballast = root / "ballast"
+            second = subprocess.Popen(_job_args(out, data, tiny_target, "--set", f"ray.address={shared_ray}"),
+                                      cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            lines = []
+            try:
+                for line in second.stdout:
+                    lines.append(line)
+                    m = re.search(r"extract: \d+ tokens left to extract: ([\d,]+) bytes of hidden states", line)
+                    if m and not ballast.exists():  # the check passed: another writer fills all but half the need
+                        need = int(m.group(1).replace(",", ""))
+                        ballast = fs / "ballast"
+                        ballast.write_bytes(b"\0" * (shutil.disk_usage(fs).free - need // 2))
+                second.wait(timeout=600)
+            finally:
+                _stop(second)
+            text = "".join(lines)
+            assert ballast.exists(), text[-3000:]
+            assert second.returncode != 0, text[-3000:]
             assert f"No space left on the file system of {fs / 'data'} writing shard-" in text, text[-3000:]
             assert "bytes are free there" in text and "the shard needs about" in text
             manifest = Manifest(fs)
@@ -118,16 +150,15 @@ def test_output_filesystem_full_mid_extraction_then_resubmit_completes(tiny_targ
                 assert pq.read_metadata(manifest.data_path(shard)).num_rows == record["num_samples"] \
                     if manifest.data_path(shard).suffix == ".parquet" else \
                     pa.ipc.open_file(str(manifest.data_path(shard))).read_all().num_rows == record["num_samples"]
-            _resize(fs, "64m")
-            second = _job(out, data, tiny_target, "--set", f"ray.address={shared_ray}")
-            assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
-            assert f"extract: {len(committed)} of {num_shards} shards already committed" in second.stdout + second.stderr
+            ballast.unlink()
+            third = _job(out, data, tiny_target, "--set", f"ray.address={shared_ray}")
+            assert third.returncode == 0, (third.stdout + third.stderr)[-3000:]
+            assert f"extract: {len(committed)} of {num_shards} shards already committed" in third.stdout + third.stderr
             check_every_sample_once(out)
-            print(f"\ndisk full after {len(committed)} of {num_shards} shards; resubmit finished the rest")
+            print(f"\nno room: stopped before extraction; disk filled after {len(committed)} of {num_shards} shards; "
+                  "resubmit finished the rest")
     finally:
         subprocess.run(["umount", "-l", str(out / "hidden_states")], capture_output=True)
-        import shutil
-
         shutil.rmtree(root, ignore_errors=True)
 
 
