@@ -16,6 +16,11 @@ class EvaluatorActor:
         """in_process: the engine core in this actor's process (compat.vllm_engine.core_in_process:
         on a CPU)."""
         self.created_at = time.time()  # the driver compares it with when it placed this actor
+        import psutil
+
+        # ... and when this process started: the wait for the actor's resources (an earlier stage's
+        # GPU to be freed) comes before it, the process's own start (Ray's worker, its imports) after
+        self.process_started_at = psutil.Process().create_time()
         from compat.vllm_engine import engine_env
 
         os.environ.update(engine_env(in_process=in_process, cpu_kvcache_space_gib=cpu_kvcache_space_gib))
@@ -34,7 +39,8 @@ class EvaluatorActor:
         """eagle3.evaluate.measure on the engine from `start`."""
         from eagle3.evaluate import measure
 
-        return measure(self._need_engine(), **kwargs) | {"actor_created_at": self.created_at}
+        return measure(self._need_engine(), **kwargs) | {"actor_created_at": self.created_at,
+                                                          "process_started_at": self.process_started_at}
 
     def _need_engine(self):
         if self.engine is None:

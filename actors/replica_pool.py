@@ -14,6 +14,7 @@ no driver (tests/test_layering.py).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -55,7 +56,9 @@ class ReplicaPool:
         self.warm = warm  # new replicas' node ids -> refs of tasks to wait for along with the engines
         self.replicas: dict[int, Replica] = {}
         self.starts: list[dict] = []  # each engine start: replica, host, startup_s, dtype (the job's summary)
-        # and, where the actor says, enforce_eager and in_process (its engine core in the actor's process)
+        # and, where the actor says, enforce_eager and in_process (its engine core in the actor's process);
+        # placement_s: how long its placement group waited for the cluster (an earlier stage's engines to end)
+        self.placement_s = 0.0
 
     def start(self, n: int, timeout_s: float) -> list[Replica]:
         """Place up to n replicas (`place`) and wait for their engines (`wait_up`)."""
@@ -70,7 +73,9 @@ class ReplicaPool:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         pgs = [placement_group([self.bundle], strategy="STRICT_PACK") for _ in range(n)]
+        t = time.perf_counter()
         ready = wait_placement_groups(pgs, timeout_s, self.what, self.bundle)
+        self.placement_s = time.perf_counter() - t  # the wait for the cluster to free the bundles
         for pg in pgs:
             if pg not in ready:
                 ray.util.remove_placement_group(pg)
@@ -100,7 +105,8 @@ class ReplicaPool:
             log.info("%s %d on %s (node %s): engine up in %.1fs, computing in %s", self.what, info["replica"],
                      info["host"], info["node_id"], info["startup_s"], info.get("dtype"))
             self.starts.append({k: info.get(k) for k in ("replica", "host", "startup_s", "dtype")}
-                               | {k: info[k] for k in ("enforce_eager", "in_process") if k in info})
+                               | {k: info[k] for k in ("enforce_eager", "in_process") if k in info}
+                               | {"placement_s": round(self.placement_s, 2)})
         return new
 
     def replica_lost(self, index: int, timeout_s: float) -> None:

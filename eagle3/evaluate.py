@@ -344,7 +344,8 @@ def eval_report(engines: list[dict], *, samplings: tuple[DecodeSampling, ...], s
         "acceptance": [{"num_speculative_tokens": e["num_speculative_tokens"], **e["acceptance"]} for e in drafts],
         "speed": None,
         "engines": [{k: e.get(k) for k in ("num_speculative_tokens", "enforce_eager", "engine_start_s", "dtype",
-                                           "in_process", "wall_s", "before_engine_s", "actor_start_s", "engines_at_once")}
+                                           "in_process", "wall_s", "before_engine_s", "actor_start_s", "process_start_s",
+                                           "engines_at_once")}
                     | {"measured": [m for m in ("acceptance", "speed") if m in e]} for e in engines],
     }
     if windows:

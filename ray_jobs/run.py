@@ -132,6 +132,9 @@ def _measure_group(ray, cfg: JobConfig, target_dir: str, group: list, *, gpu: bo
             # device), and of it the wait for the actor's first line.
             res["before_engine_s"] = res.pop("engine_started_at") - placed_at
             res["actor_start_s"] = res.pop("actor_created_at") - placed_at
+            # of which the wait for the actor's process (for its share of the device, an earlier stage's to be
+            # freed), negative where Ray gave it a worker process that was already running
+            res["process_start_s"] = res.pop("process_started_at") - placed_at
             res["engines_at_once"] = len(group)
             log.info("eval: %s", _engine_line(res, draft, engine))
         return done
@@ -382,7 +385,8 @@ def startup_record(stages: dict) -> dict:
     if "eval" in stages:
         rec["eval"] = [{"num_speculative_tokens": r["num_speculative_tokens"], "startup_s": r.get("engine_start_s"),
                         "dtype": r.get("dtype"), "in_process": r.get("in_process"),
-                        "before_engine_s": r.get("before_engine_s"), "engines_at_once": r.get("engines_at_once")}
+                        "before_engine_s": r.get("before_engine_s"), "process_start_s": r.get("process_start_s"),
+                        "engines_at_once": r.get("engines_at_once")}
                        for r in stages["eval"].get("engines", [])]
     t = stages.get("train")
     if t and t.get("setup_s") is not None:

@@ -68,6 +68,7 @@ def test_job_reports_its_startup_and_compute_dtype_and_logs_training_quietly(dem
     report = json.loads((out / "report.json").read_text())
     startup = report["startup"]
     assert [s["replica"] for s in startup["extract"]] == [0] and startup["extract"][0]["startup_s"] > 0
+    assert startup["extract"][0]["placement_s"] >= 0  # its placement group's wait for the cluster
     # one engine per k (here k=3 only), then the target alone (the speedup's baseline: eval.speed_batch_sizes)
     assert [e["num_speculative_tokens"] for e in startup["eval"]] == [3, 0]
     assert startup["doctor_dry_run"][0]["startup_s"] > 0 and startup["train"]["setup_s"] > 0

@@ -99,6 +99,8 @@ def test_whole_job_on_smollm2_and_sharegpt(tmp_path, smollm2_target, shared_ray)
     assert second["before_engine_s"] < first["before_engine_s"] + first["wall_s"]
     # ... and each says how much of the wait before its engine was its actor's start (the rest: imports)
     assert all(0 < e["actor_start_s"] <= e["before_engine_s"] for e in ev["engines"])
+    # ... and of that, how long it waited for its process (resources, or a worker already running: < 0)
+    assert all(e["process_start_s"] <= e["actor_start_s"] for e in ev["engines"])
     # They took turns at the windows: every round paired, with and without the draft, same tokens.
     assert ev["speed"]["interleaved"] is True and len(ev["speed"]["results"]) == 2  # greedy and sampled
     for r in ev["speed"]["results"]:
