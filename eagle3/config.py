@@ -404,8 +404,9 @@ class EvalConfig:
     acceptance does not depend on graphs, and eager starts faster."""
     engines_at_once: Literal["auto", True, False] = "auto"
     """Whether the engines start side by side, each on its share of the device, their acceptance then
-    measured side by side and their timed windows taken in turns: their starts overlap (~70 s each with CUDA graphs on an
-    H200, for a 135M target: the SmolLM2 job's eval stage took 144 s, session 22), and the draft's
+    measured side by side and their timed windows taken in turns: their starts overlap (~70 s each
+    with CUDA graphs on an H200, for a 135M target: the SmolLM2 job's eval stage took 144 s, session
+    22), and the draft's
     engine and the target alone's take turns at the timed windows, round by round, so that eval.json
     pairs each round with the draft with the same round without it. 'auto': true for a small target on a GPU (extraction's rule for
     several replicas a GPU, ray_jobs.extract.small_target: under 0.5B parameters, engines of one

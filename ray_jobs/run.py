@@ -119,10 +119,11 @@ def _measure_group(ray, cfg: JobConfig, target_dir: str, group: list, *, gpu: bo
         # Calls that time nothing (acceptance, and engines whose windows come in turns below) run side
         # by side; a call that times its windows runs alone.
         untimed = [i for i, w in enumerate(own_windows) if not w]
-        done = dict(zip(untimed, ray.get([actors[i].measure_started.remote(**measure, windows=()) for i in untimed])))
-        done |= {i: ray.get(actors[i].measure_started.remote(**measure, windows=w))
-                 for i, w in enumerate(own_windows) if w}
-        done = [done[i] for i in range(len(group))]
+        by_engine = dict(zip(untimed, ray.get([actors[i].measure_started.remote(**measure, windows=())
+                                               for i in untimed])))
+        by_engine |= {i: ray.get(actors[i].measure_started.remote(**measure, windows=w))
+                      for i, w in enumerate(own_windows) if w}
+        done = [by_engine[i] for i in range(len(group))]
         if interleave:
             _interleaved_speed(ray, [actors[i] for i in timed], [done[i] for i in timed], measure["speed_prompts"],
                                windows, measure["samplings"])
