@@ -2,8 +2,9 @@
 eagle3.evaluate's measurements on it. One actor per engine setting (num_speculative_tokens, CUDA
 graphs or eager are engine settings): a fresh process, its share of the device, freed when the
 actor is killed. The job's eval stage starts its engines (`start` on each actor, several at once
-when they share the device) and measures them one at a time (`measure_started`, and `speed` for
-engines that take turns at the timed windows); `shutdown` releases an engine."""
+when they share the device) and measures them (`measure_started`: acceptance side by side, timed
+windows alone; `speed` for engines that take turns at the timed windows); `shutdown` releases an
+engine."""
 
 from __future__ import annotations
 

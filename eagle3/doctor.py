@@ -130,9 +130,11 @@ def check_gpus(min_free_fraction: float = 0.9) -> list[Check]:
 
 
 def estimate_dataset_bytes(num_tokens: int, num_layers: int, hidden_size: int, hs_dtype: str) -> int:
-    per_value = 2 if hs_dtype == "bfloat16" else 1
-    scale = 4 * num_layers if hs_dtype != "bfloat16" else 0
-    return num_tokens * (num_layers * hidden_size * per_value + scale + 5)  # + input_ids (4) + loss_mask (1)
+    """Bytes of the hidden-state shards of num_tokens tokens: what a shard stores a token
+    (eagle3.schema.stored_bytes_per_token), its input id (4) and loss mask (1)."""
+    from eagle3.schema import stored_bytes_per_token
+
+    return num_tokens * (stored_bytes_per_token(num_layers=num_layers, hidden_size=hidden_size, hs_dtype=hs_dtype) + 5)
 
 
 def existing_parent(path: str) -> Path:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from actors.replica_pool import ReplicaPool, failure_reason, is_system_failure
 from eagle3.config import ExtractConfig, JobConfig
-from eagle3.doctor import size_text
+from eagle3.doctor import check_disk, estimate_dataset_bytes, free_bytes, size_text
 from eagle3.extract.manifest import Manifest, ShardPlan, tokens_fingerprint
 from eagle3.extract.schedule import ShardScheduler
 from ray_jobs.metrics import extract_metrics
@@ -209,8 +209,6 @@ def check_room(out_dir: str, num_tokens: int, num_layers: int, hidden_size: int,
     out_dir); ValueError, before any engine starts, when they do not fit. The doctor's check beside
     prepare can only estimate them (eagle3.doctor.check_disk, rough); here the tokens are the ones
     extraction reads."""
-    from eagle3.doctor import check_disk, estimate_dataset_bytes, free_bytes
-
     need = estimate_dataset_bytes(num_tokens, num_layers, hidden_size, hs_dtype)
     row = check_disk(out_dir, need, EXACT_MARGIN)
     if not row.ok:

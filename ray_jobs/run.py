@@ -162,20 +162,15 @@ def _interleaved_speed(ray, actors: list, results: list[dict], prompts, windows,
     engine (eagle3.evaluate.merge_speed) into its result's "speed"; its wall_s gains the time."""
     from eagle3.evaluate import merge_speed
 
-    parts: list[list] = [[] for _ in actors]
-
-    def timed_call(i: int, **kwargs):
-        t = time.perf_counter()
-        out = ray.get(actors[i].speed.remote(prompts, windows, samplings, **kwargs))
-        spent[i] += time.perf_counter() - t
-        return out
-
     t = time.perf_counter()  # the untimed warm-up waves, all engines at once
     ray.get([a.speed.remote(prompts, windows, samplings, rounds=[], warmup=True) for a in actors])
     spent = [time.perf_counter() - t] * len(actors)
+    parts: list[list] = [[] for _ in actors]
     for r in range(max(w.repeats for w in windows)):
         for i in (range(len(actors)) if r % 2 == 0 else reversed(range(len(actors)))):
-            parts[i].append(timed_call(i, rounds=[r], warmup=False))
+            t = time.perf_counter()
+            parts[i].append(ray.get(actors[i].speed.remote(prompts, windows, samplings, rounds=[r], warmup=False)))
+            spent[i] += time.perf_counter() - t
     for i, res in enumerate(results):
         res["speed"] = merge_speed(parts[i])
         res["speed_interleaved"] = True

@@ -174,9 +174,10 @@ def test_disk_check_fails_when_the_dataset_does_not_fit(tmp_path):
 def test_a_rough_disk_estimate_warns_and_extraction_checks_the_exact_size(tmp_path):
     """The doctor runs beside prepare, so its disk estimate is rough: ~4 bytes of the source a token
     (1.5x prepare's count on 2,400 ShareGPT records), or prepared answers that regeneration rewrites.
-    All of the wheel's ShareGPT file estimates 145 GB of SmolLM2 hidden states where its regenerated
-    tokens need ~35 GB: such an estimate that does not fit warns; the extract stage then checks the
-    tokens it reads, and stops before its engines where they do not fit."""
+    On an H200 (session 23) 12,000 ShareGPT records estimated ~95 GB of SmolLM2 hidden states against
+    63 GB free, and their regenerated tokens took 36.2 GB: such an estimate that does not fit warns;
+    the extract stage then checks the tokens it reads, and stops before its engines where they do
+    not fit."""
     import shutil
 
     from eagle3.config import load_job_config
