@@ -8,7 +8,8 @@ byte budget, dropped after a restart, handed out again after a lost engine) are
 eagle3.train.online_feed.FeedState's; this actor does the Ray side: engine replicas on placement groups
 (actors.replica_pool.ReplicaPool, as the extract stage), calls, waits, failure classification,
 reading committed shards back (train.online.epochs: keep) and writing them in the background,
-the job log's "who waits for whom" line and the Ray gauges.
+the held-out split's own shards (extracted once, before any training shard: ray_jobs/online.py says
+why), the job log's "who waits for whom" line and the Ray gauges.
 Why an actor and not Ray Data: see eagle3/train/online_feed.py.
 """
 
@@ -31,8 +32,9 @@ def read_shard_table(path: str):
 
 class OnlineFeed:
     def __init__(self, tokens_path: str, target_dir: str, cfg, samples_per_shard: int, num_ranks: int,
-                 hidden_states_dir: str, fingerprint: dict):
-        """cfg: the JobConfig (extract for the engines, prepare.max_length, target, train.online)."""
+                 hidden_states_dir: str, fingerprint: dict, heldout: dict | None = None):
+        """cfg: the JobConfig (extract for the engines, prepare.max_length, target, train.online).
+        heldout: {'tokens_path', 'dir', 'fingerprint'} of the held-out split, or None (no split)."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         self.cfg = cfg
         self.target_dir = target_dir
@@ -47,6 +49,9 @@ class OnlineFeed:
         self._thread: threading.Thread | None = None
         self.state = None
         self.pool = None
+        self.heldout = heldout
+        self._heldout_files: list[str] | None = None if heldout else []
+        self._heldout_summary: dict | None = None
 
     # -- set-up ---------------------------------------------------------------------------------
     def start(self, num_replicas: int, bundle: dict) -> dict:
@@ -109,7 +114,7 @@ class OnlineFeed:
         if self.error is not None:
             raise self.error
         return {**self.state.summary(), "replicas": self.pool.summary(), "engine_starts": self.pool.starts,
-                "num_shards_on_disk": len(self.state.on_disk)}
+                "num_shards_on_disk": len(self.state.on_disk), "heldout": self._heldout_summary}
 
     def ping(self) -> bool:
         return True
@@ -136,6 +141,19 @@ class OnlineFeed:
                     return "wait", None
                 self.lock.wait(left)
 
+    def heldout_files(self, timeout_s: float):
+        """('ready', the held-out split's committed shard files) | ('wait', None) after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        with self.lock:
+            while True:
+                self._raise()
+                if self._heldout_files is not None:
+                    return "ready", self._heldout_files
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return "wait", None
+                self.lock.wait(left)
+
     def release(self, rank: int, session: str, shard: int) -> None:
         with self.lock:
             self.state.release(rank, session, shard)
@@ -149,12 +167,59 @@ class OnlineFeed:
         try:
             for r in self.pool.wait_up(placed):
                 log.info("online: engine replica %d is pid %d on %s", r.info["replica"], r.info["pid"], r.info["host"])
+            if self.heldout:
+                self._extract_heldout()
             self._loop()
         except BaseException as e:  # noqa: BLE001 - handed to every caller (take, stop)
             log.exception("online: the feed's loop failed")
             with self.lock:
                 self.error = e
                 self.lock.notify_all()
+
+    def _extract_heldout(self) -> None:
+        """The held-out split into committed shards of its own under heldout['dir'] (those a resumed job
+        committed before are kept), on the live replicas in turn, before the first training shard:
+        every rank's first evaluation reads them. An engine lost meanwhile fails the job (a resubmit
+        resumes), as the split is a few seconds of prefill."""
+        import pyarrow.parquet as pq
+        import ray
+
+        from actors.writer import write_shard
+        from eagle3.extract.manifest import Manifest, ShardPlan
+
+        t0 = time.perf_counter()
+        ecfg = self.cfg.extract
+        tokens = pq.read_table(self.heldout["tokens_path"])
+        plan = ShardPlan(tokens.num_rows, self.samples_per_shard)
+        manifest = Manifest(Path(self.heldout["dir"]), ecfg.file_format)
+        manifest.open(self.heldout["fingerprint"])
+        done = manifest.committed()
+        live = [r for r in self.pool.replicas.values() if self.state.sched.replicas[r.index].alive]
+        writer = ray.remote(write_shard).options(num_cpus=0)
+        pending = []
+        for i, shard in enumerate(s for s in range(plan.num_shards) if s not in done):
+            lo, hi = plan.rows(shard)
+            r = live[i % len(live)]
+            table_ref, stats_ref = r.actor.extract_shard.options(num_returns=2).remote(shard, tokens.slice(lo, hi - lo))
+            pending.append((shard, r, stats_ref, writer.remote(table_ref, str(manifest.data_path(shard)),
+                                                               ecfg.compression, ecfg.direct_io)))
+        num_tokens = 0
+        for shard, r, stats_ref, write_ref in pending:
+            stats, wstats = ray.get([stats_ref, write_ref])
+            r.num_tokens += stats["num_tokens"]
+            r.busy_s += stats["seconds"]
+            num_tokens += stats["num_tokens"]
+            manifest.commit(shard, {**{k: v for k, v in stats.items() if k != "replica"}, **wstats,
+                                    "committed_at": time.time()})
+        files = manifest.committed_files()
+        self._heldout_summary = {"num_samples": tokens.num_rows, "num_shards": plan.num_shards,
+                                 "num_extracted": len(pending), "num_tokens": num_tokens,
+                                 "seconds": round(time.perf_counter() - t0, 2), "dir": self.heldout["dir"]}
+        log.info("online: the held-out split (%d samples) in %d shard(s) under %s (%d extracted now), %.1f s",
+                 tokens.num_rows, plan.num_shards, self.heldout["dir"], len(pending), time.perf_counter() - t0)
+        with self.lock:
+            self._heldout_files = files
+            self.lock.notify_all()
 
     def _loop(self) -> None:
         import ray

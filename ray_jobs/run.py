@@ -311,17 +311,10 @@ def run(cfg: JobConfig) -> dict:
 
     if cfg.train.source == "online" and "train" in cfg.stages:
         # Extraction runs inside training: tables go from the engines to the ranks through the object
-        # store (ray_jobs/online.py); no extract stage, no shards unless train.online.epochs is keep.
-        from eagle3.prepare.heldout import read_split
+        # store (ray_jobs/online.py); no extract stage, no shards unless train.online.epochs is keep
+        # (and the held-out split's, hidden_states_heldout/).
         from ray_jobs.online import run_online
 
-        split_file = read_split(out / "prepared")
-        if split_file is not None and split_file.threshold:
-            # The engines hand each table to one rank once per epoch: no shard a rank could re-read for an
-            # evaluation, and leaving the split out would leave shards unextracted under epochs: keep.
-            log.warning("train.source online: the held-out split (%d conversations, prepared/heldout.json) is "
-                        "trained on like the rest and no held-out accuracy is measured; train offline for it",
-                        split_file.num_heldout_conversations)
         summary = timed("train", run_online, cfg, str(tokens_path), target_dir, out, split, tokens_source=tokens_source)
         write_provenance(out / "train", cfg.to_dict(), "train", {"summary": summary})
         write_provenance(out / "draft", cfg.to_dict(), "export", {"trained_from": str(tokens_path), "source": "online"})

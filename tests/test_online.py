@@ -430,9 +430,14 @@ def _start_online(out: Path, data: Path, tiny_target: str, *extra: str) -> subpr
 def check_trained_once_per_epoch(out: Path, num_workers: int) -> dict:
     """From train/sample_ids (the last line of each step counts: a step redone after a restart is
     written again): per rank and epoch no sample twice, ranks' samples of an epoch disjoint, and
-    every epoch that all ranks finished holds every prepared sample exactly once. Returns
-    {epoch: Counter of sample ids} over ranks."""
-    prepared = pq.read_table(out / "prepared" / "tokens.parquet", columns=["sample_id"]).column(0).to_pylist()
+    every epoch that all ranks finished holds every prepared sample outside the held-out split
+    exactly once, and none inside it. Returns {epoch: Counter of sample ids} over ranks."""
+    from eagle3.prepare.heldout import read_split
+
+    split = read_split(out / "prepared")
+    every = pq.read_table(out / "prepared" / "tokens.parquet", columns=["sample_id"]).column(0).to_pylist()
+    prepared = [s for s in every if not split.is_heldout(s)]
+    assert split.num_heldout_samples > 0 and len(prepared) == len(every) - split.num_heldout_samples
     per_epoch: dict[int, Counter] = {}
     finished: list[set[int]] = []
     for rank in range(num_workers):
@@ -506,7 +511,22 @@ def test_online_job_trains_every_sample_once_per_epoch_under_the_byte_bound_thro
     report = json.loads((out / "report.json").read_text())
     online = report["stages"]["train"]["online"]
     assert report["stages"]["train"]["steps"] == TRAIN_STEPS and "extract" not in report["stages"]
-    assert not (out / "hidden_states").exists()  # nothing written
+    assert not (out / "hidden_states").exists()  # no training shard written
+    # the held-out split: left out of training (check_trained_once_per_epoch), extracted first into
+    # shards of its own, and measured at the last step, as offline
+    from eagle3.extract.manifest import Manifest
+    from eagle3.extract.shards import read_shards
+    from eagle3.prepare.heldout import read_split
+
+    split = read_split(out / "prepared")
+    held = read_shards(Manifest(out / "hidden_states_heldout").committed_files(), columns=["sample_id"])
+    assert sorted(held.column(0).to_pylist()) == sorted(
+        s for s in pq.read_table(out / "prepared" / "tokens.parquet", columns=["sample_id"]).column(0).to_pylist()
+        if split.is_heldout(s))
+    assert online["heldout"]["num_samples"] == split.num_heldout_samples > 0, online["heldout"]
+    last = json.loads((out / "train" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == TRAIN_STEPS and last["heldout_samples"] == split.num_heldout_samples, last
+    assert 0 <= last["heldout_full_acc_0"] <= 1 and report["stages"]["train"]["heldout"]["step"] == TRAIN_STEPS
     # every engine start is in the start-up record, the replacement of the killed replica too
     assert len(report["startup"]["online"]) >= len(online["replicas"]) >= 2, report["startup"]
     per_epoch = check_trained_once_per_epoch(out, 2)
@@ -581,6 +601,7 @@ def test_online_driver_killed_then_resubmitted_resumes_and_keeps_shards(tiny_tar
     assert online["num_shards_on_disk"] == online["num_shards"]
     from tests.test_faults import check_every_sample_once
 
-    check_every_sample_once(out)  # the kept shards are the offline layout, whole and once
+    # the kept shards are the offline layout, whole and once: training's and the held-out split's
+    check_every_sample_once(out, ("hidden_states", "hidden_states_heldout"))
     print(f"\ndriver killed after checkpoint {ckpt} with {len(committed)} shards kept; resubmit resumed, "
           f"{online['num_extractions']} extractions in the second run")

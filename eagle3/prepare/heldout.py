@@ -15,9 +15,9 @@ no schema version, regenerate or extract change. All samples of a conversation l
 side, since only the conversation id is hashed. prepare chooses the threshold once, over the
 conversations it kept (from heldout_fraction, raised to reach heldout_min_conversations), and
 the job passes that one number to training; conversations that regenerate or extract reject
-later leave the split without moving any other across it. Offline training only: in online mode
-(train.source online) each table reaches one rank once per epoch, so there is nothing a rank could
-re-read to measure, and the job trains on the split like the rest (ray_jobs/run.py warns).
+later leave the split without moving any other across it. Online mode (train.source online)
+leaves the split out of the tokens its engines feed the ranks and extracts it into shards of its
+own (ray_jobs/online.py), since a table from the object store reaches one rank once.
 """
 
 from __future__ import annotations

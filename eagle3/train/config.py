@@ -249,7 +249,7 @@ class OnlineConfig:
     record_sample_ids: bool = False
     """Each rank appends, per optimizer step, the sample ids it trained (and those extraction
     rejected) to train/sample_ids/rank-<r>.jsonl: an audit that every sample was trained once per
-    epoch (offline: but the held-out split, prepare.heldout_fraction), across restarts (a step
+    epoch (but the held-out split, prepare.heldout_fraction), across restarts (a step
     redone after a restart is written again; the last line of a step counts). Offline training
     reads this field too."""
     log_every_s: float = 10.0

@@ -98,8 +98,10 @@ class Eagle3Trainer:
                  dataset=None, heldout_threshold: int = 0):
         """`data_files`: committed shards (offline); or None with `dataset`, a rank's rows from
         elsewhere (online: eagle3.train.data.online.OnlineDataset), ordered and resumed the same way.
-        `heldout_threshold` (prepared/heldout.json, eagle3.prepare.heldout; 0: no split), with shards:
-        the held-out conversations are left out of training and measured every cfg.eval_every_steps."""
+        `heldout_threshold` (prepared/heldout.json, eagle3.prepare.heldout; 0: no split): the held-out
+        conversations are measured every cfg.eval_every_steps; with shards they are also left out of
+        training here, while an online dataset comes without them and gives their shards from its
+        `heldout_files()` (the feed extracts them apart: ray_jobs/online.py), read at the first evaluation."""
         from speculators.models.eagle3.core import Eagle3DraftModel
 
         from compat.speculators_verifier import draft_layer_config, ensure_text_verifier_weights, verifier_text_config
@@ -111,20 +113,16 @@ class Eagle3Trainer:
         self.dataset = dataset or HiddenStatesDataset(data_files, seed=cfg.seed, rank=rank, world_size=world_size,
                                                       shuffle_buffer_size=cfg.data.shuffle_buffer_size,
                                                       heldout_threshold=heldout_threshold)
-        if heldout_threshold and dataset is not None:
-            raise ValueError("a held-out split needs shards (data_files): online mode (a dataset) trains on every "
-                             "sample and measures no held-out accuracy; pass heldout_threshold=0")
         self.heldout_threshold = heldout_threshold
         self.heldout_dataset = None
-        if heldout_threshold:
-            # Every rank, the same held-out rows in the same order (one rank's view of all shards, no
-            # shuffle): the evaluation's batches are divided among the ranks (evaluate_heldout).
-            self.heldout_dataset = HiddenStatesDataset(data_files, seed=cfg.seed, shuffle_buffer_size=1,
-                                                       heldout_threshold=heldout_threshold, heldout=True)
-            if self.heldout_dataset.num_samples == 0:
-                logger.warning("the held-out split has no sample in the shards (extraction rejected them all?): "
-                               "no held-out accuracy")
-                self.heldout_dataset = None
+        self._heldout_source: Callable[[], list[str]] | None = None
+        if heldout_threshold and dataset is not None:
+            if not hasattr(dataset, "heldout_files"):
+                raise ValueError(f"a held-out split needs shards: {type(dataset).__name__} gives none "
+                                 "(heldout_files); pass heldout_threshold=0")
+            self._heldout_source = dataset.heldout_files
+        elif heldout_threshold:
+            self.heldout_dataset = self._heldout_split(data_files)
         text_cfg = verifier_text_config(self.target_dir)
         if text_cfg.hidden_size != self.dataset.hidden_size:
             raise ValueError(f"hidden states have hidden_size={self.dataset.hidden_size}, the target at "
@@ -257,9 +255,27 @@ class Eagle3Trainer:
         self.loss_last = out["loss"]
         return out
 
+    def _heldout_split(self, files) -> HiddenStatesDataset | None:
+        """The held-out rows of `files`: every rank the same rows in the same order (one rank's view of
+        all shards, no shuffle), the evaluation's batches divided among the ranks (evaluate_heldout)."""
+        if not files:
+            logger.warning("the held-out split has no shard: no held-out accuracy")
+            return None
+        split = HiddenStatesDataset(files, seed=self.cfg.seed, shuffle_buffer_size=1,
+                                    heldout_threshold=self.heldout_threshold, heldout=True)
+        if split.num_samples == 0:
+            logger.warning("the held-out split has no sample in the shards (extraction rejected them all?): "
+                           "no held-out accuracy")
+            return None
+        return split
+
+    @property
+    def has_heldout(self) -> bool:
+        return self.heldout_dataset is not None or self._heldout_source is not None
+
     def heldout_due(self) -> bool:
         """After the step just taken: every eval_every_steps steps, and after the last one."""
-        return self.heldout_dataset is not None and (
+        return self.has_heldout and (
             self.global_step % self.cfg.eval_every_steps == 0 or self.global_step >= self.cfg.num_steps)
 
     def evaluate_heldout(self) -> dict | None:
@@ -272,6 +288,9 @@ class Eagle3Trainer:
         forwards (a rank short of batches re-runs one uncounted), since under ZeRO-3 a forward
         gathers parameters from all ranks."""
         self._need_engine()
+        if self._heldout_source is not None:  # online: the split's shards, once the feed has them
+            self.heldout_dataset = self._heldout_split(self._heldout_source())
+            self._heldout_source = None
         if self.heldout_dataset is None:
             return None
         from eagle3.train.data.packing import PackedBatches
@@ -374,10 +393,10 @@ class Eagle3Trainer:
         while self.global_step < self.cfg.num_steps:
             t_step = time.perf_counter()
             m = self.train_step()
-            if self.heldout_dataset is not None:
+            if self.has_heldout:
                 self._train_acc_since_eval.append([m[f"full_acc_{i}"] for i in range(self.cfg.draft.ttt_steps)])
-            if self.heldout_due():
-                m.update(self.evaluate_heldout())
+            if self.heldout_due() and (held := self.evaluate_heldout()) is not None:
+                m.update(held)
                 self.last_heldout = self._heldout_record(m)
             history.append(m)
             if self.global_step == start + 1:

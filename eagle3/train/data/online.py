@@ -8,6 +8,9 @@ eagle3.train.online_feed) for the shards still needed from a position, in that o
 table's rows (eagle3.extract.codec) as views of the object store's memory. A sample the engine rejected
 (longer than it takes) is a row of zero tokens, which packing skips and counts, so positions stay
 those of the plan and a checkpoint's (epoch, samples_seen) means the same samples on a restart.
+The held-out split (eagle3.prepare.heldout) is not among these rows: ray_jobs/online.py leaves it out of
+the tokens the plan is made from, and the feed extracts it into shards of its own, which
+`heldout_files` gives the trainer for its evaluations.
 Does not own: packing and prefetching (eagle3.train.data.packing, .prefetch: this dataset is read in a
 thread, not in forked DataLoader workers, which would each ask the feed for the same shards), the
 coordinator and its back-pressure (eagle3.train.online_feed).
@@ -107,6 +110,16 @@ class OnlineDataset:
             needed[key[0]] -= 1
             if not needed[key[0]]:  # its last row is out: the table may go (the feed counts it held till now)
                 self.feed.release.remote(self.rank, session, key[0])
+
+    def heldout_files(self) -> list[str]:
+        """The held-out split's committed shard files, once the feed has extracted them (before any
+        training shard, so this waits only while the engines start)."""
+        import ray
+
+        while True:
+            status, files = ray.get(self.feed.heldout_files.remote(TAKE_POLL_S))
+            if status == "ready":
+                return files
 
     def _take(self, session: str, shard: int):
         import ray
