@@ -34,7 +34,7 @@ class OnlineFeed:
     def __init__(self, tokens_path: str, target_dir: str, cfg, samples_per_shard: int, num_ranks: int,
                  hidden_states_dir: str, fingerprint: dict, heldout: dict | None = None):
         """cfg: the JobConfig (extract for the engines, prepare.max_length, target, train.online).
-        heldout: {'tokens_path', 'dir', 'fingerprint'} of the held-out split, or None (no split)."""
+        heldout: {'threshold', 'dir', 'fingerprint'} of the held-out split, or None (no split)."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         self.cfg = cfg
         self.target_dir = target_dir
@@ -181,15 +181,15 @@ class OnlineFeed:
         committed before are kept), on the live replicas in turn, before the first training shard:
         every rank's first evaluation reads them. An engine lost meanwhile fails the job (a resubmit
         resumes), as the split is a few seconds of prefill."""
-        import pyarrow.parquet as pq
         import ray
 
         from actors.writer import write_shard
         from eagle3.extract.manifest import Manifest, ShardPlan
+        from ray_jobs.online import heldout_rows
 
         t0 = time.perf_counter()
         ecfg = self.cfg.extract
-        tokens = pq.read_table(self.heldout["tokens_path"])
+        tokens = heldout_rows(self.tokens, self.heldout["threshold"])
         plan = ShardPlan(tokens.num_rows, self.samples_per_shard)
         manifest = Manifest(Path(self.heldout["dir"]), ecfg.file_format)
         manifest.open(self.heldout["fingerprint"])

@@ -59,7 +59,8 @@ def train_loop_per_worker(config: dict) -> None:
 
         dataset = OnlineDataset(online["feed"], online["tokens_path"], online["samples_per_shard"], online["layout"],
                                 seed=cfg.seed, rank=rank, world_size=world_size,
-                                shuffle_buffer_size=cfg.data.shuffle_buffer_size)
+                                shuffle_buffer_size=cfg.data.shuffle_buffer_size,
+                                heldout_threshold=online["heldout_threshold"])
     if config.get("gpu_memory_fraction") is not None:
         import torch
 

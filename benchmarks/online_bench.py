@@ -369,7 +369,8 @@ def run_figures(out: Path, source: str, log_text: str, skip_steps: int) -> dict:
            "steady_tokens_per_s": steady_tokens_per_s(out / "train" / "metrics.jsonl", skip_steps),
            "trainer_steady_tokens_per_s": train.get("steady_tokens_per_s"),
            "hs_bytes_on_disk": dir_bytes(out / "hidden_states" / "data"),
-           "hidden_states_dir_bytes": dir_bytes(out / "hidden_states")}
+           "hidden_states_dir_bytes": dir_bytes(out / "hidden_states"),
+           "heldout_bytes_on_disk": dir_bytes(out / "hidden_states_heldout" / "data")}
     # the part that is neither engine start nor trainer set-up: what overlapping can shorten
     fig["without_starts_s"] = round(wall - (start or 0.0) - (fig["trainer_setup_s"] or 0.0), 2)
     if source == "offline":
@@ -397,7 +398,8 @@ def one_gpu_checks(res: dict) -> list[dict]:
     r = on["wall_s"] / off["wall_s"]
     target("online wall <= 0.8x offline's", r <= 0.8, f"{on['wall_s']:.1f} s / {off['wall_s']:.1f} s = {r:.3f}x")
     target("0 bytes of hidden states on disk (online)", on["hs_bytes_on_disk"] == 0,
-           f"online {on['hs_bytes_on_disk']:,} bytes (offline {off['hs_bytes_on_disk']:,})")
+           f"online {on['hs_bytes_on_disk']:,} bytes (offline {off['hs_bytes_on_disk']:,}); the held-out split's "
+           f"own shards {on.get('heldout_bytes_on_disk', 0):,} bytes")
     a, b = on["steady_tokens_per_s"], off["steady_tokens_per_s"]
     target("trainer >= 0.8x its offline rate", a and b and a / b >= 0.8,
            f"{a or 0:,.0f} / {b or 0:,.0f} tokens/s = {(a / b if a and b else float('nan')):.3f}x")

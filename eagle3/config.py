@@ -111,8 +111,9 @@ class PrepareConfig:
     conversation id decides, so all samples of a conversation are on one side, on every run).
     0 = no split (no held-out accuracy). Unlike num_eval_prompts, which holds out prompts for
     vLLM's acceptance, this holds out whole conversations with their hidden states. Online
-    (train.source online) too: the engines extract the split first into hidden_states_heldout/
-    (ray_jobs/online.py), the only hidden states online mode writes unless epochs is keep."""
+    (train.source online) too: the ranks skip the split, and the engines extract it first into
+    hidden_states_heldout/ (ray_jobs/online.py), the only hidden states online mode writes unless
+    epochs is keep."""
     heldout_min_conversations: int = 8
     """With heldout_fraction > 0: hold out at least this many conversations (at most half of
     them) when the fraction alone gives fewer, so a small data set still has a split."""

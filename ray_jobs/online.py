@@ -13,11 +13,12 @@ taking 1 - train.online.trainer_gpu_fraction of it in its placement-group bundle
 workers trainer_gpu_fraction each (Ray Train resources_per_worker): Ray's fractional GPU
 resources do the placing. 'auto' picks separate where it fits. On a CPU cluster one replica.
 The shard plan is the extract stage's (same samples per shard), so a rank's order is the offline
-order of the same shards. The held-out split (prepare.heldout_fraction) is measured as offline: its
-conversations are left out of the tokens the plan is made from (split_heldout writes the two parts
-under online/), and the feed's engines extract them first, once, into shards of their own under
-hidden_states_heldout/ (a few seconds of prefill, 2% of the data by default), which every rank reads
-at each evaluation: an object-store table reaches one rank once, so it could not be re-read. A resubmitted job resumes training from its last
+order of the same shards. The held-out split (prepare.heldout_fraction) is measured as offline: the
+plan (and so train.online.epochs keep's shards, offline's layout) holds it, the ranks skip its rows
+as offline training does, and the feed's engines extract it first, once more, into shards of its
+own under hidden_states_heldout/ (a few seconds of prefill, 2% of the data by default), which every
+rank reads at each evaluation: an object-store table reaches one rank once, so it could not be
+re-read. A resubmitted job resumes training from its last
 checkpoint and asks the engines for the samples after it (train.online.epochs: keep, also
 reuses the shards committed under hidden_states/).
 What crosses this process: configs, counts, one actor handle. Imports neither torch, vllm nor deepspeed.
@@ -115,32 +116,15 @@ def shared_engine_config(cfg: JobConfig, split: GpuSplit) -> JobConfig:
     return dataclasses.replace(cfg, extract=dataclasses.replace(cfg.extract, kv_cache_memory_bytes=kv))
 
 
-def split_heldout(tokens_path: str, threshold: int, out_dir: Path) -> tuple[str, str | None]:
-    """(training tokens, held-out tokens): tokens_path's rows outside the held-out split
-    (eagle3.prepare.heldout: `threshold`) and those inside it, each a tokens file of the same schema
-    under out_dir (rewritten whole each time: the same rows from the same input). threshold 0, or
-    no row held out: (tokens_path, None)."""
+def heldout_rows(tokens, threshold: int):
+    """The rows of a tokens table (sample_id among its columns) inside the held-out split
+    (eagle3.prepare.heldout: `threshold`; 0: none), in order."""
     import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
 
     from eagle3.prepare.heldout import is_heldout
 
-    if not threshold:
-        return tokens_path, None
-    table = pq.read_table(tokens_path)
-    held = pa.array([is_heldout(s, threshold) for s in table.column("sample_id").to_pylist()], pa.bool_())
-    if not pc.any(held).as_py():
-        return tokens_path, None
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, part in (("train", table.filter(pc.invert(held))), ("heldout", table.filter(held))):
-        path = out_dir / f"{name}-tokens.parquet"
-        tmp = path.with_name(f".{path.name}.tmp")
-        pq.write_table(part, tmp)
-        tmp.replace(path)
-        paths.append(str(path))
-    return paths[0], paths[1]
+    ids = tokens.column("sample_id").to_pylist()
+    return tokens.filter(pa.array([bool(threshold) and is_heldout(s, threshold) for s in ids], pa.bool_()))
 
 
 def run_online(cfg: JobConfig, tokens_path: str, target_dir: str, out: Path, split: GpuSplit, *,
@@ -159,15 +143,13 @@ def run_online(cfg: JobConfig, tokens_path: str, target_dir: str, out: Path, spl
 
     cfg = shared_engine_config(cfg, split)
     ecfg = cfg.extract
-    check_schema(pq.read_schema(tokens_path), "tokens")
-    threshold = training_threshold(out / "prepared")
-    tokens_path, heldout_path = split_heldout(tokens_path, threshold, out / "online")
     tokens = pq.read_table(tokens_path, columns=["sample_id", "num_tokens"])
+    check_schema(pq.read_schema(tokens_path), "tokens")
     plan, layer_ids, hidden_size, fingerprint = extraction_plan(ecfg, target_dir, tokens, tokens_source)
-    heldout = None
-    if heldout_path is not None:
-        held = pq.read_table(heldout_path, columns=["sample_id", "num_tokens"])
-        heldout = {"tokens_path": str(Path(heldout_path).resolve()), "dir": str(out / "hidden_states_heldout"),
+    threshold, heldout = training_threshold(out / "prepared"), None
+    held = heldout_rows(tokens, threshold)
+    if held.num_rows:
+        heldout = {"threshold": threshold, "dir": str(out / "hidden_states_heldout"),
                    "fingerprint": extraction_plan(ecfg, target_dir, held, tokens_source)[3]}
         log.info("online: %d held-out samples (prepare.heldout_fraction) left out of training and extracted first "
                  "into %s, for the held-out accuracy", held.num_rows, heldout["dir"])
@@ -182,7 +164,7 @@ def run_online(cfg: JobConfig, tokens_path: str, target_dir: str, out: Path, spl
     t0 = time.perf_counter()
     ray.get(feed.start.remote(n, bundle))  # placed, still loading: the trainer sets up meanwhile
     online = {"feed": feed, "tokens_path": str(Path(tokens_path).resolve()),
-              "samples_per_shard": plan.samples_per_shard,
+              "samples_per_shard": plan.samples_per_shard, "heldout_threshold": threshold if heldout else 0,
               "layout": (layer_ids, hidden_size, ecfg.hs_dtype)}
     finished = False
     try:

@@ -124,17 +124,17 @@ def committed_mtimes(out: Path) -> dict[int, int]:
     return {shard: manifest.data_path(shard).stat().st_mtime_ns for shard in manifest.committed()}
 
 
-def check_every_sample_once(out: Path, dirs: tuple[str, ...] = ("hidden_states",)) -> dict:
-    """Every prepared sample is in the committed shards of `dirs` (under out) exactly once, with its
-    own tokens (sha256 of input_ids, loss_mask) and hidden states of its length; returns
-    {sample_id: sha256 of its hidden-states bytes}."""
+def check_every_sample_once(out: Path) -> dict:
+    """Every prepared sample is in the committed shards exactly once, with its own tokens (sha256
+    of input_ids, loss_mask) and hidden states of its length; returns {sample_id: sha256 of its
+    hidden-states bytes}."""
     from eagle3.extract.manifest import Manifest
     from eagle3.extract.shards import read_shards
 
     tokens = pq.read_table(out / "prepared" / "tokens.parquet")
     want = {sid: hashlib.sha256(json.dumps([ids, mask]).encode()).hexdigest() for sid, ids, mask in
             zip(*(tokens.column(c).to_pylist() for c in ("sample_id", "input_ids", "loss_mask")))}
-    got = read_shards([f for d in dirs for f in Manifest(out / d).committed_files()],
+    got = read_shards(Manifest(out / "hidden_states").committed_files(),
                       columns=["sample_id", "input_ids", "loss_mask", "num_tokens", "hidden_states"])
     ids = got.column("sample_id").to_pylist()
     assert len(ids) == len(set(ids)), "duplicated samples"

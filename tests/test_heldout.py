@@ -1,6 +1,6 @@
 """The held-out split (eagle3.prepare.heldout): which conversations it holds, that prepare records it,
 and that the training dataset leaves it out of the shards while the held-out view reads exactly
-it; online mode's split of the tokens into a training and a held-out file. Fast tier: no Ray, no DeepSpeed,
+it (online mode's order with the split: tests/test_online.py). Fast tier: no Ray, no DeepSpeed,
 no vLLM. The trainer's evaluation on the split: tests/test_train.py, and in the slow tier
 tests/test_e2e.py and test_train.py's two-worker run."""
 
@@ -115,27 +115,6 @@ def test_prepare_records_the_split_and_keeps_held_out_samples_in_the_tokens(tok_
     off = prepare_dataset(PrepareConfig(conversations=str(DEMO), max_length=512, heldout_fraction=0), tok_dir,
                           str(tmp_path / "c"))
     assert off["num_heldout_samples"] == 0 and json.loads((tmp_path / "c" / HELDOUT_FILE).read_text())["threshold"] == 0
-
-
-def test_online_mode_splits_the_tokens_into_a_training_and_a_held_out_file(tok_dir, tmp_path):
-    """ray_jobs.online.split_heldout: the held-out rows and the others, each in order, each a tokens
-    file the schema check accepts; no split, no files."""
-    from eagle3.prepare.tokens import prepare_dataset
-    from eagle3.schema import check_schema
-    from ray_jobs.online import split_heldout
-
-    prepare_dataset(PrepareConfig(conversations=str(DEMO), max_length=512, heldout_fraction=0.05), tok_dir,
-                    str(tmp_path / "p"))
-    src, split = tmp_path / "p" / "tokens.parquet", read_split(tmp_path / "p")
-    whole = pq.read_table(src)
-    held = pa.array([split.is_heldout(s) for s in whole.column("sample_id").to_pylist()])
-    train_path, held_path = split_heldout(str(src), split.threshold, tmp_path / "online")
-    train, heldout = pq.read_table(train_path), pq.read_table(held_path)
-    assert heldout.num_rows == split.num_heldout_samples > 0 and train.num_rows == whole.num_rows - heldout.num_rows
-    assert heldout.equals(whole.filter(held)) and train.equals(whole.filter(pa.compute.invert(held)))
-    for path in (train_path, held_path):
-        check_schema(pq.read_schema(path), "tokens")
-    assert split_heldout(str(src), 0, tmp_path / "none") == (str(src), None) and not (tmp_path / "none").exists()
 
 
 LAYER_IDS = [1, 2, 4]

@@ -187,6 +187,10 @@ def test_draft_vocab_from_prepared_tokens_equals_the_one_from_the_shards(tmp_pat
     tokens_path, files = _tokens_and_shards(tmp_path, np.random.default_rng(0))
     online, offline = tokens_frequencies(tokens_path, 64), token_frequencies(files, 64)
     assert online.sum() > 0 and np.array_equal(online, offline)
+    threshold = 1 << 62  # a quarter of the conversations held out: the counts are the rest's on both sides
+    online, offline = (tokens_frequencies(tokens_path, 64, heldout_threshold=threshold),
+                       token_frequencies(files, 64, heldout_threshold=threshold))
+    assert 0 < online.sum() < tokens_frequencies(tokens_path, 64).sum() and np.array_equal(online, offline)
     d2t_off, t2d_off = draft_vocab_mapping(files, 16, 64)
     d2t_on, t2d_on = draft_vocab_mapping_from_counts(lambda: tokens_frequencies(tokens_path, 64), 16, 64)
     assert d2t_off.tolist() == d2t_on.tolist() and t2d_off.tolist() == t2d_on.tolist()
@@ -195,21 +199,29 @@ def test_draft_vocab_from_prepared_tokens_equals_the_one_from_the_shards(tmp_pat
 
 def test_online_order_is_the_offline_order_of_the_same_shards(tmp_path):
     """A rank's samples, epoch after epoch, are those offline training reads from the shards the
-    extract stage would write from the same tokens (same plan, seed, shuffle window)."""
+    extract stage would write from the same tokens (same plan, seed, shuffle window, held-out split)."""
+    from eagle3.prepare.heldout import choose_split
     from eagle3.train.data.online import OnlineDataset
     from eagle3.train.data.rows import HiddenStatesDataset
     from eagle3.extract.shards import read_shards
 
     tokens_path, files = _tokens_and_shards(tmp_path, np.random.default_rng(1), n=30, per_shard=7)
     ids_of_file = [read_shards([f], columns=["sample_id"]).column(0).to_pylist() for f in files]
-    for rank in range(2):
-        offline = HiddenStatesDataset(files, seed=5, rank=rank, world_size=2, shuffle_buffer_size=6)
-        online = OnlineDataset(None, tokens_path, 7, ([1, 2], 4, "bfloat16"), seed=5, rank=rank, world_size=2,
-                               shuffle_buffer_size=6)
-        for epoch in range(3):
-            want = [ids_of_file[s][r] for s, r in offline.epoch_order(epoch)]
-            assert [online.sample_id(k) for k in online.epoch_order(epoch)] == want
-            assert len(want) == len(set(want)) > 0
+    every = [s for ids in ids_of_file for s in ids]
+    split = choose_split(every, 0.2, 4)
+    assert 0 < split.num_heldout_samples < len(every)
+    for threshold in (0, split.threshold):  # without a held-out split, and with one skipped as offline skips it
+        for rank in range(2):
+            offline = HiddenStatesDataset(files, seed=5, rank=rank, world_size=2, shuffle_buffer_size=6,
+                                          heldout_threshold=threshold)
+            online = OnlineDataset(None, tokens_path, 7, ([1, 2], 4, "bfloat16"), seed=5, rank=rank, world_size=2,
+                                   shuffle_buffer_size=6, heldout_threshold=threshold)
+            assert online.num_samples == offline.num_samples
+            for epoch in range(3):
+                want = [ids_of_file[s][r] for s, r in offline.epoch_order(epoch)]
+                assert [online.sample_id(k) for k in online.epoch_order(epoch)] == want
+                assert len(want) == len(set(want)) > 0
+                assert threshold == 0 or not any(split.is_heldout(s) for s in want)
 
 
 def test_online_config_switch_is_checked():
@@ -601,7 +613,6 @@ def test_online_driver_killed_then_resubmitted_resumes_and_keeps_shards(tiny_tar
     assert online["num_shards_on_disk"] == online["num_shards"]
     from tests.test_faults import check_every_sample_once
 
-    # the kept shards are the offline layout, whole and once: training's and the held-out split's
-    check_every_sample_once(out, ("hidden_states", "hidden_states_heldout"))
+    check_every_sample_once(out)  # the kept shards are the offline layout, whole and once (the split's rows too)
     print(f"\ndriver killed after checkpoint {ckpt} with {len(committed)} shards kept; resubmit resumed, "
           f"{online['num_extractions']} extractions in the second run")

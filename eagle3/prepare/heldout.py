@@ -15,8 +15,8 @@ no schema version, regenerate or extract change. All samples of a conversation l
 side, since only the conversation id is hashed. prepare chooses the threshold once, over the
 conversations it kept (from heldout_fraction, raised to reach heldout_min_conversations), and
 the job passes that one number to training; conversations that regenerate or extract reject
-later leave the split without moving any other across it. Online mode (train.source online)
-leaves the split out of the tokens its engines feed the ranks and extracts it into shards of its
+later leave the split without moving any other across it. Online mode (train.source online):
+the ranks skip the split's rows as offline, and the engines extract it again into shards of its
 own (ray_jobs/online.py), since a table from the object store reaches one rank once.
 """
 

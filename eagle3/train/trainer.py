@@ -99,9 +99,10 @@ class Eagle3Trainer:
         """`data_files`: committed shards (offline); or None with `dataset`, a rank's rows from
         elsewhere (online: eagle3.train.data.online.OnlineDataset), ordered and resumed the same way.
         `heldout_threshold` (prepared/heldout.json, eagle3.prepare.heldout; 0: no split): the held-out
-        conversations are measured every cfg.eval_every_steps; with shards they are also left out of
-        training here, while an online dataset comes without them and gives their shards from its
-        `heldout_files()` (the feed extracts them apart: ray_jobs/online.py), read at the first evaluation."""
+        conversations are left out of training (by the dataset built here, or by the online dataset
+        given, built with the same threshold) and measured every cfg.eval_every_steps, from the shards
+        (offline) or from the online dataset's `heldout_files()` (the feed extracts them apart:
+        ray_jobs/online.py), read at the first evaluation."""
         from speculators.models.eagle3.core import Eagle3DraftModel
 
         from compat.speculators_verifier import draft_layer_config, ensure_text_verifier_weights, verifier_text_config

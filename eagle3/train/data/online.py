@@ -8,9 +8,9 @@ eagle3.train.online_feed) for the shards still needed from a position, in that o
 table's rows (eagle3.extract.codec) as views of the object store's memory. A sample the engine rejected
 (longer than it takes) is a row of zero tokens, which packing skips and counts, so positions stay
 those of the plan and a checkpoint's (epoch, samples_seen) means the same samples on a restart.
-The held-out split (eagle3.prepare.heldout) is not among these rows: ray_jobs/online.py leaves it out of
-the tokens the plan is made from, and the feed extracts it into shards of its own, which
-`heldout_files` gives the trainer for its evaluations.
+With a held-out split (eagle3.prepare.heldout: heldout_threshold) its rows are skipped, as offline
+training skips them (the order is offline's with the same threshold), and the feed extracts them
+into shards of their own, which `heldout_files` gives the trainer for its evaluations.
 Does not own: packing and prefetching (eagle3.train.data.packing, .prefetch: this dataset is read in a
 thread, not in forked DataLoader workers, which would each ask the feed for the same shards), the
 coordinator and its back-pressure (eagle3.train.online_feed).
@@ -40,7 +40,8 @@ class OnlineDataset:
     forkable = False
 
     def __init__(self, feed, tokens_path: str | Path, samples_per_shard: int, layout: tuple[list[int], int, str], *,
-                 seed: int = 0, rank: int = 0, world_size: int = 1, shuffle_buffer_size: int = 256):
+                 seed: int = 0, rank: int = 0, world_size: int = 1, shuffle_buffer_size: int = 256,
+                 heldout_threshold: int = 0):
         import pyarrow.parquet as pq
 
         if not 0 <= rank < world_size:
@@ -55,12 +56,22 @@ class OnlineDataset:
         self.tokens_path = str(tokens_path)
         self.sample_ids = pq.read_table(tokens_path, columns=["sample_id"]).column("sample_id").to_pylist()
         self.plan = ShardPlan(len(self.sample_ids), samples_per_shard)
-        self.shard_rows = [hi - lo for lo, hi in map(self.plan.rows, range(self.plan.num_shards))]
+        self.heldout_threshold = heldout_threshold
+        self.kept: list[list[int]] | None = None
+        """Per shard, its rows outside the held-out split, ascending; None: every row."""
+        if heldout_threshold:
+            from eagle3.prepare.heldout import is_heldout
+
+            self.kept = [[r for r in range(hi - lo) if not is_heldout(self.sample_ids[lo + r], heldout_threshold)]
+                         for lo, hi in map(self.plan.rows, range(self.plan.num_shards))]
+            self.shard_rows = [len(k) for k in self.kept]
+        else:
+            self.shard_rows = [hi - lo for lo, hi in map(self.plan.rows, range(self.plan.num_shards))]
         if self.plan.num_shards < world_size:
             raise ValueError(f"{self.plan.num_shards} shards of {samples_per_shard} samples for {world_size} "
                              "data-parallel ranks: each rank needs at least one shard; lower "
                              "extract.samples_per_shard or use fewer workers")
-        self.num_samples = len(self.sample_ids)
+        self.num_samples = sum(self.shard_rows)
         self.rejected: set[str] = set()
         """Sample ids the engines rejected (seen so far)."""
         self.take_wait_s = 0.0
@@ -74,9 +85,12 @@ class OnlineDataset:
 
     def epoch_order(self, epoch: int) -> list[tuple[int, int]]:
         """(shard, row of the plan's shard) in this rank's order of `epoch`: the offline order of the
-        same shards (eagle3.train.data.rows.epoch_order)."""
-        return epoch_order(self.shard_rows, self.rank_shards(epoch), self.shuffle_buffer_size, self.seed, epoch,
-                           self.rank)
+        same shards (eagle3.train.data.rows.epoch_order), held-out rows skipped as offline."""
+        order = epoch_order(self.shard_rows, self.rank_shards(epoch), self.shuffle_buffer_size, self.seed, epoch,
+                            self.rank)
+        if self.kept is not None:  # positions among the kept rows -> rows of the plan's shard
+            order = [(s, self.kept[s][j]) for s, j in order]
+        return order
 
     def sample_id(self, key: tuple[int, int]) -> str:
         return self.sample_ids[self.plan.rows(key[0])[0] + key[1]]
@@ -85,7 +99,7 @@ class OnlineDataset:
         """Loss-masked token counts from the prepared tokens (no shards exist before training)."""
         from eagle3.train.data.vocab import tokens_frequencies
 
-        return tokens_frequencies(self.tokens_path, vocab_size)
+        return tokens_frequencies(self.tokens_path, vocab_size, heldout_threshold=self.heldout_threshold)
 
     def rows(self, epoch: int, start: int = 0) -> Iterator[StoredRow]:
         """This rank's rows of `epoch` from position `start` on, in order (HiddenStatesDataset.rows);
