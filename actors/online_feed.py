@@ -185,7 +185,7 @@ class OnlineFeed:
 
         from actors.writer import write_shard
         from eagle3.extract.manifest import Manifest, ShardPlan
-        from ray_jobs.online import heldout_rows
+        from eagle3.prepare.heldout import heldout_rows
 
         t0 = time.perf_counter()
         ecfg = self.cfg.extract

@@ -116,17 +116,6 @@ def shared_engine_config(cfg: JobConfig, split: GpuSplit) -> JobConfig:
     return dataclasses.replace(cfg, extract=dataclasses.replace(cfg.extract, kv_cache_memory_bytes=kv))
 
 
-def heldout_rows(tokens, threshold: int):
-    """The rows of a tokens table (sample_id among its columns) inside the held-out split
-    (eagle3.prepare.heldout: `threshold`; 0: none), in order."""
-    import pyarrow as pa
-
-    from eagle3.prepare.heldout import is_heldout
-
-    ids = tokens.column("sample_id").to_pylist()
-    return tokens.filter(pa.array([bool(threshold) and is_heldout(s, threshold) for s in ids], pa.bool_()))
-
-
 def run_online(cfg: JobConfig, tokens_path: str, target_dir: str, out: Path, split: GpuSplit, *,
                tokens_source: str = "prepared") -> dict:
     """Extract and train at once on the cluster divided as `split` says (split_gpus, which the job
@@ -137,7 +126,7 @@ def run_online(cfg: JobConfig, tokens_path: str, target_dir: str, out: Path, spl
 
     from actors.online_feed import OnlineFeed
     from actors.trainer import run_training
-    from eagle3.prepare.heldout import training_threshold
+    from eagle3.prepare.heldout import heldout_rows, training_threshold
     from eagle3.schema import check_schema
     from ray_jobs.extract import extraction_plan
 

@@ -16,7 +16,8 @@ import pytest
 
 from eagle3 import tiny
 from eagle3.config import PrepareConfig, load_job_config
-from eagle3.prepare.heldout import HELDOUT_FILE, choose_split, conversation_id, is_heldout, read_split, split_key
+from eagle3.prepare.heldout import (HELDOUT_FILE, choose_split, conversation_id, heldout_rows, is_heldout, read_split,
+                                   split_key)
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "data" / "demo_conversations.jsonl"
@@ -107,6 +108,10 @@ def test_prepare_records_the_split_and_keeps_held_out_samples_in_the_tokens(tok_
     assert split == choose_split(ids, 0.05, 8)  # the file holds the rule's choice over the kept samples
     held = [s for s in ids if split.is_heldout(s)]
     assert len(held) == summary["num_heldout_samples"] == split.num_heldout_samples > 0
+    # online mode's held-out rows (its engines extract them apart): the same samples, in order; none at 0
+    table = pq.read_table(tmp_path / "a" / "tokens.parquet")
+    assert heldout_rows(table, split.threshold).column("sample_id").to_pylist() == held
+    assert heldout_rows(table, 0).num_rows == 0
     assert summary["num_heldout_conversations"] == split.num_heldout_conversations >= 8
     assert split.num_conversations == summary["num_conversations"]
     # The same split from the same data on another run; none with fraction 0.

@@ -75,6 +75,15 @@ def is_heldout(sample_id: str, threshold: int) -> bool:
     return split_key(conversation_id(sample_id)) < threshold
 
 
+def heldout_rows(tokens, threshold: int):
+    """The rows of a table with a sample_id column inside the split of `threshold` (0: none), in
+    order: online mode's held-out samples, which its engines extract apart (ray_jobs/online.py)."""
+    import pyarrow as pa
+
+    ids = tokens.column("sample_id").to_pylist()
+    return tokens.filter(pa.array([bool(threshold) and is_heldout(s, threshold) for s in ids], pa.bool_()))
+
+
 def choose_split(sample_ids: Iterable[str], fraction: float, min_conversations: int) -> HeldoutSplit:
     """The split of these samples' conversations: those whose key is below fraction * 2**64 (about
     `fraction` of them, a choice that does not depend on the others), and when that is fewer than
