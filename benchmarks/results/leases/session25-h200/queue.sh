@@ -7,7 +7,7 @@
 #    report kept as regen-report.json.
 # 3. qwen-job: the job as the file says (regeneration found committed: no engine; online training, export,
 #    eval), to its end.
-# Each step's log and queue.log beside them; gather.sh packs /tmp/res for the collecting call.
+# Each step's log and queue.log beside them; ../session24-h200/gather.sh (the same job folder) packs /tmp/res for the collecting call.
 . /tmp/repo/benchmarks/results/leases/session16-h200/common.sh
 L=/tmp/repo/benchmarks/results/leases/session25-h200
 C=$L/qwen15-sharegpt.yaml
@@ -20,5 +20,5 @@ cp /tmp/q15job/report.json $R/regen-report.json 2>/dev/null
 step qwen-job 1200 python -m ray_jobs.run --config $C
 df -h /tmp >> $R/queue.log
 echo "$(date +%T) queue done" >> $R/queue.log
-bash $L/gather.sh
+bash $L/../session24-h200/gather.sh
 touch $R/DONE
