@@ -129,26 +129,25 @@ class OnlineFeed:
 
     def take(self, rank: int, session: str, shard: int, timeout_s: float):
         """('ready', [table ref]) | ('wait', None) after timeout_s | ('cancelled', None)."""
-        deadline = time.monotonic() + timeout_s
-        with self.lock:
-            while True:
-                self._raise()
-                status, ref = self.state.take(rank, session, shard, time.monotonic())
-                if status != "wait":
-                    return status, [ref] if ref is not None else None
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return "wait", None
-                self.lock.wait(left)
+        def poll():
+            status, ref = self.state.take(rank, session, shard, time.monotonic())
+            return None if status == "wait" else (status, [ref] if ref is not None else None)
+
+        return self._wait(poll, timeout_s)
 
     def heldout_files(self, timeout_s: float):
         """('ready', the held-out split's committed shard files) | ('wait', None) after timeout_s."""
+        return self._wait(lambda: None if self._heldout_files is None else ("ready", self._heldout_files), timeout_s)
+
+    def _wait(self, poll, timeout_s: float):
+        """poll()'s answer, called under the lock each time the loop notifies, once it is not None;
+        ('wait', None) after timeout_s; the loop's error, raised, if it fails meanwhile."""
         deadline = time.monotonic() + timeout_s
         with self.lock:
             while True:
                 self._raise()
-                if self._heldout_files is not None:
-                    return "ready", self._heldout_files
+                if (answer := poll()) is not None:
+                    return answer
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return "wait", None
@@ -194,7 +193,7 @@ class OnlineFeed:
         manifest = Manifest(Path(self.heldout["dir"]), ecfg.file_format)
         manifest.open(self.heldout["fingerprint"])
         done = manifest.committed()
-        live = [r for r in self.pool.replicas.values() if self.state.sched.replicas[r.index].alive]
+        live = self.pool.live()
         writer = ray.remote(write_shard).options(num_cpus=0)
         pending = []
         for i, shard in enumerate(s for s in range(plan.num_shards) if s not in done):

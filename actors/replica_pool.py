@@ -125,6 +125,10 @@ class ReplicaPool:
         if self.sched.needs_replica():
             self.start(1, timeout_s)
 
+    def live(self) -> list[Replica]:
+        """The replicas whose engines the scheduler counts alive."""
+        return [r for r in self.replicas.values() if self.sched.replicas[r.index].alive]
+
     def shutdown(self, graceful: bool = True) -> None:
         """Release every live replica. graceful: each engine first ends its own processes (its
         `shutdown`), all of them at once: an engine core takes seconds to stop, and the regenerate stage
@@ -132,7 +136,7 @@ class ReplicaPool:
         (an H200, session 22)."""
         import ray
 
-        live = [r for r in self.replicas.values() if self.sched.replicas[r.index].alive]
+        live = self.live()
         try:
             if graceful:
                 ray.get([r.actor.shutdown.remote() for r in live])
