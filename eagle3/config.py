@@ -415,6 +415,17 @@ class EvalConfig:
     GPU), each engine with its share of extract.gpu_memory_utilization and a KV cache of
     extract.kv_cache_memory_bytes (4 GiB where null); false elsewhere. false: one engine at a time,
     the device to itself."""
+    speed_precision: float = 0.05
+    """How well each speedup must be known: after its windows' repeats, rounds go on (both engines,
+    only the windows still short of it) until the 95% interval of the speedup is within +-this
+    fraction of it, or speed_max_s is spent; eval.json gives each interval, its rounds and whether
+    it got there (precise). The SmolLM2 and 1.5B jobs' 5 rounds of GPU windows gave intervals of
+    +-12-20% at batch 1, and one draft measured 1.45x and then 1.18x (benchmarks/results/README.md,
+    session 25). 0: the repeats alone."""
+    speed_max_s: float | None = None
+    """Seconds of timed rounds beyond the repeats, at most, for the whole stage. None: 120 on a GPU
+    (a batch-1 round of both engines takes ~8-10 s for a 1-2B target there: ~12 more rounds), 0 on
+    the CPU (the demo's windows stay as they are)."""
     num_prompts: int = 16
     """Held-out prompts (prepare.num_eval_prompts holds the first good records out of training); the
     acceptance runs all of them, the timed windows cycle through them."""
@@ -447,10 +458,19 @@ class EvalConfig:
         if any(b < 1 for b in self.speed_batch_sizes) or len(set(self.speed_batch_sizes)) != len(self.speed_batch_sizes):
             _fail("eval", "speed_batch_sizes", list(self.speed_batch_sizes),
                   "give distinct batch sizes, each >= 1, e.g. [1, 16]; or [] for no throughput")
+        if not 0 <= self.speed_precision < 1:
+            _fail("eval", "speed_precision", self.speed_precision,
+                  "must be >= 0 and < 1, a fraction of the speedup, e.g. 0.05 for +-5%; 0: the repeats alone")
+        if self.speed_max_s is not None and self.speed_max_s < 0:
+            _fail("eval", "speed_max_s", self.speed_max_s, "must be >= 0 seconds, or null (120 on a GPU, 0 on the CPU)")
         if self.num_prompts < 1:
             _fail("eval", "num_prompts", self.num_prompts, "must be >= 1 (or eval.enabled: false)")
         if self.max_tokens < 1:
             _fail("eval", "max_tokens", self.max_tokens, "must be >= 1")
+
+    def resolved_speed_max_s(self, *, gpu: bool) -> float:
+        """speed_max_s, derived from the platform where null."""
+        return self.speed_max_s if self.speed_max_s is not None else (120.0 if gpu else 0.0)
 
     @property
     def resolved_speed_k(self) -> int | None:

@@ -125,6 +125,54 @@ def speedup(with_draft: list[float], without: list[float]) -> dict:
             "exceeds_spread": ranges_apart(with_draft, without)}
 
 
+# Student's t, two-sided 95%, by degrees of freedom 1..30 (the normal's 1.96 beyond).
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def ci95(values: list[float]) -> tuple[float, float] | None:
+    """The 95% confidence interval of the mean of `values` (Student's t: repeated timings, few of
+    them); None for fewer than two."""
+    n = len(values)
+    if n < 2:
+        return None
+    s = spread(values)
+    half = (_T95[n - 2] if n - 1 <= len(_T95) else 1.96) * s["std"] / math.sqrt(n)
+    return s["mean"] - half, s["mean"] + half
+
+
+def imprecise(samples: dict, precision: float) -> list:
+    """The keys of `samples` (key -> repeated measurements) whose mean is not yet known to within
+    `precision` of itself: fewer than two values, or a 95% interval whose half-width exceeds
+    precision x the mean. What the eval times again, until none is left or its time is spent."""
+    out = []
+    for key, values in samples.items():
+        ci = ci95(values)
+        if ci is None or (ci[1] - ci[0]) / 2 > precision * abs(sum(values) / len(values)):
+            out.append(key)
+    return out
+
+
+def speedup_interval(with_draft: list[float], without: list[float], *, paired: bool, precision: float) -> dict:
+    """The 95% interval of a speedup from repeated windows (tokens/s with the draft, without it):
+    over the rounds' ratios where the two engines took turns (paired), else around the ratio of the
+    means, the two means' relative half-widths added in quadrature. rounds: the windows each way;
+    precise: the interval's half-width is within precision x the speedup (always false for
+    precision 0: nothing was asked)."""
+    if paired:
+        values = [x / y for x, y in zip(with_draft, without)]
+        ratio, ci = sum(values) / len(values), ci95(values)
+    else:
+        w, wo = ci95(with_draft), ci95(without)
+        ratio = spread(with_draft)["mean"] / spread(without)["mean"]
+        ci = None
+        if w is not None and wo is not None:
+            rel = math.hypot((w[1] - w[0]) / (w[1] + w[0]), (wo[1] - wo[0]) / (wo[1] + wo[0]))
+            ci = ratio * (1 - rel), ratio * (1 + rel)
+    return {"ci95": list(ci) if ci else None, "rounds": min(len(with_draft), len(without)),
+            "precise": bool(ci) and precision > 0 and (ci[1] - ci[0]) / 2 <= precision * ratio}
+
+
 def _cycle(prompts: list[list[int]], n: int) -> list[list[int]]:
     return [prompts[i % len(prompts)] for i in range(n)]
 
@@ -236,7 +284,8 @@ class SpecDecodeEngine:
 
     def speed(self, prompts: list[list[int]], windows: tuple[SpeedWindow, ...] | list[SpeedWindow],
               samplings: tuple[DecodeSampling, ...] | list[DecodeSampling], *, rounds: range | list[int] | None = None,
-              warmup: bool = True) -> list[dict]:
+              warmup: bool = True, only: list[tuple[int, str]] | None = None, precision: float = 0.0,
+              max_s: float = 0.0) -> list[dict]:
         """Output tokens/s (generated tokens over the window's wall seconds, its prompts' prefill
         included) of each window at each sampling, one entry per (window, sampling) with every
         repeat's seconds and tokens; `prompts` are cycled to fill a window. Sampled requests carry
@@ -245,9 +294,13 @@ class SpecDecodeEngine:
         call work: buffers, lazy kernels), then the repeats interleaved (repeat r of every window
         before repeat r+1 of any), so that a drift of the machine spreads over all of them rather
         than biasing one. A draft engine also gives the acceptance length over its timed windows.
-        rounds: which repeats to time (None: all); warmup False: no untimed wave. The job's eval
-        stage times engines that stand side by side one round at a time, alternating between them
-        (merge_speed joins the rounds)."""
+        rounds: which repeats to time (None: all); warmup False: no untimed wave; only: the
+        (batch_size, mode) pairs to time, each once a round whatever its window's repeats (a round
+        beyond them). The job's eval stage times engines that stand side by side one round at a
+        time, alternating between them (merge_speed joins the rounds). precision, max_s: after the
+        repeats, more rounds of the windows whose mean tokens/s is not yet known to within
+        precision / sqrt(2) of itself (imprecise; so that a ratio of two such means is known to
+        about precision), for at most max_s seconds in all."""
         if not prompts:
             raise ValueError("speed needs at least one prompt")
         runs = {}
@@ -260,33 +313,50 @@ class SpecDecodeEngine:
                               "top_p": s.top_p, "num_prompts": w.num_prompts, "max_tokens": w.max_tokens,
                               "seconds": [], "num_tokens": [], "drafts": 0, "accepted": 0}
         for r in (range(max((w.repeats for w in windows), default=0)) if rounds is None else rounds):
-            for w in windows:
-                if r >= w.repeats:
-                    continue
-                batch = _cycle(prompts, w.num_prompts)
-                waves = [batch[i:i + w.batch_size] for i in range(0, len(batch), w.batch_size)]
-                for s in samplings:
-                    run = runs[w, s]
-                    before = self._counters() if self.draft_dir else None
-                    t, tokens = time.perf_counter(), 0
-                    for wave in waves:
-                        outs = self._generate(wave, max_tokens=w.max_tokens, temperature=s.temperature, top_p=s.top_p)
-                        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
-                    run["seconds"].append(time.perf_counter() - t)
-                    run["num_tokens"].append(tokens)
-                    if before is not None:
-                        after = self._counters()
-                        run["drafts"] += after["num_drafts"] - before["num_drafts"]
-                        run["accepted"] += after["num_accepted_tokens"] - before["num_accepted_tokens"]
+            for (w, s), run in runs.items():
+                if (only is None and r < w.repeats) or (only is not None and (w.batch_size, s.mode) in only):
+                    self._time_window(w, s, prompts, run)
+        extra, started = [(w.batch_size, s.mode) for w, s in runs], time.perf_counter()
+        while precision > 0 and time.perf_counter() - started < max_s:
+            extra = imprecise({(w.batch_size, s.mode): [n / t for n, t in zip(run["num_tokens"], run["seconds"])]
+                               for (w, s), run in runs.items() if (w.batch_size, s.mode) in extra},
+                              precision / math.sqrt(2))
+            if not extra:
+                break
+            for (w, s), run in runs.items():
+                if (w.batch_size, s.mode) in extra:
+                    self._time_window(w, s, prompts, run)
         return merge_speed([list(runs.values())])
+
+    def _time_window(self, w: SpeedWindow, s: DecodeSampling, prompts: list[list[int]], run: dict) -> None:
+        """Times window `w` once at sampling `s` into `run` (its seconds, tokens, and for a draft
+        engine its drafts and accepted tokens, from the engine's counters)."""
+        batch = _cycle(prompts, w.num_prompts)
+        before = self._counters() if self.draft_dir else None
+        t, tokens = time.perf_counter(), 0
+        for i in range(0, len(batch), w.batch_size):
+            outs = self._generate(batch[i:i + w.batch_size], max_tokens=w.max_tokens, temperature=s.temperature,
+                                  top_p=s.top_p)
+            tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+        run["seconds"].append(time.perf_counter() - t)
+        run["num_tokens"].append(tokens)
+        if before is not None:
+            after = self._counters()
+            run["drafts"] += after["num_drafts"] - before["num_drafts"]
+            run["accepted"] += after["num_accepted_tokens"] - before["num_accepted_tokens"]
 
 
 def merge_speed(parts: list[list[dict]]) -> list[dict]:
-    """One engine's speed runs from several SpecDecodeEngine.speed calls (each a list with one run
-    per (window, sampling), in the same order): every call's seconds and tokens in call order, its
-    drafts and accepted tokens summed, then each run's tokens_per_s spread and acceptance length."""
+    """One engine's speed runs from several SpecDecodeEngine.speed calls (each a list of runs, one per
+    (batch_size, mode) it timed; a later call may time fewer): each (batch_size, mode)'s seconds and
+    tokens in call order, its drafts and accepted tokens summed, then its tokens_per_s spread and
+    acceptance length; in the order the pairs first appear."""
+    by_key: dict[tuple[int, str], list[dict]] = {}
+    for part in parts:
+        for r in part:
+            by_key.setdefault((r["batch_size"], r["mode"]), []).append(r)
     out = []
-    for runs in zip(*parts):
+    for runs in by_key.values():
         run = {k: v for k, v in runs[0].items() if k not in ("tokens_per_s", "acceptance_length")}
         run["seconds"] = [x for r in runs for x in r["seconds"]]
         run["num_tokens"] = [x for r in runs for x in r["num_tokens"]]
@@ -299,11 +369,12 @@ def merge_speed(parts: list[list[dict]]) -> list[dict]:
 
 def measure(e: SpecDecodeEngine, *, prompts: list[list[int]], max_tokens: int, samplings: tuple[DecodeSampling, ...],
             windows: tuple[SpeedWindow, ...] = (), speed_prompts: list[list[int]] | None = None, seed: int = 0,
-            ignore_eos: bool = False) -> dict:
+            ignore_eos: bool = False, speed_precision: float = 0.0, speed_max_s: float = 0.0) -> dict:
     """The eval stage's measurements on a started engine: the acceptance of its draft (if any) at
     each sampling on `prompts`, then the tokens/s of `windows` (if any) at each sampling on
     `speed_prompts` (None: `prompts`). ignore_eos: of the acceptance runs (False: answers end at
-    the target's EOS, as served). wall_s: the engine's start and these measurements."""
+    the target's EOS, as served). speed_precision, speed_max_s: SpecDecodeEngine.speed's precision
+    and max_s. wall_s: the engine's start and these measurements."""
     t = time.perf_counter()
     res = {"num_speculative_tokens": e.k, "draft": e.draft_dir, "enforce_eager": e.enforce_eager,
            "engine_start_s": e.startup_s, "engine_started_at": e.started_at, "dtype": e.dtype,
@@ -313,7 +384,8 @@ def measure(e: SpecDecodeEngine, *, prompts: list[list[int]], max_tokens: int, s
                                                   top_p=s.top_p, seed=seed, ignore_eos=ignore_eos)
                              for s in samplings}
     if windows:
-        res["speed"] = e.speed(prompts if speed_prompts is None else speed_prompts, windows, samplings)
+        res["speed"] = e.speed(prompts if speed_prompts is None else speed_prompts, windows, samplings,
+                               precision=speed_precision, max_s=speed_max_s)
     res["wall_s"] = e.startup_s + time.perf_counter() - t
     return res
 
@@ -325,12 +397,15 @@ SPEED_METHOD = ("each window is timed `repeats` times on each engine (the draft'
                 "both on the same side of 1, i.e. the difference is larger than the spread of the windows. Engines "
                 "side by side (eval.engines_at_once) take turns instead, round r of every window on one engine and "
                 "then the other, the order reversed every other round (interleaved: true); paired: the ratios of "
-                "each round's two windows, and paired_exceeds_one: all of them on the same side of 1")
+                "each round's two windows, and paired_exceeds_one: all of them on the same side of 1. ci95: the 95% "
+                "interval of the speedup (Student's t over the paired ratios; without pairing, the two means' "
+                "relative half-widths added in quadrature); rounds beyond `repeats` are timed while an interval is "
+                "wider than +-precision of its speedup, for at most eval.speed_max_s; precise: it is not")
 
 
 def eval_report(engines: list[dict], *, samplings: tuple[DecodeSampling, ...], sampling_source: str,
                 windows: tuple[SpeedWindow, ...], speed_k: int | None, num_prompts: int, max_tokens: int,
-                ignore_eos: bool = False) -> dict:
+                ignore_eos: bool = False, precision: float = 0.0) -> dict:
     """eval.json from measure's results (one per engine: the draft's at each k, and the
     target alone's when speed is measured): acceptance per k and sampling, and the speedup of the
     draft at speed_k over the target alone for each window and sampling."""
@@ -365,13 +440,14 @@ def eval_report(engines: list[dict], *, samplings: tuple[DecodeSampling, ...], s
             if interleaved:
                 paired = [x / y for x, y in zip(rates, base_rates)]
                 sp |= {"paired": spread(paired), "paired_exceeds_one": ranges_apart(paired, [1.0])}
+            sp |= speedup_interval(rates, base_rates, paired=interleaved, precision=precision)
             results.append({k: r[k] for k in ("batch_size", "mode", "temperature", "top_p")}
                            | {"with_draft": {k: r[k] for k in ("tokens_per_s", "seconds", "num_tokens",
                                                                 "acceptance_length")},
                               "without_draft": {k: b[k] for k in ("tokens_per_s", "seconds", "num_tokens")},
                               "speedup": sp})
         report["speed"] = {"num_speculative_tokens": speed_k, "enforce_eager": with_draft["enforce_eager"],
-                           "interleaved": interleaved,
+                           "interleaved": interleaved, "precision": precision,
                            "windows": [asdict(w) | {"num_tokens": w.num_tokens} for w in windows],
                            "method": SPEED_METHOD, "results": results}
     return report

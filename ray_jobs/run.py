@@ -88,13 +88,14 @@ def _evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[lis
     log.info("eval: %d engine(s), %s (%s)", len(plan), "started side by side, timed in turns"
              if at_once else "one at a time", why)
     measure = {"prompts": prompts, "max_tokens": ev.max_tokens, "samplings": samplings, "speed_prompts": speed_prompts,
-               "seed": ev.seed, "ignore_eos": ev.ignore_eos}
+               "seed": ev.seed, "ignore_eos": ev.ignore_eos, "speed_precision": ev.speed_precision,
+               "speed_max_s": ev.resolved_speed_max_s(gpu=gpu)}
     results = []
     for group in ([plan] if at_once else [[u] for u in plan]):
         results += _measure_group(ray, cfg, target_dir, group, gpu=gpu, share=share, measure=measure, windows=windows)
     return {"target": target_dir, "draft": draft_dir} | eval_report(
         results, samplings=samplings, sampling_source=source, windows=windows, speed_k=speed_k,
-        num_prompts=len(prompts), max_tokens=ev.max_tokens, ignore_eos=ev.ignore_eos)
+        num_prompts=len(prompts), max_tokens=ev.max_tokens, ignore_eos=ev.ignore_eos, precision=ev.speed_precision)
 
 
 def _measure_group(ray, cfg: JobConfig, target_dir: str, group: list, *, gpu: bool, share: float, measure: dict,
@@ -126,7 +127,8 @@ def _measure_group(ray, cfg: JobConfig, target_dir: str, group: list, *, gpu: bo
         done = [by_engine[i] for i in range(len(group))]
         if interleave:
             _interleaved_speed(ray, [actors[i] for i in timed], [done[i] for i in timed], measure["speed_prompts"],
-                               windows, measure["samplings"])
+                               windows, measure["samplings"], precision=measure["speed_precision"],
+                               max_s=measure["speed_max_s"])
         ray.get([a.shutdown.remote() for a in actors])  # all at once: each engine takes seconds to stop
         for res, (_, draft, engine, _) in zip(done, group):
             # The wait before the engine (the actor's process start and imports, and its share of the
@@ -156,21 +158,42 @@ def _engine_line(res: dict, draft: str | None, engine: dict) -> str:
             f"{res['engine_start_s']:.0f} s, {res['before_engine_s']:.0f} s after its actor was placed{side}): {what}")
 
 
-def _interleaved_speed(ray, actors: list, results: list[dict], prompts, windows, samplings) -> None:
-    """The timed windows on engines that stand side by side: their untimed warm-up waves (all at once),
-    then round r of every window on each engine in turn (the order reversed every other round), merged per
-    engine (eagle3.evaluate.merge_speed) into its result's "speed"; its wall_s gains the time."""
-    from eagle3.evaluate import merge_speed
+def _interleaved_speed(ray, actors: list, results: list[dict], prompts, windows, samplings, *, precision: float,
+                       max_s: float) -> None:
+    """The timed windows on engines that stand side by side (the draft's and the target alone's): their
+    untimed warm-up waves (all at once), then round r of every window on each engine in turn (the order
+    reversed every other round); after the windows' repeats, more rounds of the windows whose paired
+    speedup is not yet known to within +-precision (eagle3.evaluate.imprecise), for at most max_s
+    seconds. Merged per engine (eagle3.evaluate.merge_speed) into its result's "speed"; its wall_s
+    gains the time."""
+    from eagle3.evaluate import imprecise, merge_speed
 
     t = time.perf_counter()  # the untimed warm-up waves, all engines at once
     ray.get([a.speed.remote(prompts, windows, samplings, rounds=[], warmup=True) for a in actors])
     spent = [time.perf_counter() - t] * len(actors)
     parts: list[list] = [[] for _ in actors]
-    for r in range(max(w.repeats for w in windows)):
+
+    def one_round(r: int, only=None) -> None:
         for i in (range(len(actors)) if r % 2 == 0 else reversed(range(len(actors)))):
             t = time.perf_counter()
-            parts[i].append(ray.get(actors[i].speed.remote(prompts, windows, samplings, rounds=[r], warmup=False)))
+            parts[i].append(ray.get(actors[i].speed.remote(prompts, windows, samplings, rounds=[r], warmup=False,
+                                                           only=only)))
             spent[i] += time.perf_counter() - t
+
+    rounds = max(w.repeats for w in windows)
+    for r in range(rounds):
+        one_round(r)
+    draft = next(i for i, res in enumerate(results) if res["draft"] is not None)
+    alone = next(i for i, res in enumerate(results) if res["draft"] is None)
+    started = time.perf_counter()
+    while precision > 0 and time.perf_counter() - started < max_s:
+        rates = [{(r["batch_size"], r["mode"]): [n / s for n, s in zip(r["num_tokens"], r["seconds"])]
+                  for r in merge_speed(parts[i])} for i in (draft, alone)]
+        only = imprecise({key: [x / y for x, y in zip(rates[0][key], rates[1][key])] for key in rates[0]}, precision)
+        if not only:
+            break
+        one_round(rounds, only)
+        rounds += 1
     for i, res in enumerate(results):
         res["speed"] = merge_speed(parts[i])
         res["speed_interleaved"] = True
@@ -547,9 +570,19 @@ def _eval_summary(ev: dict) -> list[str]:
                          f"{'' if s['exceeds_spread'] else ', within the spread'}"
                          + (f"; rounds paired {s['paired']['min']:.2f}-{s['paired']['max']:.2f}x"
                             f"{'' if s['paired_exceeds_one'] else ', across 1'}" if "paired" in s else "")
+                         + _interval_text(s, sp.get("precision", 0.0))
                          + f"{f', AL {al:.2f}' if al else ''}; {x['num_prompts']} prompts x "
                          f"{x['max_tokens']} tokens past EOS)")
     return lines
+
+
+def _interval_text(s: dict, precision: float) -> str:
+    """'; 95% interval 1.23-1.68x over 5 rounds, wider than +-5%' for a summary's speedup line."""
+    if not s.get("ci95"):
+        return ""
+    lo, hi = s["ci95"]
+    short = f", wider than +-{precision * 100:g}%" if precision > 0 and not s["precise"] else ""
+    return f"; 95% interval {lo:.2f}-{hi:.2f}x over {s['rounds']} rounds{short}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -171,3 +171,139 @@ def test_eval_report_without_speed_has_no_baseline():
     ev = eval_report(engines, samplings=eval_samplings(0.0, 1.0), sampling_source="test", windows=(), speed_k=None,
                      num_prompts=8, max_tokens=48, ignore_eos=True)
     assert ev["ignore_eos"] is True and "(greedy; past EOS)" in _eval_summary(ev)[0]
+
+
+def test_ci95_is_students_t_and_imprecise_names_what_to_time_again():
+    """The session 25 job's batch-1 greedy rounds (paired ratios): 1.45x with a 95% interval of
+    1.23-1.68 (t = 2.776 at 4 degrees of freedom), far from +-5%; a tight series is precise."""
+    from eagle3.evaluate import ci95, imprecise
+
+    rounds = [1.1411, 1.5, 1.5873, 1.55, 1.48]
+    lo, hi = ci95(rounds)
+    s = spread(rounds)
+    assert (hi - lo) / 2 == pytest.approx(2.776 * s["std"] / 5 ** 0.5)
+    assert lo == pytest.approx(1.23, abs=0.005) and hi == pytest.approx(1.673, abs=0.005)
+    assert ci95([1.2]) is None
+    # 31 or more values: the normal's 1.96
+    many = [1.0, 1.1] * 20
+    assert (ci95(many)[1] - ci95(many)[0]) / 2 == pytest.approx(1.96 * spread(many)["std"] / 40 ** 0.5)
+    samples = {(1, "greedy"): rounds, (16, "greedy"): [1.10, 1.11, 1.09, 1.10, 1.105], (1, "sampled"): [1.2]}
+    assert imprecise(samples, 0.05) == [(1, "greedy"), (1, "sampled")]  # one value: not known at all
+    assert imprecise(samples, 0.5) == [(1, "sampled")]
+
+
+def test_speedup_interval_paired_and_unpaired():
+    from eagle3.evaluate import speedup_interval
+
+    w, wo = [150.0, 160.0, 155.0, 152.0], [100.0, 104.0, 101.0, 99.0]
+    paired = speedup_interval(w, wo, paired=True, precision=0.05)
+    ratios = [x / y for x, y in zip(w, wo)]
+    assert paired["rounds"] == 4 and paired["ci95"][0] < sum(ratios) / 4 < paired["ci95"][1]
+    assert paired["precise"] is True  # +-2.5% or so
+    assert speedup_interval(w, wo, paired=True, precision=0.01)["precise"] is False
+    assert speedup_interval(w, wo, paired=True, precision=0.0)["precise"] is False  # nothing asked
+    # unpaired: around the ratio of the means, the two relative half-widths in quadrature
+    un = speedup_interval(w, wo, paired=False, precision=0.05)
+    r = spread(w)["mean"] / spread(wo)["mean"]
+    assert un["ci95"][0] < r < un["ci95"][1] and un["ci95"][1] - r == pytest.approx(r - un["ci95"][0])
+    assert speedup_interval([150.0], [100.0], paired=False, precision=0.05) == {"ci95": None, "rounds": 1,
+                                                                                 "precise": False}
+
+
+def test_merge_keeps_each_window_when_later_rounds_time_fewer():
+    """Rounds beyond the repeats time only the windows still short of the precision: merge_speed
+    joins runs by (batch_size, mode), not by position."""
+    from eagle3.evaluate import merge_speed
+
+    def run(batch, mode, seconds):
+        return {"batch_size": batch, "mode": mode, "temperature": 0.0, "top_p": 1.0, "num_prompts": batch,
+                "max_tokens": 8, "seconds": [seconds], "num_tokens": [8 * batch], "drafts": 1, "accepted": 1}
+
+    base = [run(1, "greedy", 1.0), run(16, "greedy", 2.0)]
+    merged = merge_speed([base, base, [run(16, "greedy", 4.0)], [run(16, "greedy", 2.0)]])
+    assert [(m["batch_size"], len(m["seconds"])) for m in merged] == [(1, 2), (16, 4)]
+    assert merged[1]["seconds"] == [2.0, 2.0, 4.0, 2.0] and merged[1]["drafts"] == 4
+
+
+def test_eval_report_and_summary_give_the_interval_and_whether_it_is_within_the_precision():
+    from eagle3.evaluate import merge_speed
+    from ray_jobs.run import _eval_summary
+
+    def part(rate):
+        return [{"batch_size": 1, "mode": "greedy", "temperature": 0.0, "top_p": 1.0, "num_prompts": 2,
+                 "max_tokens": 24, "seconds": [48 / rate], "num_tokens": [48], "drafts": 4, "accepted": 4}]
+
+    def report(with_rates, without_rates, precision):
+        engines = [{"num_speculative_tokens": 3, "draft": "d", "enforce_eager": False, "engine_start_s": 1.0,
+                    "wall_s": 2.0, "acceptance": {"greedy": _acc(2.2, 3)}, "speed_interleaved": True,
+                    "speed": merge_speed([part(r) for r in with_rates])},
+                   {"num_speculative_tokens": 0, "draft": None, "enforce_eager": False, "engine_start_s": 1.0,
+                    "wall_s": 2.0, "speed_interleaved": True, "speed": merge_speed([part(r) for r in without_rates])}]
+        return eval_report(engines, samplings=eval_samplings(0.0, 1.0), sampling_source="test",
+                           windows=speed_windows((1,), gpu=False), speed_k=3, num_prompts=2, max_tokens=24,
+                           precision=precision)
+
+    wide = report([130.0, 160.0, 110.0], [100.0, 100.0, 100.0], 0.05)
+    sp = wide["speed"]["results"][0]["speedup"]
+    assert wide["speed"]["precision"] == 0.05 and sp["rounds"] == 3 and sp["precise"] is False
+    assert sp["ci95"][0] < 1.0 < 1.3 < sp["ci95"][1]
+    assert any("95% interval" in x and "over 3 rounds, wider than +-5%" in x for x in _eval_summary(wide))
+    tight = report([130.0, 131.0, 130.0, 129.5], [100.0, 100.5, 100.0, 99.5], 0.05)
+    assert tight["speed"]["results"][0]["speedup"]["precise"] is True
+    assert not any("wider than" in x for x in _eval_summary(tight))
+
+
+def test_speed_precision_config():
+    from eagle3.config import EvalConfig
+
+    assert EvalConfig().speed_precision == 0.05
+    assert EvalConfig().resolved_speed_max_s(gpu=True) == 120.0 and EvalConfig().resolved_speed_max_s(gpu=False) == 0.0
+    assert EvalConfig(speed_max_s=30).resolved_speed_max_s(gpu=False) == 30
+    with pytest.raises(ValueError, match="speed_precision"):
+        EvalConfig(speed_precision=1.5)
+    with pytest.raises(ValueError, match="speed_max_s"):
+        EvalConfig(speed_max_s=-1.0)
+
+
+class _ClockedEngine:
+    """SpecDecodeEngine's timing loop (speed, _time_window) on a clock the test owns: each _generate
+    call advances it by the next of `durations` (cycled). Stands in for no engine: it tests our
+    rounds and when they stop, not vLLM (the slow tier's jobs time real engines)."""
+
+    def __init__(self, durations, monkeypatch):
+        import eagle3.evaluate as ev
+
+        self.durations, self.calls, self.now, self.draft_dir = durations, 0, 0.0, None
+        monkeypatch.setattr(ev.time, "perf_counter", lambda: self.now)
+        self.speed = ev.SpecDecodeEngine.speed.__get__(self)
+        self._time_window = ev.SpecDecodeEngine._time_window.__get__(self)
+
+    def _generate(self, prompts, *, max_tokens, temperature, top_p=1.0):
+        from types import SimpleNamespace
+
+        self.now += self.durations[self.calls % len(self.durations)]
+        self.calls += 1
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[0] * max_tokens)]) for _ in prompts]
+
+
+def test_speed_times_more_rounds_until_precise_or_out_of_time(monkeypatch):
+    window = SpeedWindow(batch_size=1, num_prompts=1, max_tokens=8, repeats=3)
+    greedy = (DecodeSampling("greedy", 0.0),)
+    # Noisy first rounds (1, 2, 1 s), then steady (1.5 s each): more rounds until the 95% interval
+    # of the tokens/s is within 5% / sqrt(2) of its mean; the untimed warm-up is the first call.
+    steady = [1.0, 1.0, 2.0, 1.0] + [1.5] * 200
+    e = _ClockedEngine(steady, monkeypatch)
+    [run] = e.speed([[1, 2]], [window], greedy, precision=0.05, max_s=1000.0)
+    n = len(run["seconds"])
+    assert run["seconds"][:3] == [1.0, 2.0, 1.0] and 3 < n < 200
+    from eagle3.evaluate import imprecise
+
+    rates = [8 / s for s in run["seconds"]]
+    assert imprecise({"w": rates}, 0.05 / 2 ** 0.5) == [] and imprecise({"w": rates[:-1]}, 0.05 / 2 ** 0.5) == ["w"]
+    # The same with 10 s to spend: it stops on time, short of the precision.
+    e = _ClockedEngine(steady, monkeypatch)
+    [run] = e.speed([[1, 2]], [window], greedy, precision=0.05, max_s=10.0)
+    assert 3 < len(run["seconds"]) < n and sum(run["seconds"][3:]) < 10.0 + 1.5
+    # precision 0: the repeats alone
+    e = _ClockedEngine(steady, monkeypatch)
+    assert len(e.speed([[1, 2]], [window], greedy, precision=0.0, max_s=1000.0)[0]["seconds"]) == 3

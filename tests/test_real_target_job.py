@@ -58,7 +58,10 @@ def test_whole_job_on_smollm2_and_sharegpt(tmp_path, smollm2_target, shared_ray)
             "eval.num_speculative_tokens=[2]", "eval.num_prompts=4", "eval.max_tokens=32",
             # the draft's engine and the target alone's side by side, as 'auto' starts a small target's on a
             # GPU ('auto' is one at a time on the CPU), taking turns at the batch-1 windows
-            "eval.speed_batch_sizes=[1]", "eval.engines_at_once=true"]
+            "eval.speed_batch_sizes=[1]", "eval.engines_at_once=true",
+            # rounds beyond the repeats, as on a GPU (0 s on the CPU by default): a precision no window
+            # reaches, so they go on until their 5 s are spent
+            "eval.speed_precision=0.001", "eval.speed_max_s=5"]
     proc = subprocess.run([sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml",
                            *[arg for s in sets for arg in ("--set", s)]],
                           cwd=REPO, capture_output=True, text=True, timeout=1500)
@@ -104,8 +107,12 @@ def test_whole_job_on_smollm2_and_sharegpt(tmp_path, smollm2_target, shared_ray)
     # They took turns at the windows: every round paired, with and without the draft, same tokens.
     assert ev["speed"]["interleaved"] is True and len(ev["speed"]["results"]) == 2  # greedy and sampled
     for r in ev["speed"]["results"]:
-        assert len(r["with_draft"]["seconds"]) == len(r["without_draft"]["seconds"]) == ev["speed"]["windows"][0]["repeats"]
+        rounds = len(r["with_draft"]["seconds"])
+        assert rounds == len(r["without_draft"]["seconds"]) > ev["speed"]["windows"][0]["repeats"]
         assert r["speedup"]["paired"]["min"] > 0 and "rounds paired" in proc.stdout
+        lo, hi = r["speedup"]["ci95"]
+        assert r["speedup"]["rounds"] == rounds and lo < r["speedup"]["paired"]["mean"] < hi
+        assert r["speedup"]["precise"] is False and f"over {rounds} rounds, wider than +-0.1%" in proc.stdout
     # the sampled mode is the target's published sampling, as regeneration's
     assert ev["samplings"]["sampled"] == {"temperature": 0.2, "top_p": 0.9}
     [acc] = ev["acceptance"]
