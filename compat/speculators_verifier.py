@@ -19,6 +19,13 @@ Applies to speculators 0.9.x (checked against 0.9.0); compat/versions.py holds t
    (`speculators.train.cli.create_transformer_layer_config`, not a public API); called with
    every draft layer on full attention (the CLI default is sliding-window 2048 everywhere),
    the classic EAGLE-3 draft every vLLM eagle3 loader supports.
+4. The draft vocabulary. speculators keeps `t2d` (a bool per target token: in the draft's
+   vocabulary) and `d2t` (per draft token, the offset to its target id: target = draft + d2t),
+   the format vLLM's eagle3 loader reads. Its accuracy metrics compare argmaxes inside the
+   draft vocabulary; `draft_to_target_ids` gives each draft token's target id, so that a draft
+   token can be compared with the target's argmax over its whole vocabulary, as vLLM accepts
+   it. It checks that d2t and t2d name the same tokens, in order, so a change of the format
+   fails there (tests/test_evaluate.py builds a draft with a vocabulary mapping).
 """
 
 from __future__ import annotations
@@ -119,3 +126,18 @@ def ensure_text_verifier_weights(model, target_dir: str) -> list[str]:
                        "(suffix match picked another tower's key); reassigned from the text model",
                        fixed, target_dir)
     return fixed
+
+
+def draft_to_target_ids(model) -> "torch.Tensor | None":  # noqa: F821
+    """Each draft token's target id (draft id + d2t), or None when the draft predicts the target's
+    own vocabulary (no mapping). Raises if d2t does not name t2d's tokens in increasing order."""
+    import torch
+
+    if not getattr(model, "use_draft_vocab", False):
+        return None
+    d2t, t2d = model.d2t.long(), model.t2d.bool()
+    ids = torch.arange(len(d2t), device=d2t.device) + d2t
+    if not (bool(t2d[ids].all()) and int(t2d.sum()) == len(ids) and bool((ids[1:] > ids[:-1]).all())):
+        raise RuntimeError("[compat] the draft's d2t does not map onto the tokens t2d marks (draft id + d2t = "
+                           "target id, increasing): speculators' vocabulary-mapping format changed")
+    return ids

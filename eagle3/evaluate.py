@@ -237,13 +237,15 @@ class SpecDecodeEngine:
         return spec_decode_counters(self.llm)
 
     def acceptance(self, prompts: list[list[int]], *, max_tokens: int, temperature: float = 0.0,
-                   top_p: float = 1.0, seed: int = 0, ignore_eos: bool = True) -> dict:
+                   top_p: float = 1.0, seed: int = 0, ignore_eos: bool = True,
+                   output_token_ids: bool = False) -> dict:
         """Acceptance of this engine's draft on `prompts`. Also per draft position i (0-based)
         vLLM's count of accepted tokens (num_accepted_tokens_per_pos) and the fraction of drafts
         whose first i+1 tokens were all accepted, and from it `acceptance_length_prefix[j-1]` = 1 +
         the sum of the first j of those: the acceptance length the same drafts would give if they
         stopped after j tokens (a greedy draft's first j tokens do not depend on k; where a k=j
-        engine starts its drafts does, so this estimates, and does not replace, a k=j measurement)."""
+        engine starts its drafts does, so this estimates, and does not replace, a k=j measurement).
+        output_token_ids: also every answer's tokens (benchmarks/train_serve.py replays them)."""
         if self.draft_dir is None:
             raise ValueError("acceptance needs an engine with a draft; this one serves the target alone")
         before = self._counters()
@@ -280,7 +282,7 @@ class SpecDecodeEngine:
             "engine_start_s": self.startup_s, "dtype": self.dtype,
             "enforce_eager": self.enforce_eager,
             "first_output_token_ids": list(outs[0].outputs[0].token_ids[:16]),
-        }
+        } | ({"output_token_ids": [list(o.outputs[0].token_ids) for o in outs]} if output_token_ids else {})
 
     def speed(self, prompts: list[list[int]], windows: tuple[SpeedWindow, ...] | list[SpeedWindow],
               samplings: tuple[DecodeSampling, ...] | list[DecodeSampling], *, rounds: range | list[int] | None = None,
@@ -455,13 +457,18 @@ def eval_report(engines: list[dict], *, samplings: tuple[DecodeSampling, ...], s
 
 def draft_accuracy(draft_dir: str | Path, target_dir: str | Path, data_files, *, micro_batch_tokens: int = 4096,
                    ttt_steps: int = 3, loss: str = "kl_div", max_batches: int | None = None,
-                   heldout_threshold: int = 0, heldout: bool = False) -> dict:
+                   heldout_threshold: int = 0, heldout: bool = False, rounds_k: int | None = None) -> dict:
     """An exported draft's accuracy on hidden-state shards, one pass over every sample: full_acc_i
     (i = 0..ttt_steps-1) as the trainer computes it (speculators' compute_metrics, teacher-forced
     inputs), summed over batches: {"full_acc": [...], "num_positions": [...], "num_samples",
     "num_batches"}. The verifier's norm and lm_head, which the export leaves out, are read from
     `target_dir` (compat.speculators_verifier). heldout_threshold / heldout: only the rows outside
-    (or, with `heldout`, inside) the held-out split (eagle3.prepare.heldout), as the trainer reads them."""
+    (or, with `heldout`, inside) the held-out split (eagle3.prepare.heldout), as the trainer reads them.
+    rounds_k: also the same predictions judged as vLLM judges them (_strict_rounds): against the
+    target's argmax over its whole vocabulary ("strict_full_acc"; "out_of_draft_vocab": the share of
+    positions whose argmax the draft cannot propose), and counted in rounds of rounds_k tokens
+    (walk_rounds over each answer: "rounds"), which on the target's own greedy text replays what
+    vLLM counts."""
     import torch
     from speculators.losses import resolve_loss_config
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
@@ -487,13 +494,26 @@ def draft_accuracy(draft_dir: str | Path, target_dir: str | Path, data_files, *,
     correct = [0.0] * ttt_steps
     total = [0.0] * ttt_steps
     num_batches = num_samples = 0
+    if rounds_k is not None:
+        if not 1 <= rounds_k <= ttt_steps:
+            raise ValueError(f"rounds_k={rounds_k}: must be 1..ttt_steps={ttt_steps}")
+        from compat.speculators_verifier import draft_to_target_ids, read_text_model_tensors
+
+        want = read_text_model_tensors(str(target_dir))
+        full_head = want.get("lm_head.weight", want.get("embed_tokens.weight")).to(device=device, dtype=dtype)
+        to_target = draft_to_target_ids(model)
+        strict = {"correct": [0] * ttt_steps, "total": [0] * ttt_steps, "oov": 0, "rounds": 0,
+                  "accepted": [0] * rounds_k}
     with torch.no_grad():
         while max_batches is None or num_batches < max_batches:
             rows = batches.take()
             if batches.epoch > 0:  # take() went on to the next epoch: every sample was seen
                 break
             inputs = device_inputs(batches.pack(rows), device, dtype)
-            _, _, metrics = model(**inputs, ttt_steps=ttt_steps, ttt_step_loss_decay=1.0, loss_config=loss_config)
+            draft_tokens, _, metrics = model(**inputs, ttt_steps=ttt_steps, ttt_step_loss_decay=1.0,
+                                             loss_config=loss_config)
+            if rounds_k is not None:
+                _strict_rounds(model, inputs, draft_tokens, full_head, to_target, rounds_k, strict)
             for i in range(ttt_steps):
                 correct[i] += float(metrics[f"full_acc_{i}_sum"])
                 total[i] += float(metrics[f"full_acc_{i}_total"])
@@ -502,8 +522,82 @@ def draft_accuracy(draft_dir: str | Path, target_dir: str | Path, data_files, *,
     if batches.num_truncated:
         raise ValueError(f"{batches.num_truncated} samples are longer than micro_batch_tokens={micro_batch_tokens}: "
                          "raise it so that every position is counted")
-    return {"full_acc": [c / t if t else None for c, t in zip(correct, total)], "num_positions": total,
-            "num_samples": num_samples, "num_batches": num_batches}
+    out = {"full_acc": [c / t if t else None for c, t in zip(correct, total)], "num_positions": total,
+           "num_samples": num_samples, "num_batches": num_batches}
+    if rounds_k is not None:
+        rates = [a / strict["rounds"] if strict["rounds"] else None for a in strict["accepted"]]
+        out |= {"strict_full_acc": [c / t if t else None for c, t in zip(strict["correct"], strict["total"])],
+                "out_of_draft_vocab": strict["oov"] / strict["total"][0] if strict["total"][0] else None,
+                "rounds": {"k": rounds_k, "num_rounds": strict["rounds"], "num_accepted_tokens_per_pos":
+                           strict["accepted"], "acceptance_rate_per_pos": rates,
+                           "acceptance_length": 1.0 + sum(rates) if strict["rounds"] else None}}
+    return out
+
+
+def _strict_rounds(model, inputs: dict, draft_tokens: list, full_head, to_target, k: int, acc: dict) -> None:
+    """Adds one packed batch's strict counts to `acc`: the target's argmax over its whole
+    vocabulary (its final norm and lm_head on the verifier's last hidden states, as speculators
+    computes its targets but without the draft-vocabulary cut) against each TTT step's draft token
+    mapped to a target id; step i from start p is judged at p + i (speculators' align_for_step),
+    within the loss mask and the same sample. Then each answer (a run of loss-masked starts in one
+    sample) walked in rounds of k (walk_rounds). On the target's own greedy answers this replays
+    vLLM's count (tests/test_quality.py: the same number of rounds as vLLM's drafts, the same
+    accepted tokens at positions 0 and 1), but for a round at an answer's end: vLLM verifies its
+    draft tokens past the end too, where the text has no target to judge them by."""
+    import torch
+
+    h = model.verifier_norm(inputs["verifier_last_hidden_states"][0])
+    target = torch.cat([(h[i:i + 1024] @ full_head.T).argmax(-1) for i in range(0, len(h), 1024)])
+    mask, docs, n = inputs["loss_mask"][0].bool(), inputs["document_ids"][0], len(target)
+    if to_target is not None:
+        in_vocab = torch.zeros(full_head.shape[0], dtype=torch.bool, device=target.device)
+        in_vocab[to_target] = True
+        acc["oov"] += int((mask & ~in_vocab[target]).sum())
+    right = []
+    prefix = torch.ones(n, dtype=torch.bool, device=target.device)
+    for i, tokens in enumerate(draft_tokens):
+        pred = tokens[0] if to_target is None else to_target[tokens[0]]
+        ok = torch.zeros(n, dtype=torch.bool, device=target.device)
+        valid = mask[i:] & (docs[i:] == docs[:n - i]) & mask[:n - i]
+        ok[:n - i] = (pred[:n - i] == target[i:]) & valid
+        prefix &= ok
+        acc["correct"][i] += int(prefix.sum())
+        acc["total"][i] += int(valid.sum())
+        right.append(ok)
+    right = torch.stack(right[:k]).cpu()
+    mask, docs = mask.cpu(), docs.cpu()
+    starts = torch.nonzero(mask & torch.cat([torch.tensor([True]), ~mask[:-1] | (docs[1:] != docs[:-1])])).flatten()
+    for a in starts.tolist():
+        b = a
+        while b < n and mask[b] and docs[b] == docs[a]:
+            b += 1
+        # The answer's last start is left out: its input is the answer's last token, after which vLLM
+        # drafts no more (the request has ended).
+        r, accepted = walk_rounds(right[:, a:b - 1].tolist(), k)
+        acc["rounds"] += r
+        acc["accepted"] = [x + y for x, y in zip(acc["accepted"], accepted)]
+
+
+def walk_rounds(correct: list[list[bool]], k: int) -> tuple[int, list[int]]:
+    """vLLM's count of one answer's drafts, replayed on teacher-forced predictions: correct[i][p]
+    says whether the draft's token i from start p (draft vocabulary mapped to the target's) is the
+    target's argmax there, for every start p of the answer (False past its end). As vLLM decodes,
+    a round drafts k tokens from start p, accepts the leading run of right ones (n), the target adds
+    one, and the next round starts at p + n + 1: rounds start where the draft just failed, more
+    often in the stretches it gets wrong than the trainer's every-position accuracy counts them.
+    Returns (rounds, accepted[i]: rounds whose first i + 1 tokens were all accepted)."""
+    rounds, accepted = 0, [0] * k
+    p, end = 0, len(correct[0]) if correct else 0
+    while p < end:
+        n = 0
+        while n < k and correct[n][p]:
+            n += 1
+        for i in range(n):
+            accepted[i] += 1
+        rounds += 1
+        p += n + 1
+    return rounds, accepted
+
 
 
 def _load_verifier_head(model, target_dir: str) -> None:

@@ -186,6 +186,22 @@ def test_training_lowered_loss_and_vllm_served_the_draft(demo_run):
     assert "decode speedup, draft at k=3 over the target alone (eager" in stdout
 
 
+def test_train_serve_replays_the_jobs_draft_on_vllms_answers(demo_run, tmp_path, shared_ray):
+    """benchmarks/train_serve.py on the finished job: vLLM's answers with the draft at k=3 on the
+    job's eval prompts, their hidden states, the draft replayed on them in rounds; the round-for-
+    round check itself is tests/test_quality.py's (a draft that accepts, on text it trained on)."""
+    out, _, _ = demo_run
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.train_serve", "--job", str(out), "--k", "3",
+                           "--num-prompts", "2", "--max-tokens", "16", "--ray-address", shared_ray,
+                           "--out", str(tmp_path / "ts")], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    r = json.loads((tmp_path / "ts" / "train_serve.json").read_text())
+    assert (r["k"], r["num_prompts"], r["max_tokens"]) == (3, 2, 16) and 0 < r["num_answer_tokens"] <= 32
+    assert len(r["vllm"]["acceptance_rate_per_pos"]) == len(r["replayed_rounds"]["acceptance_rate_per_pos"]) == 3
+    assert abs(r["replayed_rounds"]["num_rounds"] - r["vllm"]["num_drafts"]) <= 2  # one per answer's end at most
+    assert len(r["every_position"]["strict_full_acc"]) == 3 and "replayed rounds" in proc.stdout
+
+
 def test_heldout_accuracy_every_n_steps_and_never_trained(demo_run):
     """prepare.heldout_fraction's split (demo: 232 conversations, 0.02 -> ~5, raised to the minimum
     of 8) is extracted with the rest, never trained on (each rank's record of the sample ids it

@@ -307,3 +307,43 @@ def test_speed_times_more_rounds_until_precise_or_out_of_time(monkeypatch):
     # precision 0: the repeats alone
     e = _ClockedEngine(steady, monkeypatch)
     assert len(e.speed([[1, 2]], [window], greedy, precision=0.0, max_s=1000.0)[0]["seconds"]) == 3
+
+
+def test_walk_rounds_replays_vllms_rounds():
+    """A round drafts k tokens from start p, accepts the leading right ones (n), the target adds
+    one, and the next round starts at p + n + 1."""
+    from eagle3.evaluate import walk_rounds
+
+    every = [[True] * 8] * 3
+    assert walk_rounds(every, 3) == (2, [2, 2, 2])  # starts 0 and 4; 8 is past the end
+    # position 0 right, 1 wrong at every start: rounds accept one token each, starting 0, 2, 4, 6
+    alternate = [[True] * 8, [False] * 8, [True] * 8]
+    assert walk_rounds(alternate, 3) == (4, [4, 0, 0])
+    # Easy stretches at both ends (step 0 right at starts 0-2 and 7-9), a hard one between (3-6
+    # wrong): 6 of 10 starts right at position 0, but rounds start at 0, 4, 5, 6 and 7, three of
+    # them in the hard stretch: 2 of 5 rounds (0.4) accept their first token.
+    step0 = [True, True, True, False, False, False, False, True, True, True]
+    hard = [step0, step0[1:] + [False], step0[2:] + [False, False]]
+    assert walk_rounds(hard, 3) == (5, [2, 2, 2])
+    assert walk_rounds(hard, 1) == (7, [4])  # k=1: starts 0, 2, 4, 5, 6, 7, 9
+    assert walk_rounds([[]], 1) == (0, [0])
+
+
+def test_draft_to_target_ids_reads_speculators_mapping():
+    """The mapping as speculators builds it (build_vocab_mappings_from_distribution, which our
+    trainer calls): draft id + d2t is the target id of each of the most frequent tokens, in order."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from compat.speculators_verifier import draft_to_target_ids
+    from eagle3.train.data.vocab import draft_vocab_mapping_from_counts
+
+    counts = torch.zeros(50, dtype=torch.long)
+    counts[[3, 7, 11, 40, 41]] = torch.tensor([5, 9, 1, 7, 2])
+    d2t, t2d = draft_vocab_mapping_from_counts(lambda: counts.numpy(), 4, 50)
+    draft = SimpleNamespace(use_draft_vocab=True, d2t=d2t, t2d=t2d)
+    assert draft_to_target_ids(draft).tolist() == [3, 7, 40, 41]  # the 4 most frequent, in id order
+    assert draft_to_target_ids(SimpleNamespace(use_draft_vocab=False)) is None
+    with pytest.raises(RuntimeError, match="vocabulary-mapping format changed"):
+        draft_to_target_ids(SimpleNamespace(use_draft_vocab=True, d2t=d2t + 1, t2d=t2d))

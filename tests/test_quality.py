@@ -104,7 +104,7 @@ def test_vllm_first_token_acceptance_matches_training_accuracy(tiny_target, ray_
                         data=DataConfig(micro_batch_tokens=2048), checkpoint=CheckpointConfig(checkpoint_every=40),
                         draft=DraftConfig(draft_vocab_size=draft_vocab))
     summary = run_training(train, ext["files"], target, str(tmp_path / "train"), str(tmp_path / "draft"))
-    acc = draft_accuracy(summary["draft_dir"], target, ext["files"], micro_batch_tokens=2048)
+    acc = draft_accuracy(summary["draft_dir"], target, ext["files"], micro_batch_tokens=2048, rounds_k=k)
     assert acc["num_samples"] == NUM_PROMPTS and acc["num_positions"][0] == NUM_PROMPTS * MAX_TOKENS
     train_acc = acc["full_acc"][0]
 
@@ -117,11 +117,21 @@ def test_vllm_first_token_acceptance_matches_training_accuracy(tiny_target, ray_
     detail = (f"training full_acc_0 {train_acc:.3f} on {NUM_PROMPTS * MAX_TOKENS} positions, vLLM k={k} first-token "
               f"acceptance {serve_rate:.3f} over {served['num_drafts']} drafts (draft vocabulary {draft_vocab}); per "
               f"position, training {[round(a, 3) for a in acc['full_acc']]}, vLLM {served['acceptance_rate_per_pos']}, "
-              f"AL {served['acceptance_length']:.3f}")
+              f"AL {served['acceptance_length']:.3f}; replayed in rounds {acc['rounds']}, strict "
+              f"{acc['strict_full_acc']}, out of the draft vocabulary {acc['out_of_draft_vocab']}")
     print(detail)
     # A draft that learned little would agree with vLLM trivially (both near 0).
     assert train_acc >= 0.3, detail
     assert abs(serve_rate - train_acc) <= 0.05, detail
+    # Replayed in rounds as vLLM walks them (greedy on the text it trained on, which vLLM decodes
+    # again): vLLM's own count, round for round (session 25, k=3: 941 rounds and 941 drafts, the
+    # same accepted tokens at positions 0 and 1; position 2 differs only where vLLM verifies a
+    # round's last draft token past the answer's end, which the text cannot judge).
+    rounds = acc["rounds"]
+    assert abs(rounds["num_rounds"] - served["num_drafts"]) <= 0.02 * served["num_drafts"], detail
+    assert abs(rounds["acceptance_rate_per_pos"][0] - serve_rate) <= 0.02, detail
+    # the draft vocabulary is every generated token: only a position past an answer's end may lie outside it
+    assert acc["out_of_draft_vocab"] * acc["num_positions"][0] <= NUM_PROMPTS, detail
 
 
 def test_baseline_engine_has_no_draft_and_k_must_match():
