@@ -464,7 +464,7 @@ def draft_accuracy(draft_dir: str | Path, target_dir: str | Path, data_files, *,
     "num_batches"}. The verifier's norm and lm_head, which the export leaves out, are read from
     `target_dir` (compat.speculators_verifier). heldout_threshold / heldout: only the rows outside
     (or, with `heldout`, inside) the held-out split (eagle3.prepare.heldout), as the trainer reads them.
-    rounds_k: also the same predictions judged as vLLM judges them (_strict_rounds): against the
+    rounds_k: also the same predictions judged as vLLM judges them (eagle3.train.rounds): against the
     target's argmax over its whole vocabulary ("strict_full_acc"; "out_of_draft_vocab": the share of
     positions whose argmax the draft cannot propose), and counted in rounds of rounds_k tokens
     (walk_rounds over each answer: "rounds"), which on the target's own greedy text replays what
@@ -478,6 +478,7 @@ def draft_accuracy(draft_dir: str | Path, target_dir: str | Path, data_files, *,
     from eagle3.train.data.packing import PackedBatches
     from eagle3.train.data.rows import HiddenStatesDataset
     from eagle3.train.data.staging import device_inputs
+    from eagle3.train.rounds import strict_rounds
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = Eagle3SpeculatorConfig.from_pretrained(str(draft_dir))
@@ -513,7 +514,7 @@ def draft_accuracy(draft_dir: str | Path, target_dir: str | Path, data_files, *,
             draft_tokens, _, metrics = model(**inputs, ttt_steps=ttt_steps, ttt_step_loss_decay=1.0,
                                              loss_config=loss_config)
             if rounds_k is not None:
-                _strict_rounds(model, inputs, draft_tokens, full_head, to_target, rounds_k, strict)
+                strict_rounds(model, inputs, draft_tokens, full_head, to_target, rounds_k, strict)
             for i in range(ttt_steps):
                 correct[i] += float(metrics[f"full_acc_{i}_sum"])
                 total[i] += float(metrics[f"full_acc_{i}_total"])
@@ -532,72 +533,6 @@ def draft_accuracy(draft_dir: str | Path, target_dir: str | Path, data_files, *,
                            strict["accepted"], "acceptance_rate_per_pos": rates,
                            "acceptance_length": 1.0 + sum(rates) if strict["rounds"] else None}}
     return out
-
-
-def _strict_rounds(model, inputs: dict, draft_tokens: list, full_head, to_target, k: int, acc: dict) -> None:
-    """Adds one packed batch's strict counts to `acc`: the target's argmax over its whole
-    vocabulary (its final norm and lm_head on the verifier's last hidden states, as speculators
-    computes its targets but without the draft-vocabulary cut) against each TTT step's draft token
-    mapped to a target id; step i from start p is judged at p + i (speculators' align_for_step),
-    within the loss mask and the same sample. Then each answer (a run of loss-masked starts in one
-    sample) walked in rounds of k (walk_rounds). On the target's own greedy answers this replays
-    vLLM's count (tests/test_quality.py: the same number of rounds as vLLM's drafts, the same
-    accepted tokens at positions 0 and 1), but for a round at an answer's end: vLLM verifies its
-    draft tokens past the end too, where the text has no target to judge them by."""
-    import torch
-
-    h = model.verifier_norm(inputs["verifier_last_hidden_states"][0])
-    target = torch.cat([(h[i:i + 1024] @ full_head.T).argmax(-1) for i in range(0, len(h), 1024)])
-    mask, docs, n = inputs["loss_mask"][0].bool(), inputs["document_ids"][0], len(target)
-    if to_target is not None:
-        in_vocab = torch.zeros(full_head.shape[0], dtype=torch.bool, device=target.device)
-        in_vocab[to_target] = True
-        acc["oov"] += int((mask & ~in_vocab[target]).sum())
-    right = []
-    prefix = torch.ones(n, dtype=torch.bool, device=target.device)
-    for i, tokens in enumerate(draft_tokens):
-        pred = tokens[0] if to_target is None else to_target[tokens[0]]
-        ok = torch.zeros(n, dtype=torch.bool, device=target.device)
-        valid = mask[i:] & (docs[i:] == docs[:n - i]) & mask[:n - i]
-        ok[:n - i] = (pred[:n - i] == target[i:]) & valid
-        prefix &= ok
-        acc["correct"][i] += int(prefix.sum())
-        acc["total"][i] += int(valid.sum())
-        right.append(ok)
-    right = torch.stack(right[:k]).cpu()
-    mask, docs = mask.cpu(), docs.cpu()
-    starts = torch.nonzero(mask & torch.cat([torch.tensor([True]), ~mask[:-1] | (docs[1:] != docs[:-1])])).flatten()
-    for a in starts.tolist():
-        b = a
-        while b < n and mask[b] and docs[b] == docs[a]:
-            b += 1
-        # The answer's last start is left out: its input is the answer's last token, after which vLLM
-        # drafts no more (the request has ended).
-        r, accepted = walk_rounds(right[:, a:b - 1].tolist(), k)
-        acc["rounds"] += r
-        acc["accepted"] = [x + y for x, y in zip(acc["accepted"], accepted)]
-
-
-def walk_rounds(correct: list[list[bool]], k: int) -> tuple[int, list[int]]:
-    """vLLM's count of one answer's drafts, replayed on teacher-forced predictions: correct[i][p]
-    says whether the draft's token i from start p (draft vocabulary mapped to the target's) is the
-    target's argmax there, for every start p of the answer (False past its end). As vLLM decodes,
-    a round drafts k tokens from start p, accepts the leading run of right ones (n), the target adds
-    one, and the next round starts at p + n + 1: rounds start where the draft just failed, more
-    often in the stretches it gets wrong than the trainer's every-position accuracy counts them.
-    Returns (rounds, accepted[i]: rounds whose first i + 1 tokens were all accepted)."""
-    rounds, accepted = 0, [0] * k
-    p, end = 0, len(correct[0]) if correct else 0
-    while p < end:
-        n = 0
-        while n < k and correct[n][p]:
-            n += 1
-        for i in range(n):
-            accepted[i] += 1
-        rounds += 1
-        p += n + 1
-    return rounds, accepted
-
 
 
 def _load_verifier_head(model, target_dir: str) -> None:

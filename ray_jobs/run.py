@@ -463,6 +463,9 @@ def _accuracy_lines(st: dict) -> list[str]:
         widest = max(evals, key=lambda r: r["num_speculative_tokens"])
         lines[-1] += (f", vLLM accepted (k={widest['num_speculative_tokens']}, greedy) "
                       f"{fmt(widest['greedy']['acceptance_rate_per_pos'])}")
+    if "rounds_al" in held:  # the same held-out predictions counted per round, as vLLM counts its drafts
+        lines.append(f"                   held-out in rounds of {len(held['rounds_acc'])}, as vLLM counts drafts: "
+                     f"{fmt(held['rounds_acc'])} (AL {held['rounds_al']:.2f}, {held['num_rounds']} rounds)")
     if bound := _bound_line(st, held):
         lines.append(f"                   {bound}")
     return lines

@@ -241,6 +241,15 @@ def test_heldout_accuracy_every_n_steps_and_never_trained(demo_run):
     assert train_summary["heldout"] == summary
     line = next(s for s in stdout.splitlines() if s.strip().startswith("accuracy"))
     assert f"held-out {summary['full_acc'][0]:.3f}" in line and "training" in line and "vLLM accepted (k=3, greedy)" in line
+    # The same predictions counted per round, as vLLM counts its drafts (eagle3.train.rounds.strict_rounds),
+    # at the last evaluation: a round accepts a leading run, so its rate can only fall with the position.
+    assert "heldout_rounds_al" not in measured[0]
+    r = measured[-1]
+    rates = [r[f"heldout_rounds_acc_{i}"] for i in range(3)]
+    assert 1 >= rates[0] >= rates[1] >= rates[2] >= 0 and r["heldout_rounds"] > 0
+    assert r["heldout_rounds_al"] == pytest.approx(1 + sum(rates))
+    assert summary["rounds_acc"] == [measured[-1][f"heldout_rounds_acc_{i}"] for i in range(3)]
+    assert f"held-out in rounds of 3, as vLLM counts drafts: {summary['rounds_acc'][0]:.3f}" in stdout
 
 
 # The quality floor: a change that trains a useless draft fails here. Measured on the CI machine

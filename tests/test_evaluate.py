@@ -312,7 +312,7 @@ def test_speed_times_more_rounds_until_precise_or_out_of_time(monkeypatch):
 def test_walk_rounds_replays_vllms_rounds():
     """A round drafts k tokens from start p, accepts the leading right ones (n), the target adds
     one, and the next round starts at p + n + 1."""
-    from eagle3.evaluate import walk_rounds
+    from eagle3.train.rounds import walk_rounds
 
     every = [[True] * 8] * 3
     assert walk_rounds(every, 3) == (2, [2, 2, 2])  # starts 0 and 4; 8 is past the end

@@ -36,6 +36,7 @@ from eagle3.train.data.pipeline import input_pipeline
 from eagle3.train.data.rows import HiddenStatesDataset
 from eagle3.train.data.staging import DeviceBatches
 from eagle3.train.data.vocab import draft_vocab_mapping_from_counts
+from eagle3.train.rounds import strict_rounds
 from eagle3.train.config import FLEX_ATTN_MAX_TOKENS, TrainConfig, resolve_draft_attn_impl, resolve_draft_vocab_size
 
 logger = logging.getLogger(__name__)
@@ -173,6 +174,7 @@ class Eagle3Trainer:
         self.first_step_tokens = 0
         self.last_heldout: dict | None = None
         self._train_acc_since_eval: list[list[float]] = []
+        self._full_head: tuple | None = None  # _full_vocab_head's, loaded at the last held-out evaluation
 
     # -- setup -----------------------------------------------------------------------------
     def attach_engine(self, engine) -> None:
@@ -285,6 +287,12 @@ class Eagle3Trainer:
         rank b % world_size, sums all-reduced. Returns heldout_full_acc_i, heldout_cond_acc_i,
         heldout_loss_i per TTT step i (as train_step's, over all the batches), heldout_positions
         (loss-masked positions of step 0), heldout_samples, heldout_eval_s; None without a split.
+        Also the same predictions counted as vLLM counts them (eagle3.train.rounds.strict_rounds: the
+        target's argmax over its whole vocabulary, each answer walked in rounds of ttt_steps
+        tokens): heldout_rounds_acc_i (rounds whose first i+1 tokens were all accepted, per round),
+        heldout_rounds_al, heldout_rounds, at the last evaluation; vLLM's rounds start where the
+        draft just failed, so these fall below the every-position heldout_full_acc_i where the
+        draft's accuracy varies along the text (not under ZeRO-3: _full_vocab_head).
         Collective: every rank calls it at the same step, and every rank runs the same number of
         forwards (a rank short of batches re-runs one uncounted), since under ZeRO-3 a forward
         gathers parameters from all ranks."""
@@ -304,21 +312,29 @@ class Eagle3Trainer:
                  for part in ("sum", "total")]
         first = self.cfg.heldout_first_tokens or 0  # also over the first `first` tokens of each turn
         first_names = [f"full_acc_{i}_{part}" for i in range(ttt) for part in ("sum", "total")] if first else []
-        sums = torch.zeros(len(names) + len(first_names) + 1, dtype=torch.float64)
+        # (lm_head, draft-to-target ids) for the rounds, at the last evaluation only: one product with
+        # the whole vocabulary per batch (~3 s a 2,048-token batch of SmolLM2 on one CPU thread)
+        head = self._full_vocab_head() if self.global_step >= self.cfg.num_steps else None
+        num_means = len(names) + len(first_names)
+        sums = torch.zeros(num_means + 1 + (1 + ttt if head else 0), dtype=torch.float64)
 
         def forward(rows: list, batches: PackedBatches, counted: bool) -> None:
             inputs = device_inputs(batches.pack(rows), self.device, dtype)
             kw = {"ttt_steps": ttt, "ttt_step_loss_decay": self.cfg.draft.ttt_step_loss_decay,
                   "loss_config": self.loss_config}
-            _, _, metrics = self.engine(**inputs, **kw)
+            draft_tokens, _, metrics = self.engine(**inputs, **kw)
             got = [metrics[n] for n in names]
+            if head and counted:
+                counts = {"correct": [0] * ttt, "total": [0] * ttt, "oov": 0, "rounds": 0, "accepted": [0] * ttt}
+                strict_rounds(self.engine.module, inputs, draft_tokens, *head, ttt, counts)
+                sums[num_means + 1:] += torch.tensor([counts["rounds"], *counts["accepted"]], dtype=torch.float64)
             if first:
                 inputs["loss_mask"] = first_of_each_run(inputs["loss_mask"], first)
                 _, _, metrics = self.engine(**inputs, **kw)
                 got += [metrics[n] for n in first_names]
             if counted:
-                sums[:-1] += torch.stack([m.detach().double().reshape(()) for m in got]).cpu()
-                sums[-1] += len(rows)
+                sums[:num_means] += torch.stack([m.detach().double().reshape(()) for m in got]).cpu()
+                sums[num_means] += len(rows)
 
         was_training = self.engine.module.training
         self.engine.module.eval()
@@ -347,7 +363,9 @@ class Eagle3Trainer:
             sums = sums.to(self.device) if dist.get_backend() == "nccl" else sums
             dist.all_reduce(sums)
             sums = sums.cpu()
-        vals = dict(zip(names + ["first_" + n for n in first_names] + ["_samples"], sums.tolist(), strict=True))
+        vals = dict(zip(names + ["first_" + n for n in first_names] + ["_samples"]
+                        + (["_rounds"] + [f"_accepted_{i}" for i in range(ttt)] if head else []),
+                        sums.tolist(), strict=True))
         out: dict = {}
         for i in range(ttt):
             for m in ("full_acc", "cond_acc", "loss") + (("first_full_acc",) if first else ()):
@@ -356,9 +374,28 @@ class Eagle3Trainer:
         if first:
             out["heldout_first_tokens"] = first
             out["heldout_first_positions"] = int(vals["first_full_acc_0_total"])
+        if head and vals["_rounds"] > 0:
+            rates = [vals[f"_accepted_{i}"] / vals["_rounds"] for i in range(ttt)]
+            out.update({f"heldout_rounds_acc_{i}": r for i, r in enumerate(rates)})
+            out.update(heldout_rounds=int(vals["_rounds"]), heldout_rounds_al=1.0 + sum(rates))
         out.update(heldout_positions=int(vals["full_acc_0_total"]), heldout_samples=int(vals["_samples"]),
                    heldout_eval_s=time.perf_counter() - t0)
         return out
+
+    def _full_vocab_head(self) -> tuple | None:
+        """The target's lm_head over its whole vocabulary on this rank's device, and the draft's
+        target ids (compat.speculators_verifier.draft_to_target_ids), for the held-out rounds
+        (eagle3.train.rounds.strict_rounds); loaded at the last evaluation. None under ZeRO-3, whose
+        partitioned verifier norm is not whole outside the engine's forward."""
+        if self.cfg.optimizer.zero_stage == 3:
+            return None
+        if self._full_head is None:
+            from compat.speculators_verifier import draft_to_target_ids, read_text_model_tensors
+
+            want = read_text_model_tensors(self.target_dir)
+            lm_head = want.get("lm_head.weight", want.get("embed_tokens.weight"))
+            self._full_head = (lm_head.to(self.device), draft_to_target_ids(self.engine.module))
+        return self._full_head
 
     def _heldout_record(self, step_metrics: dict) -> dict:
         """The summary's view of the last evaluation: held-out accuracy per TTT position beside the
@@ -373,6 +410,9 @@ class Eagle3Trainer:
                 "train_full_acc": [sum(w[i] for w in window) / len(window) for i in range(ttt)] if window else None,
                 "train_steps_averaged": len(window),
                 "num_positions": step_metrics["heldout_positions"], "num_samples": step_metrics["heldout_samples"],
+                **({"rounds_acc": [step_metrics[f"heldout_rounds_acc_{i}"] for i in range(ttt)],
+                    "rounds_al": step_metrics["heldout_rounds_al"], "num_rounds": step_metrics["heldout_rounds"]}
+                   if "heldout_rounds_al" in step_metrics else {}),
                 **({"first_tokens": step_metrics["heldout_first_tokens"],
                     "first_full_acc": [step_metrics[f"heldout_first_full_acc_{i}"] for i in range(ttt)],
                     "first_num_positions": step_metrics["heldout_first_positions"]}
