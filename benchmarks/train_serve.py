@@ -45,11 +45,10 @@ def job_config_dict(job: Path) -> dict:
 def job_config(config: dict, out: Path, max_model_len: int):
     """The job's config, writing under `out`, its prepare.max_length raised to hold a prompt and
     its answer (what run_extract reads)."""
-    from eagle3.config import load_job_config
+    from eagle3.config import job_config_from_dict
 
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "job-config.json").write_text(json.dumps(config))
-    return load_job_config(out / "job-config.json", {"output_dir": str(out), "prepare.max_length": max_model_len})
+    return job_config_from_dict({**config, "output_dir": str(out),
+                                 "prepare": {**config["prepare"], "max_length": max_model_len}})
 
 
 def served_answers(ray, cfg, target: str, draft: str, prompts: list[list[int]], k: int, max_tokens: int,
@@ -107,6 +106,7 @@ def run(job: Path, k: int, out: Path, num_prompts: int | None = None, max_tokens
     report = json.loads((job / "report.json").read_text())
     target, draft = report["target"], str(job / "draft")
     config = job_config_dict(job)
+    out.mkdir(parents=True, exist_ok=True)
     prompts = read_eval_prompts(job / "prepared")[: num_prompts or config["eval"]["num_prompts"]]
     max_tokens = max_tokens or config["eval"]["max_tokens"]
     max_model_len = max(map(len, prompts)) + max_tokens + k + 8

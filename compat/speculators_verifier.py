@@ -94,15 +94,19 @@ def read_text_model_tensors(target_dir: str) -> dict[str, "torch.Tensor"]:  # no
     return out
 
 
+def full_lm_head(tensors: dict) -> "torch.Tensor | None":  # noqa: F821
+    """The target's lm_head over its whole vocabulary from read_text_model_tensors' dict: its
+    embed_tokens where the embeddings are tied (no lm_head tensor)."""
+    return tensors.get("lm_head.weight", tensors.get("embed_tokens.weight"))
+
+
 def ensure_text_verifier_weights(model, target_dir: str) -> list[str]:
     """Make the draft's frozen embed_tokens / lm_head / verifier_lm_head / verifier_norm equal
     the target's text-model tensors; return the names that had to be reassigned."""
     import torch
 
     want = read_text_model_tensors(target_dir)
-    if "lm_head.weight" not in want and "embed_tokens.weight" in want:
-        want["lm_head.weight"] = want["embed_tokens.weight"]  # tied embeddings
-    head = want.get("lm_head.weight")
+    head = full_lm_head(want)
     if head is not None and getattr(model, "use_draft_vocab", False):
         head = head[model.t2d.to(torch.bool)]
     targets = [("embed_tokens.weight", model.embed_tokens.weight, want.get("embed_tokens.weight")),

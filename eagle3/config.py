@@ -419,9 +419,9 @@ class EvalConfig:
     """How well each speedup must be known: after its windows' repeats, rounds go on (both engines,
     only the windows still short of it) until the 95% interval of the speedup is within +-this
     fraction of it, or speed_max_s is spent; eval.json gives each interval, its rounds and whether
-    it got there (precise). The SmolLM2 and 1.5B jobs' 5 rounds of GPU windows gave intervals of
-    +-12-20% at batch 1, and one draft measured 1.45x and then 1.18x (benchmarks/results/README.md,
-    session 25). 0: the repeats alone."""
+    it got there (precise). Five paired rounds of GPU windows gave 95% intervals of +-6-34% at batch
+    1 (SmolLM2, session 23; the 1.5B, session 25, where one draft measured 1.45x and then 1.18x:
+    benchmarks/results/README.md, session 25). 0: the repeats alone."""
     speed_max_s: float | None = None
     """Seconds of timed rounds beyond the repeats, at most, for the whole stage. None: 120 on a GPU
     (a batch-1 round of both engines takes ~8-10 s for a 1-2B target there: ~12 more rounds), 0 on

@@ -475,6 +475,7 @@ def draft_accuracy(draft_dir: str | Path, target_dir: str | Path, data_files, *,
     from speculators.models.eagle3.core import Eagle3DraftModel
 
     from compat.speculators_loss import loss_implementation
+    from compat.speculators_verifier import draft_to_target_ids, full_lm_head, read_text_model_tensors
     from eagle3.train.data.packing import PackedBatches
     from eagle3.train.data.rows import HiddenStatesDataset
     from eagle3.train.data.staging import device_inputs
@@ -485,7 +486,8 @@ def draft_accuracy(draft_dir: str | Path, target_dir: str | Path, data_files, *,
     # flex attention (speculators' default) compiles; sdpa is the same attention without that
     config.transformer_layer_config._attn_implementation = "sdpa"  # noqa: SLF001
     model = Eagle3DraftModel.from_pretrained(str(draft_dir), config=config)
-    _load_verifier_head(model, str(target_dir))
+    target_tensors = read_text_model_tensors(str(target_dir))
+    _load_verifier_head(model, target_tensors, str(target_dir))
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     model = model.to(device=device, dtype=dtype).eval()
     loss_config = resolve_loss_config(loss, loss_implementation())
@@ -498,10 +500,7 @@ def draft_accuracy(draft_dir: str | Path, target_dir: str | Path, data_files, *,
     if rounds_k is not None:
         if not 1 <= rounds_k <= ttt_steps:
             raise ValueError(f"rounds_k={rounds_k}: must be 1..ttt_steps={ttt_steps}")
-        from compat.speculators_verifier import draft_to_target_ids, read_text_model_tensors
-
-        want = read_text_model_tensors(str(target_dir))
-        full_head = want.get("lm_head.weight", want.get("embed_tokens.weight")).to(device=device, dtype=dtype)
+        full_head = full_lm_head(target_tensors).to(device=device, dtype=dtype)
         to_target = draft_to_target_ids(model)
         strict = {"correct": [0] * ttt_steps, "total": [0] * ttt_steps, "oov": 0, "rounds": 0,
                   "accepted": [0] * rounds_k}
@@ -535,16 +534,16 @@ def draft_accuracy(draft_dir: str | Path, target_dir: str | Path, data_files, *,
     return out
 
 
-def _load_verifier_head(model, target_dir: str) -> None:
-    """The target's final norm and lm_head (rows of the draft vocabulary) into the draft's frozen
-    verifier_norm / verifier_lm_head, which the exported draft does not hold; the draft's own
+def _load_verifier_head(model, want: dict, target_dir: str) -> None:
+    """The target's final norm and lm_head (rows of the draft vocabulary; `want`: its tensors, as
+    compat.speculators_verifier.read_text_model_tensors reads them from target_dir) into the draft's
+    frozen verifier_norm / verifier_lm_head, which the exported draft does not hold; the draft's own
     (trained) lm_head and embed_tokens stay as exported."""
     import torch
 
-    from compat.speculators_verifier import read_text_model_tensors
+    from compat.speculators_verifier import full_lm_head
 
-    want = read_text_model_tensors(target_dir)
-    head = want.get("lm_head.weight", want.get("embed_tokens.weight"))  # tied embeddings: no lm_head
+    head = full_lm_head(want)
     if head is None or "model.norm.weight" not in want:
         raise ValueError(f"{target_dir}: no lm_head / final norm tensors found; pass the draft's target directory")
     if getattr(model, "use_draft_vocab", False):

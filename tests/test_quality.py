@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -64,9 +63,9 @@ def test_vllm_first_token_acceptance_matches_training_accuracy(tiny_target, ray_
     i+1 tokens were all accepted (the same event: positions 0..i all right); the assertion stays on
     position 0."""
     from actors.trainer import run_training
+    from benchmarks.train_serve import answers_table
     from eagle3.config import load_job_config
     from eagle3.evaluate import draft_accuracy
-    from eagle3.schema import TOKENS_SCHEMA
     from eagle3.train.config import CheckpointConfig, DataConfig, DraftConfig, OptimizerConfig, TrainConfig
     from ray_jobs.extract import run_extract
 
@@ -81,9 +80,7 @@ def test_vllm_first_token_acceptance_matches_training_accuracy(tiny_target, ray_
     finally:
         ray.kill(gen)
     assert [len(r) for r in responses] == [MAX_TOKENS] * NUM_PROMPTS
-    rows = [{"sample_id": f"g{i:04d}", "input_ids": p + r, "loss_mask": [0] * len(p) + [1] * len(r),
-             "num_tokens": len(p) + len(r)} for i, (p, r) in enumerate(zip(prompts, responses, strict=True))]
-    pq.write_table(pa.Table.from_pylist(rows, schema=TOKENS_SCHEMA), tmp_path / "tokens.parquet")
+    pq.write_table(answers_table(prompts, responses), tmp_path / "tokens.parquet")
 
     cfg = load_job_config(None, {"output_dir": str(tmp_path), "prepare.max_length": max_model_len,
                                  "extract.samples_per_shard": 32})

@@ -390,10 +390,9 @@ class Eagle3Trainer:
         if self.cfg.optimizer.zero_stage == 3:
             return None
         if self._full_head is None:
-            from compat.speculators_verifier import draft_to_target_ids, read_text_model_tensors
+            from compat.speculators_verifier import draft_to_target_ids, full_lm_head, read_text_model_tensors
 
-            want = read_text_model_tensors(self.target_dir)
-            lm_head = want.get("lm_head.weight", want.get("embed_tokens.weight"))
+            lm_head = full_lm_head(read_text_model_tensors(self.target_dir))
             self._full_head = (lm_head.to(self.device), draft_to_target_ids(self.engine.module))
         return self._full_head
 
