@@ -28,8 +28,12 @@ with open(f"{G}/qwen.gguf", "wb") as out:
             shutil.copyfileobj(src, out, 16 << 20)
 PY
 echo "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046  $G/qwen.gguf" | sha256sum -c
-rm -rf /tmp/qsplit .gpur?? && mkdir -p /tmp/qsplit && split -b 54M -d -a 2 $G/qwen.gguf /tmp/qsplit/qpart.
-for f in /tmp/qsplit/qpart.*; do mkdir -p .gpur${f##*.}; mv $f .gpur${f##*.}/; done
+# 50 MiB parts (22): a 54 MiB part no longer fits a call beside the 10.9 MiB working tree (session 26)
+rm -rf /tmp/qsplit .gpur?? .gpus?? && mkdir -p /tmp/qsplit && split -b 50M -d -a 2 $G/qwen.gguf /tmp/qsplit/qpart.
+for f in /tmp/qsplit/qpart.*; do mkdir -p .gpus${f##*.}; mv $f .gpus${f##*.}/; done
+# Session 25's regenerated conversations, where this VM kept them (they came back from its lease)
+R25=$HOME/.cache/eagle3/session25/regenerated.tar
+[ -f $R25 ] && mkdir -p .gpuregen && cp $R25 .gpuregen/
 # The target here (its tokenizer and chat template for prepare) and prepared/
 mkdir -p /tmp/sg && python3 -c "
 import glob, shutil, zipfile
