@@ -9,12 +9,14 @@
 # Each step's log and queue.log beside them; ../session24-h200/gather.sh packs /tmp/res for the collecting call.
 . /tmp/repo/benchmarks/results/leases/session16-h200/common.sh
 L=/tmp/repo/benchmarks/results/leases/session26-h200
+C=${QUEUE_CONFIG:-$L/qwen15-sharegpt.yaml}  # session 27's queue runs these steps with its own file
 nvidia-smi > $R/nvidia-smi.txt 2>&1
 df -h /tmp >> $R/queue.log
 step build-qwen 300 python -m eagle3.real_targets --model qwen2.5-coder-1.5b --gguf /tmp/g/qwen.gguf --out /tmp/qwen15
-step qwen-job 1300 python -m ray_jobs.run --config $L/qwen15-sharegpt.yaml
+step qwen-job ${QUEUE_JOB_LIMIT:-1300} python -m ray_jobs.run --config $C
 bash $L/../session24-h200/gather.sh
-step train-serve 600 python -m benchmarks.train_serve --job /tmp/q15job --k 3 --out /tmp/res/train-serve
+[ -z "${QUEUE_NO_TRAIN_SERVE:-}" ] && \
+  step train-serve 600 python -m benchmarks.train_serve --job /tmp/q15job --k 3 --out /tmp/res/train-serve
 rm -rf /tmp/res/train-serve/hidden_states
 df -h /tmp >> $R/queue.log
 echo "$(date +%T) queue done" >> $R/queue.log
