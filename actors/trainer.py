@@ -19,7 +19,8 @@ client state with every rank's data position and RNG states) to a local temporar
 and reports it; Ray Train merges the ranks' files into one checkpoint directory of the run's
 storage, `<out_dir>/ray_train/train/checkpoint_*`. Calling `run_training` again with the same
 out_dir restores Ray Train's checkpoint manager from that storage, and every worker resumes
-from `ray.train.get_checkpoint()` (same num_workers required: data positions are per rank).
+from `ray.train.get_checkpoint()` (same num_workers required: data positions are per rank; a resume
+that cannot match is refused before any worker starts, from what was reported with the checkpoint).
 Ray Train's own worker-failure retries (FailureConfig(max_failures=cfg.checkpoint.max_failures):
 a dead worker process restarts the whole group) resume the same way, within the same job.
 """
@@ -79,7 +80,10 @@ def train_loop_per_worker(config: dict) -> None:
     def report_with_checkpoint(metrics: dict) -> None:
         with tempfile.TemporaryDirectory(prefix="eagle3-ckpt-") as tmp:
             trainer.save_checkpoint(tmp)
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+            # What a resume must match, also where the driver reads it before starting workers
+            # (resume_refusal_before_workers); the checkpoint's own client state stays the workers' check.
+            ray.train.report({**metrics, "world_size": world_size, "heldout_threshold": config["heldout_threshold"]},
+                             checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
     last: dict = {}
     progress = _Progress(cfg, config["metrics_path"], config.get("progress")) if rank == 0 else None
@@ -329,6 +333,22 @@ def finished_run_summary(cfg: TrainConfig, out: Path, draft_dir: Path) -> dict |
     return summary
 
 
+def resume_refusal_before_workers(out: Path, num_workers: int, heldout_threshold: int) -> str | None:
+    """Why the run in `out` cannot resume with num_workers ranks and heldout_threshold, judged from
+    what Ray Train registered with its latest checkpoint (the ranks and the held-out threshold that
+    train_loop_per_worker reports with each one), before any worker starts; None if it can, or
+    when nothing is registered or the checkpoint was reported without them (then the workers judge
+    the checkpoint itself, eagle3.train.trainer.resume_refusal, after their set-up)."""
+    from eagle3.train.trainer import resume_refusal
+
+    snap = read_snapshot(out / "ray_train", RUN_NAME)
+    latest = snap.latest if snap is not None else None
+    if latest is None or "world_size" not in latest.metrics:
+        return None
+    m = latest.metrics
+    return resume_refusal(latest.path, m["world_size"], num_workers, m.get("heldout_threshold", 0), heldout_threshold)
+
+
 def scaling_config(num_workers: int, use_gpu: bool, gpus_per_worker: float = 1.0):
     """Ray Train's ScalingConfig: a whole GPU per worker, or with gpus_per_worker < 1 (online
     mode's shared GPUs, ray_jobs.online.split_gpus) that share of one, as Ray's fractional resource."""
@@ -376,6 +396,9 @@ def run_training(cfg: TrainConfig, data_files: list[str] | None, target_dir: str
         logger.info("train: already at step %d of %d, skipped", finished["steps"], cfg.num_steps)
         (out / "train_summary.json").write_text(json.dumps(finished, indent=1))
         return finished
+    refusal = resume_refusal_before_workers(out, cfg.num_workers, heldout_threshold)
+    if refusal is not None:  # before the worker group: its set-up (DeepSpeed, the target's head) is the cost
+        raise ValueError(refusal)
     if use_gpu is None:
         use_gpu = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
     # Ray sets OMP_NUM_THREADS=1 for a 1-CPU worker, and then each batch is read and packed by one

@@ -1003,9 +1003,48 @@ def test_ray_train_two_workers_checkpoint_resume_export(tiny, tmp_path, ray_loca
         for line in (out / "sample_ids" / f"rank-{rank}.jsonl").read_text().splitlines():
             trained.update(json.loads(line)["sample_ids"])
     assert trained and not {s for s in trained if split.is_heldout(s)}
-    with pytest.raises(Exception, match="held-out threshold"):  # a resume under another split is refused
+    # What a resume must match went with the checkpoint to Ray Train's record, so that a resume under
+    # another split is refused by the driver, before any worker: a ValueError, not Ray Train's error
+    # about its worker group.
+    from compat.ray_train import read_snapshot
+
+    latest = read_snapshot(out / "ray_train", "train").latest
+    assert (latest.metrics["world_size"], latest.metrics["heldout_threshold"]) == (2, split.threshold)
+    with pytest.raises(ValueError, match="held-out threshold"):
         run_training(replace(cfg, num_steps=8, checkpoint=replace(cfg.checkpoint, max_failures=0)), files,
                      str(target), str(out), heldout_threshold=0)
+
+
+def _registered(out: Path, metrics: dict) -> None:
+    """A Ray Train record of one registered checkpoint under out, in the layout compat.ray_train
+    reads (checked against a real run by tests/test_compat.py), with these metrics."""
+    from compat.ray_train import SNAPSHOT_FILENAME, run_dir
+
+    root = run_dir(out / "ray_train", "train")
+    (root / "checkpoint_1").mkdir(parents=True)
+    result = {"checkpoint_dir_name": "checkpoint_1", "metrics": metrics}
+    (root / SNAPSHOT_FILENAME).write_text(json.dumps({"checkpoint_results": [result], "latest_checkpoint_result": result}))
+
+
+def test_resume_that_cannot_match_is_refused_before_any_worker(tmp_path):
+    """A resume with other ranks or another held-out split is refused from Ray Train's record of the
+    latest checkpoint (what train_loop_per_worker reports with it), by the driver: run_training raises
+    before it asks Ray for anything (no cluster here; a worker's refusal would come as Ray Train's
+    error). A fresh run, a matching one, and a checkpoint reported without the two pass to the workers."""
+    from actors.trainer import resume_refusal_before_workers, run_training
+
+    assert resume_refusal_before_workers(tmp_path / "fresh", 2, 7) is None
+    old = tmp_path / "old"
+    _registered(old, {"step": 4})  # reported before the driver's check existed: the workers judge it
+    assert resume_refusal_before_workers(old, 2, 7) is None
+    out = tmp_path / "run"
+    _registered(out, {"step": 4, "world_size": 2, "heldout_threshold": 7})
+    assert resume_refusal_before_workers(out, 2, 7) is None
+    assert "resume with train.num_workers=2" in resume_refusal_before_workers(out, 1, 7)
+    assert "held-out threshold 7, this run has 0" in resume_refusal_before_workers(out, 2, 0)
+    with pytest.raises(ValueError, match="written by 2 ranks, this run has 4"):
+        run_training(small_cfg(num_workers=4, num_steps=8), ["unused.parquet"], "unused-target", str(out),
+                     use_gpu=False, heldout_threshold=7)
 
 
 def test_draft_vocab_size_is_at_most_the_targets():

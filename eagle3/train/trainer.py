@@ -91,6 +91,24 @@ def _data_range(before: dict, after: dict) -> tuple[int, int, int]:
     return after["epoch"], 0, after["samples_seen"]
 
 
+
+def resume_refusal(path, saved_world_size: int | None, world_size: int, saved_threshold: int,
+                   heldout_threshold: int) -> str | None:
+    """Why the checkpoint at `path`, written by saved_world_size ranks under held-out threshold
+    saved_threshold, cannot resume a run of world_size ranks and heldout_threshold; None if it can.
+    The workers ask it of the checkpoint they load; the driver asks it first of what Ray Train
+    registered with the checkpoint (actors.trainer.resume_refusal_before_workers), so that a refused
+    resume starts no worker group."""
+    if saved_world_size != world_size:
+        return (f"checkpoint {path} was written by {saved_world_size} ranks, this run has {world_size}: data "
+                f"positions are per rank; resume with train.num_workers={saved_world_size}")
+    if saved_threshold != heldout_threshold:
+        return (f"checkpoint {path} was trained with held-out threshold {saved_threshold}, this run has "
+                f"{heldout_threshold} (prepared/heldout.json): data positions count the rows outside the split, "
+                "so they would point at other samples; resume with the prepare output the checkpoint was "
+                "trained on, or start a fresh run")
+    return None
+
 class Eagle3Trainer:
     """One rank's draft, data stream and step counter."""
 
@@ -500,16 +518,11 @@ class Eagle3Trainer:
         if path is None:
             raise ValueError(f"no DeepSpeed checkpoint found in {checkpoint_dir} (tag={tag!r}, "
                              "no 'latest' file?): pass a directory written by save_checkpoint")
-        if client_state.get("world_size") != self.world_size:
-            raise ValueError(f"checkpoint {path} was written by {client_state.get('world_size')} ranks, this run "
-                             f"has {self.world_size}: data positions are per rank; resume with "
-                             f"train.num_workers={client_state.get('world_size')}")
-        saved = client_state.get("heldout_threshold", 0)  # 0: a checkpoint from before the split existed
-        if saved != self.heldout_threshold:
-            raise ValueError(f"checkpoint {path} was trained with held-out threshold {saved}, this run has "
-                             f"{self.heldout_threshold} (prepared/heldout.json): data positions count the rows "
-                             "outside the split, so they would point at other samples; resume with the "
-                             "prepare output the checkpoint was trained on, or start a fresh run")
+        refusal = resume_refusal(path, client_state.get("world_size"), self.world_size,
+                                 client_state.get("heldout_threshold", 0),  # 0: from before the split existed
+                                 self.heldout_threshold)
+        if refusal is not None:
+            raise ValueError(refusal)
         self.global_step = int(client_state["global_step"])
         self.tokens_seen = int(client_state["tokens_seen"])
         self.loss_first = client_state.get("loss_first")
