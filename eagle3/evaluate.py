@@ -313,7 +313,7 @@ class SpecDecodeEngine:
                                    top_p=s.top_p)  # warm-up, untimed
                 runs[w, s] = {"batch_size": w.batch_size, "mode": s.mode, "temperature": s.temperature,
                               "top_p": s.top_p, "num_prompts": w.num_prompts, "max_tokens": w.max_tokens,
-                              "seconds": [], "num_tokens": [], "drafts": 0, "accepted": 0}
+                              "seconds": [], "num_tokens": [], "call_seconds": [], "drafts": 0, "accepted": 0}
         for r in (range(max((w.repeats for w in windows), default=0)) if rounds is None else rounds):
             for (w, s), run in runs.items():
                 if (only is None and r < w.repeats) or (only is not None and (w.batch_size, s.mode) in only):
@@ -331,17 +331,21 @@ class SpecDecodeEngine:
         return merge_speed([list(runs.values())])
 
     def _time_window(self, w: SpeedWindow, s: DecodeSampling, prompts: list[list[int]], run: dict) -> None:
-        """Times window `w` once at sampling `s` into `run` (its seconds, tokens, and for a draft
-        engine its drafts and accepted tokens, from the engine's counters)."""
+        """Times window `w` once at sampling `s` into `run` (its seconds, tokens, the seconds of each
+        generate call in it, and for a draft engine its drafts and accepted tokens, from the engine's
+        counters)."""
         batch = _cycle(prompts, w.num_prompts)
         before = self._counters() if self.draft_dir else None
-        t, tokens = time.perf_counter(), 0
+        t, tokens, calls = time.perf_counter(), 0, []
         for i in range(0, len(batch), w.batch_size):
+            c = time.perf_counter()
             outs = self._generate(batch[i:i + w.batch_size], max_tokens=w.max_tokens, temperature=s.temperature,
                                   top_p=s.top_p)
+            calls.append(time.perf_counter() - c)
             tokens += sum(len(o.outputs[0].token_ids) for o in outs)
         run["seconds"].append(time.perf_counter() - t)
         run["num_tokens"].append(tokens)
+        run["call_seconds"].append(calls)
         if before is not None:
             after = self._counters()
             run["drafts"] += after["num_drafts"] - before["num_drafts"]
@@ -350,8 +354,8 @@ class SpecDecodeEngine:
 
 def merge_speed(parts: list[list[dict]]) -> list[dict]:
     """One engine's speed runs from several SpecDecodeEngine.speed calls (each a list of runs, one per
-    (batch_size, mode) it timed; a later call may time fewer): each (batch_size, mode)'s seconds and
-    tokens in call order, its drafts and accepted tokens summed, then its tokens_per_s spread and
+    (batch_size, mode) it timed; a later call may time fewer): each (batch_size, mode)'s seconds,
+    tokens and call_seconds in call order, its drafts and accepted tokens summed, then its tokens_per_s spread and
     acceptance length; in the order the pairs first appear."""
     by_key: dict[tuple[int, str], list[dict]] = {}
     for part in parts:
@@ -362,6 +366,7 @@ def merge_speed(parts: list[list[dict]]) -> list[dict]:
         run = {k: v for k, v in runs[0].items() if k not in ("tokens_per_s", "acceptance_length")}
         run["seconds"] = [x for r in runs for x in r["seconds"]]
         run["num_tokens"] = [x for r in runs for x in r["num_tokens"]]
+        run["call_seconds"] = [x for r in runs for x in r.get("call_seconds", [])]
         run["drafts"], run["accepted"] = sum(r["drafts"] for r in runs), sum(r["accepted"] for r in runs)
         run["tokens_per_s"] = spread([n / s for n, s in zip(run["num_tokens"], run["seconds"])]) if run["seconds"] else None
         run["acceptance_length"] = 1.0 + run["accepted"] / run["drafts"] if run["drafts"] else None
@@ -402,7 +407,9 @@ SPEED_METHOD = ("each window is timed `repeats` times on each engine (the draft'
                 "each round's two windows, and paired_exceeds_one: all of them on the same side of 1. ci95: the 95% "
                 "interval of the speedup (Student's t over the paired ratios; without pairing, the two means' "
                 "relative half-widths added in quadrature); rounds beyond `repeats` are timed while an interval is "
-                "wider than +-precision of its speedup, for at most eval.speed_max_s; precise: it is not")
+                "wider than +-precision of its speedup, for at most eval.speed_max_s; precise: it is not. call_seconds: "
+                "for each timed window, the seconds of each generate call in it (batch_size prompts each), so that a "
+                "window slow throughout can be told from one slow call")
 
 
 def eval_report(engines: list[dict], *, samplings: tuple[DecodeSampling, ...], sampling_source: str,

@@ -33,8 +33,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # loads libgomp, so set here (before any test imports torch) and inherited by every job, Ray node and
 # engine the tests start. Beside a vLLM engine test, test_train's slow tests: 73-81 s with it against
 # 110-113 s without (benchmarks/results/job/test-tiers.md, session 19). The product leaves it alone.
+# Torch may be loaded already only where the policy was set before it: a test module's `from tests.conftest
+# import ...` loads this file a second time, under that name, after what pytest imported first.
+assert "torch" not in sys.modules or "OMP_WAIT_POLICY" in os.environ, \
+    "tests/conftest.py: torch was imported before OMP_WAIT_POLICY was set"
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-assert "torch" not in sys.modules, "tests/conftest.py: torch was imported before OMP_WAIT_POLICY was set"
 
 
 # Where the tiny target is kept between sessions; tests read it and never write into it.

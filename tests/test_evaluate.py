@@ -286,6 +286,25 @@ class _ClockedEngine:
         return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[0] * max_tokens)]) for _ in prompts]
 
 
+def test_speed_keeps_each_generate_call_of_a_window(monkeypatch):
+    """call_seconds: per timed window, the seconds of each of its generate calls (batch_size prompts
+    each), in order, summing to the window's seconds, and kept in order when rounds are merged: what
+    tells a window slow throughout from one slow call (session 26's 1.5B windows)."""
+    from eagle3.evaluate import merge_speed
+
+    window = SpeedWindow(batch_size=1, num_prompts=3, max_tokens=8, repeats=2)
+    greedy = (DecodeSampling("greedy", 0.0),)
+    # the untimed warm-up is the first call; then window 1 = 1 + 2 + 1 s, window 2 = 1 + 5 + 1 s
+    e = _ClockedEngine([9.0, 1.0, 2.0, 1.0, 1.0, 5.0, 1.0], monkeypatch)
+    [run] = e.speed([[1, 2]], [window], greedy)
+    assert run["call_seconds"] == [[1.0, 2.0, 1.0], [1.0, 5.0, 1.0]]
+    assert run["seconds"] == [sum(c) for c in run["call_seconds"]]
+    e2 = _ClockedEngine([3.0], monkeypatch)
+    [later] = e2.speed([[1, 2]], [window], greedy, rounds=[2], warmup=False, only=[(1, "greedy")])
+    [merged] = merge_speed([[run], [later]])
+    assert merged["call_seconds"] == [[1.0, 2.0, 1.0], [1.0, 5.0, 1.0], [3.0, 3.0, 3.0]]
+
+
 def test_speed_times_more_rounds_until_precise_or_out_of_time(monkeypatch):
     window = SpeedWindow(batch_size=1, num_prompts=1, max_tokens=8, repeats=3)
     greedy = (DecodeSampling("greedy", 0.0),)

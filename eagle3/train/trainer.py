@@ -91,7 +91,6 @@ def _data_range(before: dict, after: dict) -> tuple[int, int, int]:
     return after["epoch"], 0, after["samples_seen"]
 
 
-
 def resume_refusal(path, saved_world_size: int | None, world_size: int, saved_threshold: int,
                    heldout_threshold: int) -> str | None:
     """Why the checkpoint at `path`, written by saved_world_size ranks under held-out threshold
@@ -108,6 +107,7 @@ def resume_refusal(path, saved_world_size: int | None, world_size: int, saved_th
                 "so they would point at other samples; resume with the prepare output the checkpoint was "
                 "trained on, or start a fresh run")
     return None
+
 
 class Eagle3Trainer:
     """One rank's draft, data stream and step counter."""
