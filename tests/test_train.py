@@ -1006,9 +1006,10 @@ def test_ray_train_two_workers_checkpoint_resume_export(tiny, tmp_path, ray_loca
     # What a resume must match went with the checkpoint to Ray Train's record, so that a resume under
     # another split is refused by the driver, before any worker: a ValueError, not Ray Train's error
     # about its worker group.
+    from actors.trainer import RUN_NAME
     from compat.ray_train import read_snapshot
 
-    latest = read_snapshot(out / "ray_train", "train").latest
+    latest = read_snapshot(out / "ray_train", RUN_NAME).latest
     assert (latest.metrics["world_size"], latest.metrics["heldout_threshold"]) == (2, split.threshold)
     with pytest.raises(ValueError, match="held-out threshold"):
         run_training(replace(cfg, num_steps=8, checkpoint=replace(cfg.checkpoint, max_failures=0)), files,
@@ -1018,9 +1019,10 @@ def test_ray_train_two_workers_checkpoint_resume_export(tiny, tmp_path, ray_loca
 def _registered(out: Path, metrics: dict) -> None:
     """A Ray Train record of one registered checkpoint under out, in the layout compat.ray_train
     reads (checked against a real run by tests/test_compat.py), with these metrics."""
+    from actors.trainer import RUN_NAME
     from compat.ray_train import SNAPSHOT_FILENAME, run_dir
 
-    root = run_dir(out / "ray_train", "train")
+    root = run_dir(out / "ray_train", RUN_NAME)
     (root / "checkpoint_1").mkdir(parents=True)
     result = {"checkpoint_dir_name": "checkpoint_1", "metrics": metrics}
     (root / SNAPSHOT_FILENAME).write_text(json.dumps({"checkpoint_results": [result], "latest_checkpoint_result": result}))
