@@ -23,11 +23,17 @@ from pathlib import Path
 log = logging.getLogger("eagle3.online")
 
 
-def read_shard_table(path: str):
-    """A committed shard file's table, into the object store (train.online.epochs: keep)."""
-    from eagle3.extract.shards import read_shards
+class ShardReader:
+    """Reads committed shard files back into the object store (train.online.epochs: keep): one
+    process, a few reads at a time (threads; Arrow's reads release the GIL), for every read of the
+    run. A task per read started a worker process per read on a small node, where Ray stops idle
+    workers above its soft limit (the node's CPUs) within a second: 34 reads cost 57 CPU-seconds of
+    process start-up on 2 cores (benchmarks/results/job/test-tiers.md, session 27)."""
 
-    return read_shards([path])
+    def read(self, path: str):
+        from eagle3.extract.shards import read_shards
+
+        return read_shards([path])
 
 
 class OnlineFeed:
@@ -92,7 +98,7 @@ class OnlineFeed:
             trust_remote_code=self.cfg.target.trust_remote_code, replica=index)), bundle,
             max_concurrency=max_concurrency(ecfg), what="online extraction replica")
         placed = self.pool.place(num_replicas, ecfg.placement_timeout_s)
-        self._reader = ray.remote(read_shard_table).options(num_cpus=0)
+        self._reader = None  # a ShardReader, once the first shard is read back from disk
         self._gauges = _Gauges()
         self._thread = threading.Thread(target=self._run, args=(placed,), name="online-feed", daemon=True)
         self._thread.start()
@@ -245,8 +251,12 @@ class OnlineFeed:
                 table_ref, stats_ref = actor.extract_shard.options(num_returns=2).remote(
                     job.shard, self.tokens.slice(lo, hi - lo))
                 extracting[stats_ref] = (job.id, table_ref)
+            if reads and self._reader is None:
+                # Restarted where its process dies, a read in flight then read again (as a task is retried).
+                self._reader = ray.remote(ShardReader).options(num_cpus=0, max_concurrency=4, max_restarts=-1,
+                                                               max_task_retries=3).remote()
             for job in reads:
-                reading[self._reader.remote(str(self.manifest.data_path(job.shard)))] = job.id
+                reading[self._reader.read.remote(str(self.manifest.data_path(job.shard)))] = job.id
             refs = list(extracting) + list(reading) + list(writing)
             ready = ray.wait(refs, num_returns=1, timeout=0.05)[0] if refs else []
             if not refs:

@@ -426,6 +426,10 @@ class EvalConfig:
     """Seconds of timed rounds beyond the repeats, at most, for the whole stage. None: 120 on a GPU
     (a batch-1 round of both engines takes ~8-10 s for a 1-2B target there: ~12 more rounds), 0 on
     the CPU (the demo's windows stay as they are)."""
+    speed_window_tokens: int | None = None
+    """Tokens each prompt decodes in a timed window (exactly this many: the windows ignore EOS).
+    None: the platform's, 256 on a GPU (seconds a window for a 1-2B target) and 24 on the CPU (about
+    a second on the tiny target). A longer window is steadier and costs more of the stage."""
     num_prompts: int = 16
     """Held-out prompts (prepare.num_eval_prompts holds the first good records out of training); the
     acceptance runs all of them, the timed windows cycle through them."""
@@ -463,6 +467,9 @@ class EvalConfig:
                   "must be >= 0 and < 1, a fraction of the speedup, e.g. 0.05 for +-5%; 0: the repeats alone")
         if self.speed_max_s is not None and self.speed_max_s < 0:
             _fail("eval", "speed_max_s", self.speed_max_s, "must be >= 0 seconds, or null (120 on a GPU, 0 on the CPU)")
+        if self.speed_window_tokens is not None and self.speed_window_tokens < 1:
+            _fail("eval", "speed_window_tokens", self.speed_window_tokens,
+                  "must be >= 1 tokens, or null (256 on a GPU, 24 on the CPU)")
         if self.num_prompts < 1:
             _fail("eval", "num_prompts", self.num_prompts, "must be >= 1 (or eval.enabled: false)")
         if self.max_tokens < 1:

@@ -83,11 +83,12 @@ GPU_WINDOWS = {"max_tokens": 256, "prompts_at_batch_1": 4, "waves": 2, "repeats"
 CPU_WINDOWS = {"max_tokens": 24, "prompts_at_batch_1": 2, "waves": 1, "repeats": 3}
 
 
-def speed_windows(batch_sizes: tuple[int, ...], *, gpu: bool) -> tuple[SpeedWindow, ...]:
-    """The windows the job's eval times at each batch size, on a GPU or on the CPU."""
+def speed_windows(batch_sizes: tuple[int, ...], *, gpu: bool, max_tokens: int | None = None) -> tuple[SpeedWindow, ...]:
+    """The windows the job's eval times at each batch size, on a GPU or on the CPU; each prompt
+    decodes max_tokens tokens in them where given (eval.speed_window_tokens), else the platform's."""
     p = GPU_WINDOWS if gpu else CPU_WINDOWS
     return tuple(SpeedWindow(batch_size=b, num_prompts=p["prompts_at_batch_1"] if b == 1 else b * p["waves"],
-                             max_tokens=p["max_tokens"], repeats=p["repeats"]) for b in batch_sizes)
+                             max_tokens=max_tokens or p["max_tokens"], repeats=p["repeats"]) for b in batch_sizes)
 
 
 def resolve_enforce_eager(setting: bool | str, *, gpu: bool) -> bool:

@@ -58,7 +58,7 @@ def _evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[lis
     source = ("regenerate.temperature/top_p where set, else the target's generation_config.json, else 1.0 "
               "(eagle3.prepare.regenerate.resolve_sampling)")
     speed_k = ev.resolved_speed_k
-    windows = speed_windows(ev.speed_batch_sizes, gpu=gpu)
+    windows = speed_windows(ev.speed_batch_sizes, gpu=gpu, max_tokens=ev.speed_window_tokens)
     serving_eager = resolve_enforce_eager(ev.enforce_eager, gpu=gpu)
     longest = max([ev.max_tokens] + [w.max_tokens for w in windows])
     room = longest + max(ev.num_speculative_tokens) + 8

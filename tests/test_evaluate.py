@@ -40,6 +40,15 @@ def test_windows_are_longer_on_a_gpu_and_whole_waves():
         assert all(w.num_prompts % w.batch_size == 0 and w.repeats >= 3 for w in windows)
     assert all(g.num_tokens > c.num_tokens and g.repeats >= c.repeats for g, c in zip(gpu, cpu))
     assert speed_windows((), gpu=True) == ()
+    # eval.speed_window_tokens: the tokens a prompt decodes in every window, whatever the platform
+    assert [w.max_tokens for w in speed_windows((1, 16), gpu=True, max_tokens=8)] == [8, 8]
+    assert [(w.num_prompts, w.repeats) for w in speed_windows((1, 16), gpu=True, max_tokens=8)] == \
+        [(w.num_prompts, w.repeats) for w in gpu]
+    from eagle3.config import load_job_config
+
+    assert load_job_config(None, {"eval.speed_window_tokens": 8}).eval.speed_window_tokens == 8
+    with pytest.raises(ValueError, match=r"eval.speed_window_tokens=0: must be >= 1 tokens, or null"):
+        load_job_config(None, {"eval.speed_window_tokens": 0})
     with pytest.raises(ValueError, match="num_prompts a multiple of batch_size"):
         SpeedWindow(batch_size=16, num_prompts=20, max_tokens=8, repeats=3)
 

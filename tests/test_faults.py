@@ -35,7 +35,7 @@ import pytest
 from actors.trainer import RUN_NAME
 from compat.ray_train import read_snapshot
 from tests.conftest import REPO
-from tests.fault_jobs import check_every_sample_once, kill_all, kill_driver, shard_mtimes, start_job
+from tests.fault_jobs import Created, check_every_sample_once, kill_all, kill_driver, shard_mtimes, start_job
 from tests.fault_jobs import conversations as _conversations
 from tests.fault_jobs import descendants as _descendants
 from tests.fault_jobs import stop as _stop
@@ -165,7 +165,7 @@ def test_output_filesystem_full_mid_extraction_then_resubmit_completes(tiny_targ
 @pytest.mark.slow
 def test_writer_killed_mid_write_loses_and_duplicates_nothing(tiny_target, tmp_path):
     """SIGKILL of a writer task's process while its shard's temporary file is open (the file's
-    name carries the writer's pid). The job finishes by itself: the shard is extracted and written
+    name carries the writer's pid; inotify tells the test of the file as it is created). The job finishes by itself: the shard is extracted and written
     again, every sample is in the output once, and no temporary file is left."""
     import re
     import signal
@@ -185,9 +185,11 @@ def test_writer_killed_mid_write_loses_and_duplicates_nothing(tiny_target, tmp_p
     killed = None
     data_dir = out / "hidden_states" / "data"
     try:
-        while job.poll() is None and killed is None:
-            names = [e.name for e in os.scandir(data_dir)] if data_dir.is_dir() else []
-            for name in names:
+        while job.poll() is None and not data_dir.is_dir():  # prepare, then the extract stage's start
+            time.sleep(0.05)
+        created = Created(data_dir) if job.poll() is None else None
+        while created is not None and job.poll() is None and killed is None:
+            for name in created.names(timeout=0.1):
                 m = re.fullmatch(r"\.shard-(\d+)\.arrow\.tmp-(\d+)", name)
                 if not m:
                     continue
@@ -199,13 +201,14 @@ def test_writer_killed_mid_write_loses_and_duplicates_nothing(tiny_target, tmp_p
                         psutil.Process(pid).wait(timeout=30)
                     except (psutil.NoSuchProcess, psutil.TimeoutExpired):  # gone, or a zombie: dead
                         pass
-                    # A write that finished (renamed its file) between the listing and the kill was
+                    # A write that finished (renamed its file) between its creation and the kill was
                     # not killed mid-write (seen once: the job then had no temporary file to remove):
-                    # only a file still there once its writer is dead counts; else look for the next.
+                    # only a file still there once its writer is dead counts; else wait for the next.
                     if (data_dir / name).exists():
                         killed = (int(m.group(1)), pid, name)
-                    break
-            time.sleep(0.0005)
+                        break
+        if created is not None:
+            created.close()
         text, _ = job.communicate(timeout=600)
     finally:
         _stop(job)
@@ -237,6 +240,9 @@ def test_max_failures_is_checked():
 # 10 leaves checkpoint 8 to register before the end, 6 steps fewer to train after each resume
 # than the 16 it was.
 TRAIN_STEPS, CKPT_EVERY = 10, 4
+# How often the waits below read metrics.jsonl and Ray Train's record: a tiny target's step takes
+# ~0.5-1.5 s on 2 cores, and each look parses both files (every 0.02 s, it was a share of a core).
+STEP_POLL_S = 0.1
 
 
 def _start_job(out: Path, data: Path, tiny_target: str, *extra: str) -> subprocess.Popen:
@@ -255,7 +261,7 @@ def _wait_for_step(job: subprocess.Popen, metrics: Path, step: int) -> None:
     import time
 
     while job.poll() is None and (not _steps(metrics) or _steps(metrics)[-1] < step):
-        time.sleep(0.02)
+        time.sleep(STEP_POLL_S)
     assert job.poll() is None, f"the job ended before step {step}: " + job.communicate()[0][-3000:]
 
 
@@ -280,7 +286,7 @@ def _wait_for_registered_checkpoint(job: subprocess.Popen, out: Path) -> None:
     import time
 
     while job.poll() is None and not [s for s in _registered_steps(out) if CKPT_EVERY <= s < TRAIN_STEPS]:
-        time.sleep(0.02)
+        time.sleep(STEP_POLL_S)
     assert job.poll() is None, "the job ended before Ray Train registered a checkpoint: " + job.communicate()[0][-3000:]
 
 

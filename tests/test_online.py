@@ -420,8 +420,8 @@ def test_shared_split_places_an_engine_replica_and_the_training_worker_group_on_
 # and DeepSpeed training at once, on a local cluster
 
 from tests.test_faults import (  # noqa: E402 - the offline fault tests' helpers
-    CKPT_EVERY, TRAIN_STEPS, _conversations, _descendants, _registered_steps, _steps, _stop, _wait_for_step,
-    _wait_for_registered_checkpoint)
+    CKPT_EVERY, STEP_POLL_S, TRAIN_STEPS, _conversations, _descendants, _registered_steps, _steps, _stop,
+    _wait_for_step, _wait_for_registered_checkpoint)
 
 
 def _online_args(out: Path, data: Path, tiny_target: str, *extra: str) -> list[str]:
@@ -506,7 +506,7 @@ def test_online_job_trains_every_sample_once_per_epoch_under_the_byte_bound_thro
             pid = int(m.group(1)) if m else time.sleep(0.05)
         assert pid in {p.pid for p in _descendants(job.pid)}, "".join(lines)[-3000:]
         while job.poll() is None and len(_steps(metrics)) < 2:  # training has started: extraction goes on
-            time.sleep(0.02)
+            time.sleep(STEP_POLL_S)
         os.kill(pid, signal.SIGKILL)
         _wait_for_step(job, metrics, CKPT_EVERY + 2)
         _wait_for_registered_checkpoint(job, out)

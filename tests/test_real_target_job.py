@@ -55,13 +55,18 @@ def test_whole_job_on_smollm2_and_sharegpt(tmp_path, smollm2_target, shared_ray)
             "prepare.leading_assistant=drop", "prepare.num_eval_prompts=4",
             "regenerate.enabled=true", "regenerate.max_tokens=48", "regenerate.cut=end",
             "extract.samples_per_shard=8", f"train.num_steps={STEPS}",
+            # A step packs ~600 tokens of these short answers: 1,024 of room instead of the demo's 2,048 halves
+            # the padded positions its dense attention and the target's head compute (4.4 s a step alone)
+            "train.data.micro_batch_tokens=1024",
             "eval.num_speculative_tokens=[2]", "eval.num_prompts=4", "eval.max_tokens=32",
             # the draft's engine and the target alone's side by side, as 'auto' starts a small target's on a
             # GPU ('auto' is one at a time on the CPU), taking turns at the batch-1 windows
             "eval.speed_batch_sizes=[1]", "eval.engines_at_once=true",
             # rounds beyond the repeats, as on a GPU (0 s on the CPU by default): a precision no window
             # reaches, so they go on until their 5 s are spent
-            "eval.speed_precision=0.001", "eval.speed_max_s=5"]
+            "eval.speed_precision=0.001", "eval.speed_max_s=5",
+            # windows of 8 tokens a prompt instead of the CPU's 24: what is asserted is their pairing and rounds
+            "eval.speed_window_tokens=8"]
     proc = subprocess.run([sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml",
                            *[arg for s in sets for arg in ("--set", s)]],
                           cwd=REPO, capture_output=True, text=True, timeout=1500)
@@ -106,6 +111,7 @@ def test_whole_job_on_smollm2_and_sharegpt(tmp_path, smollm2_target, shared_ray)
     assert all(e["process_start_s"] <= e["actor_start_s"] for e in ev["engines"])
     # They took turns at the windows: every round paired, with and without the draft, same tokens.
     assert ev["speed"]["interleaved"] is True and len(ev["speed"]["results"]) == 2  # greedy and sampled
+    assert [w["max_tokens"] for w in ev["speed"]["windows"]] == [8]
     for r in ev["speed"]["results"]:
         rounds = len(r["with_draft"]["seconds"])
         assert rounds == len(r["without_draft"]["seconds"]) > ev["speed"]["windows"][0]["repeats"]
