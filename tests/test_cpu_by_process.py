@@ -1,0 +1,27 @@
+"""benchmarks/cpu_by_process.py: the kinds it groups processes by, and a sampled run."""
+
+from __future__ import annotations
+
+import sys
+
+from benchmarks.cpu_by_process import kind, sample
+
+
+def test_kinds_group_ray_workers_by_actor_and_python_by_module():
+    assert kind(["ray::EvaluatorActor.measure_started"]) == "ray::EvaluatorActor"
+    assert kind(["ray::RayTrainWorker"]) == "ray::RayTrainWorker"
+    assert kind(["/v/bin/python", "-m", "ray_jobs.run", "--config", "x.yaml"]) == "python -m ray_jobs.run"
+    assert kind(["/v/bin/python", "-u", "/v/ray/_private/log_monitor.py", "--session-dir=x"]) == "python log_monitor.py"
+    assert kind(["/v/bin/python", "-B", "-c", "from multiprocessing.forkserver import main; main(25)"]) == \
+        "ray dashboard head modules"
+    assert kind(["ray-dashboard-MetricsHead-0 (/v/bin/python -B -c ...)"]) == "ray dashboard head modules"
+    assert kind(["[pytest-xdist running] tests/test_e2e.py::test_x"]) == "pytest worker (the tests' own code)"
+    assert kind(["/usr/bin/raylet", "--node_ip_address=x"]) == "raylet"
+
+
+def test_a_busy_child_is_sampled_under_its_kind():
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass"
+    result = sample([sys.executable, "-c", busy], every=0.05)
+    assert result["returncode"] == 0 and result["wall_s"] >= 0.6
+    cpu = {name: (n, s) for name, n, s in result["by_kind"]}
+    assert cpu["python -c"][0] == 1 and cpu["python -c"][1] >= 0.3
