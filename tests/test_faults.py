@@ -165,8 +165,9 @@ def test_output_filesystem_full_mid_extraction_then_resubmit_completes(tiny_targ
 @pytest.mark.slow
 def test_writer_killed_mid_write_loses_and_duplicates_nothing(tiny_target, tmp_path):
     """SIGKILL of a writer task's process while its shard's temporary file is open (the file's
-    name carries the writer's pid; inotify tells the test of the file as it is created). The job finishes by itself: the shard is extracted and written
-    again, every sample is in the output once, and no temporary file is left."""
+    name carries the writer's pid; inotify tells the test of the file as it is created). The job
+    finishes by itself: the shard is extracted and written again, every sample is in the output
+    once, and no temporary file is left."""
     import re
     import signal
     import time
