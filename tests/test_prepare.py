@@ -83,6 +83,36 @@ def test_module_import_pulls_in_neither_torch_nor_transformers():
     assert res.stdout.strip() == "[]"
 
 
+def test_generic_tokenizer_loads_without_torch_as_autotokenizer_gives_it(tmp_path, tok_dir, tok):
+    """load_tokenizer takes transformers' generic fast tokenizer class directly where the target's
+    tokenizer_config.json names it (the tiny target's and SmolLM2's do): the tokenizer AutoTokenizer
+    gives (same class, chat rendering and ids), and no torch import on the way. Remote code (auto_map)
+    or another class: AutoTokenizer decides. Fails when transformers moves the seam."""
+    import shutil
+
+    from eagle3.prepare.tokens import GENERIC_TOKENIZER_CLASS, _generic_tokenizer_class, load_tokenizer
+
+    assert json.loads((Path(tok_dir) / "tokenizer_config.json").read_text())["tokenizer_class"] == GENERIC_TOKENIZER_CLASS
+    ours = load_tokenizer(tok_dir)
+    assert _generic_tokenizer_class(tok_dir) is type(ours) is type(tok)
+    assert ours.apply_chat_template(CONV, tokenize=False) == tok.apply_chat_template(CONV, tokenize=False)
+    texts = [m["content"] for m in CONV] + [" x\n\ty ", "Ünïcode ✓"]
+    assert ours(texts)["input_ids"] == tok(texts)["input_ids"]
+    assert (ours.all_special_ids, ours.eos_token_id, len(ours)) == (tok.all_special_ids, tok.eos_token_id, len(tok))
+    code = (f"import sys; from eagle3.prepare.tokens import load_tokenizer; load_tokenizer({tok_dir!r}); "
+            "print('torch' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "False"
+
+    remote = tmp_path / "remote"
+    shutil.copytree(tok_dir, remote)
+    config = json.loads((remote / "tokenizer_config.json").read_text())
+    (remote / "tokenizer_config.json").write_text(json.dumps({**config, "auto_map": {"AutoTokenizer": ["x.Tok", None]}}))
+    assert _generic_tokenizer_class(str(remote)) is None
+    (remote / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "LlamaTokenizer"}))
+    assert _generic_tokenizer_class(str(remote)) is None
+
+
 def test_openai_and_sharegpt_shapes_give_identical_tokens(tmp_path, tok_dir):
     src = write_jsonl(tmp_path / "c.jsonl", [openai(CONV, id="oa"), sharegpt(CONV, id="sg")])
     loaded = dict(load_conversations(src))

@@ -84,16 +84,42 @@ def read_eval_prompts(out_dir: str | Path) -> list[list[int]]:
     return [json.loads(line)["prompt_token_ids"] for line in path.read_text().splitlines() if line.strip()]
 
 
-def load_tokenizer(tokenizer_dir: str):
-    """The target's tokenizer, refused when it has no chat template."""
-    from transformers import AutoTokenizer
+# transformers' generic fast tokenizer: AutoTokenizer builds this class for a tokenizer_config.json that
+# names it (as transformers 5 saves most models, SmolLM2 and the tiny target among them).
+GENERIC_TOKENIZER_CLASS = "TokenizersBackend"
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+
+def load_tokenizer(tokenizer_dir: str):
+    """The target's tokenizer, refused when it has no chat template. Where its tokenizer_config.json
+    names the generic fast tokenizer (GENERIC_TOKENIZER_CLASS, and no auto_map of remote code), that
+    class loads it directly: the tokenizer AutoTokenizer gives, without AutoTokenizer's resolution of
+    the model's config, which imports torch. On 2 cores: 1.0-1.6 s against ~5 s, paid by every
+    process that prepares (benchmarks/results/job/test-tiers.md, session 27;
+    tests/test_prepare.py checks both give the same tokens)."""
+    tokenizer_cls = _generic_tokenizer_class(tokenizer_dir)
+    if tokenizer_cls is None:
+        from transformers import AutoTokenizer as tokenizer_cls
+
+    tokenizer = tokenizer_cls.from_pretrained(tokenizer_dir)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"tokenizer in {tokenizer_dir!r} has no chat_template; prepare renders every "
                          "conversation with the target's own template, so use a chat/instruct model's "
                          "tokenizer or add a chat_template to its tokenizer_config.json")
     return tokenizer
+
+
+def _generic_tokenizer_class(tokenizer_dir: str):
+    """GENERIC_TOKENIZER_CLASS where tokenizer_dir's tokenizer_config.json names it and maps no remote
+    code; else None (AutoTokenizer decides)."""
+    try:
+        config = json.loads((Path(tokenizer_dir) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if config.get("tokenizer_class") != GENERIC_TOKENIZER_CLASS or "auto_map" in config:
+        return None
+    import transformers
+
+    return getattr(transformers, GENERIC_TOKENIZER_CLASS, None)
 
 
 @dataclass
