@@ -2,7 +2,8 @@
 
 The slow tier keeps both cores busy (vmstat: 0-2% idle), so only less CPU work shortens it. This
 runs a command (e.g. `make test-slow`) and samples /proc every `--every` seconds: each process's own
-CPU seconds (utime + stime), grouped by what it is: a Ray worker by its actor or task
+CPU seconds (utime + stime), every process of the machine, not only the command's (a job's Ray
+cluster outlives its driver's parentage; run it on an otherwise quiet machine), grouped by what it is: a Ray worker by its actor or task
 (`ray::RayTrainWorker`, the method dropped; a worker's first seconds as `default_worker.py` or
 `setup_worker.py` count under what it then became), a Python process by its module or script, the
 dashboard's head modules as one group, anything else by its executable. A process that lives
@@ -73,9 +74,9 @@ def sample(command: list[str], every: float) -> dict:
             if not pid.isdigit() or (got := _read(pid)) is None:
                 continue
             cmdline, start, cpu = got
-            entry = seen.setdefault(f"{pid}:{start}", [kind(cmdline), cpu])
-            entry[1] = max(entry[1], cpu)
             named = kind(cmdline)
+            entry = seen.setdefault(f"{pid}:{start}", [named, cpu])
+            entry[1] = max(entry[1], cpu)
             if entry[0] in UNNAMED and named not in UNNAMED:
                 entry[0] = named
         time.sleep(every)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from benchmarks.cpu_by_process import kind, sample
@@ -19,9 +20,11 @@ def test_kinds_group_ray_workers_by_actor_and_python_by_module():
     assert kind(["/usr/bin/raylet", "--node_ip_address=x"]) == "raylet"
 
 
-def test_a_busy_child_is_sampled_under_its_kind():
-    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass"
-    result = sample([sys.executable, "-c", busy], every=0.05)
+def test_a_busy_child_is_sampled_under_its_kind(tmp_path):
+    # a script of its own name: the sampler sees every process of the machine (another test's `python -c`)
+    busy = tmp_path / f"busy_{os.getpid()}.py"
+    busy.write_text("import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass\n")
+    result = sample([sys.executable, str(busy)], every=0.05)
     assert result["returncode"] == 0 and result["wall_s"] >= 0.6
     cpu = {name: (n, s) for name, n, s in result["by_kind"]}
-    assert cpu["python -c"][0] == 1 and cpu["python -c"][1] >= 0.3
+    assert cpu[f"python {busy.name}"][0] == 1 and cpu[f"python {busy.name}"][1] >= 0.3
