@@ -453,8 +453,10 @@ def eval_report(engines: list[dict], *, samplings: tuple[DecodeSampling, ...], s
             sp |= speedup_interval(rates, base_rates, paired=interleaved, precision=precision)
             results.append({k: r[k] for k in ("batch_size", "mode", "temperature", "top_p")}
                            | {"with_draft": {k: r[k] for k in ("tokens_per_s", "seconds", "num_tokens",
-                                                                "acceptance_length")},
-                              "without_draft": {k: b[k] for k in ("tokens_per_s", "seconds", "num_tokens")},
+                                                                "acceptance_length")}
+                                            | {"call_seconds": r.get("call_seconds", [])},
+                              "without_draft": {k: b[k] for k in ("tokens_per_s", "seconds", "num_tokens")}
+                                               | {"call_seconds": b.get("call_seconds", [])},
                               "speedup": sp})
         report["speed"] = {"num_speculative_tokens": speed_k, "enforce_eager": with_draft["enforce_eager"],
                            "interleaved": interleaved, "precision": precision,

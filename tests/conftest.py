@@ -38,6 +38,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 assert "torch" not in sys.modules or "OMP_WAIT_POLICY" in os.environ, \
     "tests/conftest.py: torch was imported before OMP_WAIT_POLICY was set"
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Ray Train's preemption watcher (an actor per training run that polls the nodes for a spot
+# instance's notice every 5 s) has nothing to watch on one machine: 27.7 CPU-s of the suite's 2,360, in
+# 15 runs, each its own process (benchmarks/results/job/test-tiers.md, session 27). No test covers
+# preemption; the product leaves the watcher on. Inherited by every job and Ray node the tests start.
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
 
 # Where the tiny target is kept between sessions; tests read it and never write into it.

@@ -312,6 +312,15 @@ def test_speed_keeps_each_generate_call_of_a_window(monkeypatch):
     [later] = e2.speed([[1, 2]], [window], greedy, rounds=[2], warmup=False, only=[(1, "greedy")])
     [merged] = merge_speed([[run], [later]])
     assert merged["call_seconds"] == [[1.0, 2.0, 1.0], [1.0, 5.0, 1.0], [3.0, 3.0, 3.0]]
+    # ... and reach eval.json, beside each window's seconds (session 28's lease found them dropped there)
+    base = e2.speed([[1, 2]], [window], greedy, rounds=[0, 1, 2], warmup=False, only=[(1, "greedy")])
+    engines = [{"num_speculative_tokens": 3, "draft": "d", "enforce_eager": True, "acceptance": {"greedy": _acc(2.0, 3)},
+                "speed": [merged]},
+               {"num_speculative_tokens": 0, "draft": None, "enforce_eager": True, "speed": merge_speed([base])}]
+    [res] = eval_report(engines, samplings=greedy, sampling_source="test", windows=(window,), speed_k=3,
+                        num_prompts=1, max_tokens=8)["speed"]["results"]
+    assert res["with_draft"]["call_seconds"] == merged["call_seconds"]
+    assert res["without_draft"]["call_seconds"] == [[3.0, 3.0, 3.0]] * 3
 
 
 def test_speed_times_more_rounds_until_precise_or_out_of_time(monkeypatch):
