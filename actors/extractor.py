@@ -3,7 +3,7 @@
 Placed by ray_jobs/extract.py on its own placement group (tensor_parallel_size *
 pipeline_parallel_size GPUs of one node, or one CPU bundle on a CPU cluster). Its
 outputs leave as Ray object refs: `extract_shard` has two returns, the encoded Arrow
-table (which the driver hands to a writer task without fetching it) and small stats.
+table (which the driver hands to its node's writer actor without fetching it) and small stats.
 Run it with max_concurrency=max_concurrency(extract_cfg): one thread per shard in flight, so
 that while earlier calls' tables are serialised into the object store, the next call already
 has the engine (Extractor holds an engine lock: one call at a time uses it).

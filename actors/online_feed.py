@@ -70,6 +70,7 @@ class OnlineFeed:
 
         from actors.extractor import ExtractorActor, max_concurrency
         from actors.replica_pool import ReplicaPool
+        from actors.writer import Writers
         from eagle3.extract.extractor import target_text_config
         from eagle3.extract.manifest import Manifest, ShardPlan
         from eagle3.train.online_feed import FeedState
@@ -99,6 +100,9 @@ class OnlineFeed:
             max_concurrency=max_concurrency(ecfg), what="online extraction replica")
         placed = self.pool.place(num_replicas, ecfg.placement_timeout_s)
         self._reader = None  # a ShardReader, once the first shard is read back from disk
+        # A ShardWriter per engine node, once its first shard is written (keep, the held-out split); like the
+        # reader, it ends with this actor.
+        self._writers = Writers(max_concurrency=ecfg.max_inflight_shards * len(placed))
         self._gauges = _Gauges()
         self._thread = threading.Thread(target=self._run, args=(placed,), name="online-feed", daemon=True)
         self._thread.start()
@@ -188,7 +192,6 @@ class OnlineFeed:
         resumes), as the split is a few seconds of prefill."""
         import ray
 
-        from actors.writer import write_shard
         from eagle3.extract.manifest import Manifest, ShardPlan
         from eagle3.prepare.heldout import heldout_rows
 
@@ -200,14 +203,14 @@ class OnlineFeed:
         manifest.open(self.heldout["fingerprint"])
         done = manifest.committed()
         live = self.pool.live()
-        writer = ray.remote(write_shard).options(num_cpus=0)
         pending = []
         for i, shard in enumerate(s for s in range(plan.num_shards) if s not in done):
             lo, hi = plan.rows(shard)
             r = live[i % len(live)]
             table_ref, stats_ref = r.actor.extract_shard.options(num_returns=2).remote(shard, tokens.slice(lo, hi - lo))
-            pending.append((shard, r, stats_ref, writer.remote(table_ref, str(manifest.data_path(shard)),
-                                                               ecfg.compression, ecfg.direct_io)))
+            write_ref = self._writers.write(r.node_id, table_ref, str(manifest.data_path(shard)), ecfg.compression,
+                                            ecfg.direct_io)
+            pending.append((shard, r, stats_ref, write_ref))
         num_tokens = 0
         for shard, r, stats_ref, write_ref in pending:
             stats, wstats = ray.get([stats_ref, write_ref])
@@ -228,13 +231,10 @@ class OnlineFeed:
 
     def _loop(self) -> None:
         import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from actors.replica_pool import failure_reason, is_system_failure
-        from actors.writer import write_shard
 
         ecfg, ocfg = self.cfg.extract, self.cfg.train.online
-        writer = ray.remote(write_shard)
         extracting: dict = {}  # stats ref -> (job id, table ref)
         reading: dict = {}  # table ref -> job id
         writing: dict = {}  # write ref -> (shard, stats)
@@ -286,10 +286,10 @@ class OnlineFeed:
                     if self.manifest is not None and job.shard not in self.state.on_disk \
                             and job.shard not in being_written:
                         being_written.add(job.shard)
-                        w = writer.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
-                            stats["node_id"], soft=True))
-                        writing[w.remote(table_ref, str(self.manifest.data_path(job.shard)), ecfg.compression,
-                                         ecfg.direct_io)] = (job.shard, stats)
+                        write_ref = self._writers.write(stats["node_id"], table_ref,
+                                                        str(self.manifest.data_path(job.shard)), ecfg.compression,
+                                                        ecfg.direct_io)
+                        writing[write_ref] = (job.shard, stats)
                 elif ref in reading:
                     job_id = reading.pop(ref)
                     with self.lock:

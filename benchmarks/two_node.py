@@ -43,8 +43,8 @@ memory, which the other engine's concurrent start would change. Training: one wo
 either node (NCCL cannot put two ranks on one device, and Ray would place the second on the
 other node's "GPU", the same device): the training check becomes "1 worker, nccl"; everything
 else is checked as with two GPUs. In run 2 the replacement node declares the same GPU 0.
-Hidden states in this (offline) job go engine -> object store -> a writer task on the engine's
-node (ray_jobs/extract.py places it there: the table is not copied between raylets) -> a shard
+Hidden states in this (offline) job go engine -> object store -> the writer actor of the engine's
+node (actors/writer.py places it there: the table is not copied between raylets) -> a shard
 file; the training worker reads the files of both nodes' shards. `--online` instead runs the job
 with `train.source: online` (gpu_split shared, epochs keep): every table extracted on the node the
 training worker is not on reaches it through the object store, across the raylets, and `keep`

@@ -231,7 +231,7 @@ class ExtractConfig:
     engine, i.e. tp*pp == 1), 'shm' (files in /dev/shm, deleted as soon as read), 'auto'."""
     max_inflight_shards: int = 3
     """Per replica: shards handed out but not yet written. Bounds object-store memory
-    (about this many shards of hidden states per replica) and sets how many writer tasks
+    (about this many shards of hidden states per replica) and sets how many writes
     and engine calls overlap."""
     placement_timeout_s: float = 600.0
     """How long to wait for GPUs before failing with what to check."""

@@ -1,8 +1,8 @@
 """Extraction driver: engine replicas on placement groups, shards handed out dynamically,
-tables written (Arrow IPC or Parquet) by tasks next to their engine, each shard committed exactly once.
+tables written (Arrow IPC or Parquet) by a writer actor next to their engine, each shard committed exactly once.
 
 What crosses this process is small: shard numbers, tokens slices (kilobytes), stats and
-object refs. Hidden states go engine actor -> object store -> writer task -> shard file.
+object refs. Hidden states go engine actor -> object store -> the node's writer actor -> shard file.
 Which shard goes where, what is redone after a loss and when to give up are decided by
 eagle3.extract.schedule.ShardScheduler; this module does the Ray side of it: how many replicas of what size
 (replica_layout), calling them and writing what they return. Placing and starting them and
@@ -142,10 +142,9 @@ def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str,
     stage); it is part of the output's fingerprint, so a resume never mixes the two."""
     import pyarrow.parquet as pq
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from actors.extractor import ExtractorActor, max_concurrency
-    from actors.writer import warm_writer, write_shard
+    from actors.writer import Writers
     from eagle3.schema import check_schema
 
     ecfg = cfg.extract
@@ -176,23 +175,21 @@ def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str,
                                 "why": why}
         log.info("extract: %d replica(s), each %s; replicas_per_gpu %d (%s)", num_replicas, bundle, ecfg.per_gpu, why)
 
-        def warm(nodes: set) -> list:
-            return [ray.remote(warm_writer).options(
-                        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote()
-                    for node in nodes for _ in range(ecfg.max_inflight_shards)]
-
+        writers = Writers(max_concurrency=ecfg.max_inflight_shards * num_replicas)
         pool = ReplicaPool(sched, ExtractorActor, lambda index: ((target_dir, ecfg), dict(
             max_length=cfg.prepare.max_length, dtype=cfg.target.dtype,
             trust_remote_code=cfg.target.trust_remote_code, replica=index)), bundle,
-            max_concurrency=max_concurrency(ecfg), what="extraction replica", warm=warm)
+            max_concurrency=max_concurrency(ecfg), what="extraction replica", warm=writers.warm)
         finished = False
         try:
             pool.start(num_replicas, ecfg.placement_timeout_s)
             summary["loop_s"] = _extract_loop(sched, pool, plan, tokens, manifest, committed, ecfg, progress,
-                                              writer=ray.remote(write_shard))
+                                              writers)
             finished = True
         finally:
             pool.shutdown(graceful=finished)  # after an error, no waiting on engines that may be gone
+            if finished:  # after an error, writes in flight finish as before (and end with the driver)
+                writers.shutdown()
         summary["replicas"] = pool.summary()
         summary["engine_starts"] = pool.starts
     summary.update(_totals(manifest, plan))
@@ -218,11 +215,10 @@ def check_room(out_dir: str, num_tokens: int, num_layers: int, hidden_size: int,
 
 
 def _extract_loop(sched: ShardScheduler, pool: ReplicaPool, plan: ShardPlan, tokens, manifest: Manifest,
-                  committed: dict, ecfg: ExtractConfig, progress: bool, writer) -> float:
+                  committed: dict, ecfg: ExtractConfig, progress: bool, writers) -> float:
     """Dispatch, wait, write, commit, until every shard is committed; returns the loop's seconds
     (the engines' start and shutdown are not extraction)."""
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     metrics = extract_metrics(plan.num_samples)
     bar = _progress(plan, committed, progress)
@@ -257,10 +253,8 @@ def _extract_loop(sched: ShardScheduler, pool: ReplicaPool, plan: ShardPlan, tok
                     raise
                 lose(shard, exc, replica_died=True)
             else:
-                w = writer.options(num_cpus=0,
-                                   scheduling_strategy=NodeAffinitySchedulingStrategy(stats["node_id"], soft=True))
-                writing[w.remote(table_ref, str(manifest.data_path(shard)), ecfg.compression, ecfg.direct_io)] = \
-                    (shard, stats)
+                writing[writers.write(stats["node_id"], table_ref, str(manifest.data_path(shard)), ecfg.compression,
+                                      ecfg.direct_io)] = (shard, stats)
         else:
             shard, stats = writing.pop(ref)
             try:

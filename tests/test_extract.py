@@ -194,6 +194,7 @@ def _dataset_ids(files):
 
 @pytest.mark.slow  # starts Ray
 def test_extract_commits_each_sample_once_and_resumes(tiny_target, tmp_path, ray_shared, caplog):
+    from eagle3.extract.manifest import Manifest
     from ray_jobs.extract import run_extract
 
     lengths = [5 + (7 * i) % 90 for i in range(40)] + [300]  # the last one is over the engine's limit
@@ -210,6 +211,8 @@ def test_extract_commits_each_sample_once_and_resumes(tiny_target, tmp_path, ray
     assert reject["sample_id"] == "s0040" and "300 tokens" in reject["reason"]
     assert first["bytes_per_token"] >= 4 * 256 * 2  # four bf16 layers of 256 per token
     assert all(f.endswith(".arrow") for f in first["files"])
+    # One node, one writer process for the run's every write (actors/writer.ShardWriter).
+    assert len({r["writer_pid"] for r in Manifest(out).committed().values()}) == 1
 
     # A crash between write and commit leaves a data file without its commit; a crash mid-write
     # leaves a temp file. The rerun redoes exactly those shards and skips the rest.

@@ -5,8 +5,8 @@ its output checked by sample id and content: 0 lost, 0 duplicated.
   by the test: needs root, as on the project's CI machines): a clear error naming the path and
   the bytes needed, no partial shard counted, and the resubmitted job completes once the file
   system has room.
-- a writer task's process killed (SIGKILL) in the middle of a shard's write: the job finishes
-  by itself, and the dead write's temporary file is removed at the end.
+- the shard writer's process killed (SIGKILL) in the middle of a shard's write: the job finishes
+  by itself, and the dead writes' temporary files are removed at the end.
 - a Ray Train worker killed (SIGKILL) after a checkpoint: Ray Train restarts it from that
   checkpoint in the same job (train.checkpoint.max_failures), and the loss curve goes on;
 - the driver killed (SIGKILL) during training, its cluster gone: the resubmitted job redoes no
@@ -164,15 +164,17 @@ def test_output_filesystem_full_mid_extraction_then_resubmit_completes(tiny_targ
 
 @pytest.mark.slow
 def test_writer_killed_mid_write_loses_and_duplicates_nothing(tiny_target, tmp_path):
-    """SIGKILL of a writer task's process while its shard's temporary file is open (the file's
-    name carries the writer's pid; inotify tells the test of the file as it is created). The job
-    finishes by itself: the shard is extracted and written again, every sample is in the output
-    once, and no temporary file is left."""
+    """SIGKILL of the node's shard writer (actors/writer.ShardWriter) while a shard's temporary
+    file is open (the file's name carries the writer's pid; inotify tells the test of the file as
+    it is created). The job finishes by itself: the writer restarts, each write it had in flight is
+    written again, every sample is in the output once, and no temporary file is left."""
     import re
     import signal
     import time
 
     import psutil
+
+    from eagle3.extract.manifest import Manifest
 
     out = tmp_path / "out"
     data = _conversations(tmp_path / "conversations.jsonl", 64)
@@ -206,7 +208,9 @@ def test_writer_killed_mid_write_loses_and_duplicates_nothing(tiny_target, tmp_p
                     # not killed mid-write (seen once: the job then had no temporary file to remove):
                     # only a file still there once its writer is dead counts; else wait for the next.
                     if (data_dir / name).exists():
-                        killed = (int(m.group(1)), pid, name)
+                        # Every write in flight in that process died with it, each leaving its file.
+                        left = sorted(p.name for p in data_dir.glob(f".shard-*.tmp-{pid}"))
+                        killed = (int(m.group(1)), pid, left)
                         break
         if created is not None:
             created.close()
@@ -215,12 +219,15 @@ def test_writer_killed_mid_write_loses_and_duplicates_nothing(tiny_target, tmp_p
         _stop(job)
     assert killed is not None, "no write was caught in progress: " + text[-2000:]
     assert job.returncode == 0, text[-3000:]
-    shard, pid, name = killed
-    # The killed write left its temporary file (it died mid-write); the shard was written again
-    # (Ray's own task retry, or our scheduler handing it out again), and the end of the run removed it.
-    assert f"removed 1 unfinished temporary files of lost writes ({name})" in text, text[-3000:]
+    shard, pid, left = killed
+    # The killed writes left their temporary files (they died mid-write); each shard was written again
+    # (Ray's retry of the writer's task, or our scheduler handing it out again), and the end of the run
+    # removed the files.
+    assert f"removed {len(left)} unfinished temporary files of lost writes ({', '.join(left[:3])})" in text, \
+        text[-3000:]
     check_every_sample_once(out)
     assert not [p.name for p in data_dir.iterdir() if p.name.startswith(".")]
+    assert Manifest(out / "hidden_states").committed()[shard]["writer_pid"] != pid  # written again, by another process
     print(f"\nwriter pid {pid} killed mid-write of shard {shard}; job finished, 0 lost, 0 duplicated")
 
 
