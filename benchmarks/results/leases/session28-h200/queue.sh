@@ -36,6 +36,10 @@ STEPS=$(( ($(left) - RESERVE) * 87 / 10 / 100 * 100 ))
 [ $STEPS -gt 7200 ] && STEPS=7200
 echo "$(date +%T) $(left)s left, ${RESERVE}s kept for the rest of the job: train.num_steps $STEPS" >> $R/queue.log
 step qwen-job 1300 python -m ray_jobs.run --config $C --set train.num_steps=$STEPS
+# The draft (~114 MB) packed for two collecting calls to bring back (README.md, "How to run it", step 4): later
+# leases can then evaluate it (other k, speed windows, call_seconds) without training it again.
+mkdir -p /tmp/draft-back && tar cf - -C $J draft | split -b 15M -d - /tmp/draft-back/draft.tar.
+(cd /tmp/draft-back && sha256sum draft.tar.* > SHA256SUMS && ls -la >> $R/queue.log)
 df -h /tmp >> $R/queue.log
 echo "$(date +%T) queue done" >> $R/queue.log
 bash $L/../session24-h200/gather.sh
