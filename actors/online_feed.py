@@ -233,6 +233,7 @@ class OnlineFeed:
         import ray
 
         from actors.replica_pool import failure_reason, is_system_failure
+        from actors.writer import shard_io_actor
 
         ecfg, ocfg = self.cfg.extract, self.cfg.train.online
         extracting: dict = {}  # stats ref -> (job id, table ref)
@@ -252,9 +253,7 @@ class OnlineFeed:
                     job.shard, self.tokens.slice(lo, hi - lo))
                 extracting[stats_ref] = (job.id, table_ref)
             if reads and self._reader is None:
-                # Restarted where its process dies, a read in flight then read again (as a task is retried).
-                self._reader = ray.remote(ShardReader).options(num_cpus=0, max_concurrency=4, max_restarts=-1,
-                                                               max_task_retries=3).remote()
+                self._reader = shard_io_actor(ShardReader, max_concurrency=4)
             for job in reads:
                 reading[self._reader.read.remote(str(self.manifest.data_path(job.shard)))] = job.id
             refs = list(extracting) + list(reading) + list(writing)

@@ -35,6 +35,19 @@ class ShardWriter:
         return write_shard(table, path, compression, direct_io)
 
 
+def shard_io_actor(cls, *, max_concurrency: int, node_id: str | None = None):
+    """An actor of `cls` for shard files (ShardWriter, the online feed's ShardReader): no CPU of its
+    own (it waits on the disk), `max_concurrency` calls at a time (threads), and restarted where its
+    process dies, the calls in flight then run again (as Ray retries a task). On node_id where given
+    (soft: one whose node is gone restarts on another)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    placement = {} if node_id is None else {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=True)}
+    return ray.remote(cls).options(num_cpus=0, max_concurrency=max_concurrency, max_restarts=-1, max_task_retries=3,
+                                   **placement).remote()
+
+
 class Writers:
     """The run's ShardWriters, one per node, each created on the first write (or `warm`) for its
     node. max_concurrency: threads of each, at least the writes that can be in flight on one node
@@ -48,15 +61,10 @@ class Writers:
         self.actors: dict[str, object] = {}  # node id -> ShardWriter actor
 
     def on(self, node_id: str):
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
         if node_id not in self.actors:
-            # soft: a writer whose node is gone restarts on another; the tables it was writing went with the node,
+            # A writer whose node is gone restarts on another; the tables it was writing went with the node,
             # so those writes fail as lost and their shards are handed out again.
-            self.actors[node_id] = ray.remote(ShardWriter).options(
-                num_cpus=0, max_concurrency=self.max_concurrency, max_restarts=-1, max_task_retries=3,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True)).remote()
+            self.actors[node_id] = shard_io_actor(ShardWriter, max_concurrency=self.max_concurrency, node_id=node_id)
         return self.actors[node_id]
 
     def warm(self, nodes: set) -> list:

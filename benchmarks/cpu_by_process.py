@@ -3,12 +3,12 @@
 The slow tier keeps both cores busy (vmstat: 0-2% idle), so only less CPU work shortens it. This
 runs a command (e.g. `make test-slow`) and samples /proc every `--every` seconds: each process's own
 CPU seconds (utime + stime), every process of the machine, not only the command's (a job's Ray
-cluster outlives its driver's parentage; run it on an otherwise quiet machine), grouped by what it is: a Ray worker by its actor or task
-(`ray::RayTrainWorker`, the method dropped; a worker's first seconds as `default_worker.py` or
-`setup_worker.py` count under what it then became), a Python process by its module or script, the
-dashboard's head modules as one group, anything else by its executable. A process that lives
-less than one period is missed, and a killed one keeps its last sample: the total is a lower bound
-(86% of 2 cores x wall in session 27's run).
+cluster outlives its driver's parentage; run it on an otherwise quiet machine), grouped by what it
+is: a Ray worker by its actor or task (`ray::RayTrainWorker`, the method dropped; a worker's first
+seconds as `default_worker.py` or `setup_worker.py` count under what it then became), a Python
+process by its module or script, the dashboard's head modules as one group, anything else by its
+executable. A process that lives less than one period is missed, and a killed one keeps its last
+sample: the total is a lower bound (86% of 2 cores x wall in session 27's run).
 
     python -m benchmarks.cpu_by_process --out cpu.json -- make test-slow
 

@@ -29,7 +29,8 @@ def test_pip_settings_become_uvs_with_its_separators():
 
 def test_the_highest_level_wins_as_in_pip():
     # PIP_FIND_LINKS (':env:') over the user's file over the global one, whatever order pip lists them in
-    listed = ":env:.find-links='/env'\nglobal.find-links='/global'\nuser.find-links='/user'\nuser.index-url='https://u/simple'\n"
+    listed = (":env:.find-links='/env'\nglobal.find-links='/global'\nuser.find-links='/user'\n"
+              "user.index-url='https://u/simple'\n")
     env = uv_env(listed)
     assert env["UV_FIND_LINKS"] == "/env" and env["UV_INDEX_URL"] == "https://u/simple"
 

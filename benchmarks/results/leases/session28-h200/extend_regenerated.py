@@ -13,11 +13,10 @@ the same conversations. Shard k holds conversations [256k, 256(k+1)) of prepare'
 seed is a function of (seed, sample id, turn) alone (turn_seed), so a full shard of the old run is
 what the new run would write for that shard. This script keeps a committed shard only where that is
 shown, not assumed:
-1. the new fingerprint differs from the old one in num_samples and sample_ids_sha256 only (same
-   target, sampling, max_length, cut, samples_per_shard);
-2. the first old num_samples ids of the new prepare hash to the old sample_ids_sha256 (the old ids
-   are a prefix of the new ones);
-3. the shard is full in the old plan (its rows are the same in both plans), and its data file's
+1. the old fingerprint is regenerate_fingerprint's for the new prepare's first num_samples ids with
+   this config's settings: the old ids are a prefix of the new ones, and the target, sampling,
+   max_length, cut and samples_per_shard are the same;
+2. the shard is full in the old plan (its rows are the same in both plans), and its data file's
    conversations with its commit's rejects are exactly the new plan's ids for it.
 Every other shard (session 25's last, partial one) loses its data and commit files, and so do
 tokens.parquet and rejects.jsonl (the stage's finalize writes them again from all shards); the new
@@ -27,7 +26,6 @@ stage then reports "N of M shards committed" and starts engines for the rest onl
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -39,14 +37,6 @@ from eagle3.extract.manifest import Manifest, ShardPlan, atomic_write_text
 from eagle3.prepare.regenerate import conversation_ids, regenerate_fingerprint, resolve_sampling
 
 
-def ids_sha256(ids: list[str]) -> str:
-    h = hashlib.sha256()  # as regenerate_fingerprint hashes them
-    for s in ids:
-        h.update(s.encode())
-        h.update(b"\0")
-    return h.hexdigest()
-
-
 def main(config: str, job_dir: str) -> int:
     cfg = load_job_config(config)
     job = Path(job_dir)
@@ -55,24 +45,26 @@ def main(config: str, job_dir: str) -> int:
                            .column("sample_id").to_pylist())
     sps = cfg.regenerate.samples_per_shard
     new_plan = ShardPlan(len(ids), sps)
-    new_fp = regenerate_fingerprint(ids, sps, resolve_sampling(cfg.regenerate, target), target=target,
-                                    max_length=cfg.prepare.max_length,
-                                    assistant_only_loss=cfg.prepare.assistant_only_loss,
-                                    chat_template_kwargs=cfg.prepare.chat_template_kwargs, cut=cfg.regenerate.cut)
+    sampling = resolve_sampling(cfg.regenerate, target)
+
+    def fingerprint(sample_ids: list[str]) -> dict:
+        return regenerate_fingerprint(sample_ids, sps, sampling, target=target, max_length=cfg.prepare.max_length,
+                                      assistant_only_loss=cfg.prepare.assistant_only_loss,
+                                      chat_template_kwargs=cfg.prepare.chat_template_kwargs, cut=cfg.regenerate.cut)
+
+    new_fp = fingerprint(ids)
     root = job / "regenerated"
     old_fp = json.loads((root / "MANIFEST.json").read_text())
     if old_fp == new_fp:
         print(f"{root}: already this prepare's regeneration; nothing to do")
         return 0
-    differs = sorted(k for k in set(old_fp) | set(new_fp) if old_fp.get(k) != new_fp.get(k))
-    if set(differs) - {"num_samples", "sample_ids_sha256"}:
-        found = {k: (old_fp.get(k), new_fp.get(k)) for k in differs}
-        raise SystemExit(f"{root} was regenerated with other settings ({found}, as (old, now)): no shard of it "
-                         "can be kept")
     n_old = old_fp["num_samples"]
-    if n_old > len(ids) or ids_sha256(ids[:n_old]) != old_fp["sample_ids_sha256"]:
-        raise SystemExit(f"the old run's {n_old} conversation ids are not the first {n_old} of this prepare's "
-                         f"{len(ids)}: no shard of it can be kept")
+    prefix_fp = fingerprint(ids[:n_old])
+    if n_old > len(ids) or prefix_fp != old_fp:
+        found = {k: (old_fp.get(k), prefix_fp.get(k)) for k in sorted(set(old_fp) | set(prefix_fp))
+                 if old_fp.get(k) != prefix_fp.get(k)}
+        raise SystemExit(f"{root} is not the regeneration of this prepare's first {n_old} conversations with these "
+                         f"settings (differs in {found}, as (old, now)): no shard of it can be kept")
     old_plan = ShardPlan(n_old, sps)
     manifest = Manifest(root, "parquet")
     kept, dropped = [], []
@@ -85,7 +77,7 @@ def main(config: str, job_dir: str) -> int:
         if full_in_old and found == set(ids[lo:hi]):
             kept.append(shard)
             continue
-        if full_in_old:  # a full shard whose ids do not match the plan: the prefix check should have said so
+        if full_in_old:  # a full shard whose ids do not match the plan: the fingerprint check should have said so
             raise SystemExit(f"shard {shard}: its conversations are not rows [{lo}, {hi}) of this prepare")
         dropped.append(shard)
         (manifest.commit_dir / f"shard-{shard:06d}.json").unlink()
