@@ -66,6 +66,21 @@ SLOW_FILE_ORDER = ("test_faults.py", "test_real_target_job.py", "test_online.py"
                    "test_doctor.py", "test_regenerate.py", "test_compat.py", "test_prepare.py", "test_engine_logs.py")
 
 
+def pytest_runtest_logreport(report):
+    """EAGLE3_TEST_TIMELINE=FILE: one JSON line per phase of each test (xdist worker, test, phase,
+    start and stop wall clock), appended by every worker: when each worker ran what, and where a
+    worker waited (benchmarks/test_timeline.py reads it)."""
+    path = os.environ.get("EAGLE3_TEST_TIMELINE")
+    # xdist's controller gets each worker's reports again (report.node): the worker wrote them
+    if path and ("PYTEST_XDIST_WORKER" in os.environ or not hasattr(report, "node")):
+        import json
+
+        rec = {"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "test": report.nodeid, "when": report.when,
+               "start": report.start, "stop": report.stop, "outcome": report.outcome}
+        with open(path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
 def _file_rank(item) -> int:
     name = item.path.name
     return SLOW_FILE_ORDER.index(name) if name in SLOW_FILE_ORDER else len(SLOW_FILE_ORDER)
