@@ -9,8 +9,8 @@ its output checked by sample id and content: 0 lost, 0 duplicated.
   by itself, and the dead writes' temporary files are removed at the end.
 - a Ray Train worker killed (SIGKILL) after a checkpoint: Ray Train restarts it from that
   checkpoint in the same job (train.checkpoint.max_failures), and the loss curve goes on;
-- the driver killed (SIGKILL) during training, its cluster gone: the resubmitted job redoes no
-  extraction and resumes training from the checkpoint.
+- then, in that job, the driver killed (SIGKILL) during training, its cluster gone: the
+  resubmitted job redoes no extraction and resumes training from the checkpoint.
 
 The job-as-a-subprocess machinery (start, wait, SIGKILL of the driver, the per-sample check) is
 tests/fault_jobs.py, shared with the GPU driver-kill test (tests/gpu/test_gpu_faults.py).
@@ -82,6 +82,39 @@ def test_shard_that_does_not_fit_is_a_clear_error_and_leaves_nothing(tmp_path, n
         assert read_shards([fs / name]).equals(table)
 
 
+def test_commit_record_that_does_not_fit_is_a_clear_error_and_counts_nothing(tmp_path):
+    """The last data file took the last of the room: its commit record (a few hundred bytes) does not
+    fit. The error says where, that the shard is not counted and what to do; no record, temporary or
+    whole, is left, and once there is room the same commit goes through."""
+    import errno
+
+    from eagle3.extract.manifest import Manifest
+
+    with small_filesystem(tmp_path / "fs", "256k") as fs:
+        manifest = Manifest(fs)
+        manifest.open({"input": "x"})
+        manifest.data_path(0).write_bytes(b"shard")
+        ballast = fs / "ballast"
+        fd = os.open(ballast, os.O_WRONLY | os.O_CREAT)
+        try:  # the rest of the file system, to the last byte
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+        finally:
+            os.close(fd)
+        with pytest.raises(OSError) as err:
+            manifest.commit(0, {"num_samples": 4})
+        assert err.value.errno == errno.ENOSPC
+        msg = str(err.value)
+        assert f"No space left on the file system of {fs / 'committed'} writing the commit record of shard 0" in msg
+        assert "shard-000000.arrow is written but not committed" in msg and "resubmit the same job" in msg
+        assert os.listdir(fs / "committed") == [] and manifest.committed() == {}
+        ballast.unlink()
+        manifest.commit(0, {"num_samples": 4})
+        assert manifest.committed()[0]["num_samples"] == 4
+
+
 # ---------------------------------------------------------------------------------------------
 # the real job: prepare + extract (hf backend: the engine is not under test) on a local cluster
 
@@ -139,8 +172,12 @@ def test_output_filesystem_full_mid_extraction_then_resubmit_completes(tiny_targ
             text = "".join(lines)
             assert ballast.exists(), text[-3000:]
             assert second.returncode != 0, text[-3000:]
-            assert f"No space left on the file system of {fs / 'data'} writing shard-" in text, text[-3000:]
-            assert "bytes are free there" in text and "the shard needs about" in text
+            # a shard's data file that does not fit, or (where the last data file took the last of the room)
+            # its commit record: either is said as clearly
+            assert re.search(rf"No space left on the file system of ({re.escape(str(fs / 'data'))} writing shard-.*the "
+                             rf"shard needs about|{re.escape(str(fs / 'committed'))} writing the commit record of "
+                             r"shard \d+ .*is written but not committed)", text), text[-3000:]
+            assert "bytes are free there" in text
             manifest = Manifest(fs)
             committed = manifest.committed()
             num_shards = -(-pq.read_metadata(out / "prepared" / "tokens.parquet").num_rows // 4)
@@ -254,11 +291,11 @@ TRAIN_STEPS, CKPT_EVERY = 10, 4
 STEP_POLL_S = 0.1
 
 
-def _start_job(out: Path, data: Path, tiny_target: str, *extra: str) -> subprocess.Popen:
+def _start_job(out: Path, data: Path, tiny_target: str, *extra: str, steps: int = TRAIN_STEPS) -> subprocess.Popen:
     return start_job("configs/demo.yaml", out, f"target.model={tiny_target}", f"prepare.conversations={data}",
                      "prepare.num_eval_prompts=1", "stages=[prepare, extract, train]", "doctor=false",
                      "extract.backend=hf", "extract.samples_per_shard=16", "ray.num_cpus=2",
-                     f"train.num_steps={TRAIN_STEPS}", f"train.checkpoint.checkpoint_every={CKPT_EVERY}", *extra)
+                     f"train.num_steps={steps}", f"train.checkpoint.checkpoint_every={CKPT_EVERY}", *extra)
 
 
 def _steps(metrics: Path) -> list[int]:
@@ -290,78 +327,76 @@ def _registered_steps(out: Path) -> list[int]:
     return sorted(c.metrics["step"] for c in snap.checkpoints if "step" in c.metrics) if snap is not None else []
 
 
-def _wait_for_registered_checkpoint(job: subprocess.Popen, out: Path) -> None:
-    """Until Ray Train holds a checkpoint the fault can be recovered from (step < TRAIN_STEPS)."""
+def _wait_for_registered_checkpoint(job: subprocess.Popen, out: Path, steps: int = TRAIN_STEPS) -> None:
+    """Until Ray Train holds a checkpoint the fault can be recovered from (step < the run's `steps`)."""
     import time
 
-    while job.poll() is None and not [s for s in _registered_steps(out) if CKPT_EVERY <= s < TRAIN_STEPS]:
+    while job.poll() is None and not [s for s in _registered_steps(out) if CKPT_EVERY <= s < steps]:
         time.sleep(STEP_POLL_S)
     assert job.poll() is None, "the job ended before Ray Train registered a checkpoint: " + job.communicate()[0][-3000:]
 
 
+# Both training faults in one job (as the online fault test folds its two): a cluster, prepare and
+# extraction fewer than a job each. Two checkpoints before the end: the worker is killed after the
+# first one registered, the driver after the restart has trained on.
+FOLD_STEPS = 3 * CKPT_EVERY
+
+
+def _restart(steps: list[int]) -> int | None:
+    """Where metrics.jsonl starts over (the first step not after the one before it), if it does."""
+    return next((i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]), None)
+
+
 @pytest.mark.slow
-def test_training_worker_killed_restarts_from_its_checkpoint_within_the_job(tiny_target, tmp_path):
-    """SIGKILL of the Ray Train worker process after a checkpoint: Ray Train (FailureConfig,
-    train.checkpoint.max_failures) restarts the worker group from the last checkpoint, no
-    resubmit; metrics.jsonl goes on from the step after that checkpoint to the end."""
+def test_training_worker_then_driver_killed_each_resumes_from_its_checkpoint(tiny_target, tmp_path, shared_ray):
+    """Two faults in one job's training, each with its own assertions below:
+    - SIGKILL of the Ray Train worker process after a checkpoint: Ray Train (FailureConfig,
+      train.checkpoint.max_failures) restarts the worker group from the last checkpoint, no
+      resubmit; metrics.jsonl goes on from the step after that checkpoint;
+    - once the restarted group has trained two steps, SIGKILL of the driver (its local cluster's
+      processes are then stopped by the test, as a lost head would take them): the same job
+      resubmitted, to another cluster (the session's shared one, conftest's shared_ray), skips
+      prepare's and extract's committed outputs and resumes training from the last registered
+      checkpoint, to the end."""
     import signal
+    import time
 
     out = tmp_path / "out"
-    job = _start_job(out, _conversations(tmp_path / "conversations.jsonl", 64), tiny_target)
+    data = _conversations(tmp_path / "conversations.jsonl", 64)
+    job = _start_job(out, data, tiny_target, steps=FOLD_STEPS)
     metrics = out / "train" / "metrics.jsonl"
     try:
         _wait_for_step(job, metrics, CKPT_EVERY + 2)
-        _wait_for_registered_checkpoint(job, out)
+        _wait_for_registered_checkpoint(job, out, FOLD_STEPS)
         workers = [p for p in _descendants(job.pid) if p.name() == "ray::RayTrainWorker"]  # not its data workers
         assert len(workers) == 1, [p.name() for p in _descendants(job.pid)]
         registered = _registered_steps(out)[-1]
         killed_after = _steps(metrics)[-1]
         workers[0].send_signal(signal.SIGKILL)
-        text, _ = job.communicate(timeout=600)
-    finally:
-        _stop(job)
-    assert job.returncode == 0, text[-3000:]
-    steps = _steps(metrics)
-    restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
-    before, after = steps[:restart], steps[restart:]
-    assert before == list(range(1, len(before) + 1)) and before[-1] >= killed_after
-    resumed_at = after[0] - 1
-    # The last checkpoint Ray Train held: the one registered before the kill, or a later one it
-    # registered while the kill landed.
-    assert resumed_at % CKPT_EVERY == 0 and CKPT_EVERY <= registered <= resumed_at <= killed_after
-    assert after == list(range(resumed_at + 1, TRAIN_STEPS + 1))  # the curve goes on to the end
-    report = json.loads((out / "report.json").read_text())
-    assert report["stages"]["train"]["steps"] == TRAIN_STEPS
-    print(f"\ntrain worker killed after step {killed_after}; Ray Train resumed at step {resumed_at + 1}, "
-          f"finished {TRAIN_STEPS} steps in the same job")
-
-
-@pytest.mark.slow
-def test_driver_killed_in_training_then_resubmitted_resumes_without_redoing_extraction(tiny_target, tmp_path,
-                                                                                       shared_ray):
-    """SIGKILL of the driver after a checkpoint (its local cluster's processes are then stopped
-    by the test, as a lost head would take them); the same job resubmitted, to another cluster
-    (the session's shared one, conftest's shared_ray), skips prepare's and extract's committed
-    outputs and resumes training from the checkpoint."""
-    import time
-
-    out = tmp_path / "out"
-    data = _conversations(tmp_path / "conversations.jsonl", 64)
-    job = _start_job(out, data, tiny_target)
-    metrics = out / "train" / "metrics.jsonl"
-    try:
-        _wait_for_step(job, metrics, CKPT_EVERY + 2)
-        _wait_for_registered_checkpoint(job, out)
+        # Ray Train restarts the group: metrics.jsonl starts over, then goes on for two steps.
+        while job.poll() is None and (_restart(_steps(metrics)) is None
+                                      or len(_steps(metrics)) < _restart(_steps(metrics)) + 2):
+            time.sleep(STEP_POLL_S)
+        assert job.poll() is None, "the job ended before the driver was killed: " + job.communicate()[0][-3000:]
         kill_all(kill_driver(job))  # only what this driver started
         time.sleep(1)
     finally:
         _stop(job)
-    # What the resubmit restores: the checkpoints Ray Train had registered when the driver died.
+    steps = _steps(metrics)
+    restart = _restart(steps)
+    before, after = steps[:restart], steps[restart:]
+    # the worker's kill: Ray Train resumed at the checkpoint it held, registered before the kill or
+    # while the kill landed, and trained on in the same job
+    assert before == list(range(1, len(before) + 1)) and before[-1] >= killed_after
+    resumed_at = after[0] - 1
+    assert resumed_at % CKPT_EVERY == 0 and CKPT_EVERY <= registered <= resumed_at <= killed_after
+    assert after == list(range(resumed_at + 1, resumed_at + 1 + len(after))) and len(after) >= 2
+
+    # The driver's kill. What the resubmit restores: the checkpoints Ray Train had registered then.
     ckpts = _registered_steps(out)
-    assert ckpts and ckpts[-1] < TRAIN_STEPS and set(ckpts) <= set(_checkpointed_steps(out)), ckpts
+    assert ckpts and resumed_at <= ckpts[-1] < FOLD_STEPS and set(ckpts) <= set(_checkpointed_steps(out)), ckpts
     shards_before = shard_mtimes(out)
-    killed_after = _steps(metrics)[-1]
-    job = _start_job(out, data, tiny_target, f"ray.address={shared_ray}")
+    job = _start_job(out, data, tiny_target, f"ray.address={shared_ray}", steps=FOLD_STEPS)
     text, _ = job.communicate(timeout=600)
     assert job.returncode == 0, text[-3000:]
     report = json.loads((out / "report.json").read_text())
@@ -370,9 +405,11 @@ def test_driver_killed_in_training_then_resubmitted_resumes_without_redoing_extr
     assert re.search(r"extract: (\d+) of \1 shards already committed", text), text[-3000:]
     assert shard_mtimes(out) == shards_before
     summary = json.loads((out / "train" / "train_summary.json").read_text())
-    assert summary["resumed_from_step"] == ckpts[-1] and summary["steps"] == TRAIN_STEPS
+    assert summary["resumed_from_step"] == ckpts[-1]
+    assert summary["steps"] == report["stages"]["train"]["steps"] == FOLD_STEPS
     steps = _steps(metrics)
-    assert steps[len(steps) - (TRAIN_STEPS - ckpts[-1]):] == list(range(ckpts[-1] + 1, TRAIN_STEPS + 1))
+    assert steps[len(steps) - (FOLD_STEPS - ckpts[-1]):] == list(range(ckpts[-1] + 1, FOLD_STEPS + 1))
     check_every_sample_once(out)
-    print(f"\ndriver killed after step {killed_after} (checkpoint {ckpts[-1]}); resubmit skipped extraction "
-          f"({num_shards} shards) and trained steps {ckpts[-1] + 1}..{TRAIN_STEPS}")
+    print(f"\ntrain worker killed after step {killed_after}; Ray Train resumed at step {resumed_at + 1}; driver killed "
+          f"after step {after[-1]} (checkpoint {ckpts[-1]}); resubmit skipped extraction ({num_shards} shards) and "
+          f"trained steps {ckpts[-1] + 1}..{FOLD_STEPS}")

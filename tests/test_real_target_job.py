@@ -63,8 +63,8 @@ def test_whole_job_on_smollm2_and_sharegpt(tmp_path, smollm2_target, shared_ray)
             # GPU ('auto' is one at a time on the CPU), taking turns at the batch-1 windows
             "eval.speed_batch_sizes=[1]", "eval.engines_at_once=true",
             # rounds beyond the repeats, as on a GPU (0 s on the CPU by default): a precision no window
-            # reaches, so they go on until their 5 s are spent
-            "eval.speed_precision=0.001", "eval.speed_max_s=5",
+            # reaches, so they go on until their 1 s is spent (one round or more: each is ~1 s here)
+            "eval.speed_precision=0.001", "eval.speed_max_s=1",
             # windows of 8 tokens a prompt instead of the CPU's 24: what is asserted is their pairing and rounds
             "eval.speed_window_tokens=8"]
     proc = subprocess.run([sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml",

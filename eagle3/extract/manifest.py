@@ -16,9 +16,11 @@ plain directory's shard files).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,7 +100,20 @@ class Manifest:
         if not self.data_path(shard).exists():
             raise AssertionError(f"commit of shard {shard} before its data file exists")
         record = {**record, "file": self.data_path(shard).name}
-        atomic_write_text(self.commit_dir / f"shard-{shard:06d}.json", json.dumps(record, sort_keys=True))
+        text = json.dumps(record, sort_keys=True)
+        try:
+            atomic_write_text(self.commit_dir / f"shard-{shard:06d}.json", text)
+        except OSError as e:
+            # The data file took the last of the room (seen on a small tmpfs): as clear as a shard's own.
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            usage = shutil.disk_usage(self.commit_dir)
+            what = "Disk quota exceeded" if e.errno == errno.EDQUOT else "No space left"
+            raise OSError(e.errno, f"{what} on the file system of {self.commit_dir} writing the commit record of shard "
+                          f"{shard} ({len(text)} bytes; {usage.free:,} bytes are free there): its data file "
+                          f"{self.data_path(shard).name} is written but not committed, so it does not count and is "
+                          "written again. Free space there (or set output_dir on a larger disk) and resubmit the same "
+                          "job: the shards already committed are kept and not redone") from e
 
     def remove_temp_files(self) -> list[str]:
         """Delete the temporary files of writes that never finished (a writer killed mid-write

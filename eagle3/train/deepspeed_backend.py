@@ -10,10 +10,9 @@ training loop (eagle3.train.trainer), or multi-process launch (actors.trainer vi
 CPU: DeepSpeed's "AdamW" config optimizer builds a compiled op (FusedAdam / DeepSpeedCPUAdam,
 ~55 s) on the CPU accelerator, so on CPU the optimizer is a torch.optim.AdamW handed to
 deepspeed.initialize as a client optimizer; the scheduler still comes from the config.
-Every first DeepSpeed init on a machine compiles its shared-memory comm op
-(`deepspeed_shm_comm`, ~34 s on 2 cores) into TORCH_EXTENSIONS_DIR (default
-~/.cache/torch_extensions); later processes load it in ~0.1 s. DeepSpeed 0.19 has no switch
-to skip it (TorchBackend builds it unconditionally on the CPU accelerator).
+DeepSpeed 0.19 builds its shared-memory all-reduce op (`deepspeed_shm_comm`, ~34 s on 2 cores,
+once per machine) at every init on the CPU accelerator, with no switch to skip it; on the CPU it
+is marked incompatible first (compat/deepspeed_comm), so ranks all-reduce through gloo.
 """
 
 from __future__ import annotations
@@ -154,6 +153,9 @@ def initialize(model, cfg: TrainConfig, world_size: int, *, use_gpu: bool | None
     if not use_gpu:
         optimizer = torch.optim.AdamW(params, lr=cfg.optimizer.lr, betas=ADAM_BETAS, eps=ADAM_EPS,
                                       weight_decay=cfg.optimizer.weight_decay)
+        from compat.deepspeed_comm import skip_cpu_shm_op
+
+        skip_cpu_shm_op()  # no C++ build of DeepSpeed's CPU all-reduce op: gloo all-reduces
     config = deepspeed_config(cfg, world_size, use_gpu=use_gpu)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer, config=config)
     # DeepSpeed resumes with a full unpickle of the checkpoint files; a crafted file would run its
