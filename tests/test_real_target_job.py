@@ -53,12 +53,12 @@ def test_whole_job_on_smollm2_and_sharegpt(tmp_path, smollm2_target, shared_ray)
     sets = [f"output_dir={out}", "target.model=pypi:smollm2", f"ray.address={shared_ray}",
             f"prepare.conversations={sharegpt}", "prepare.max_length=512",
             "prepare.leading_assistant=drop", "prepare.num_eval_prompts=4",
-            "regenerate.enabled=true", "regenerate.max_tokens=48", "regenerate.cut=end",
+            "regenerate.enabled=true", "regenerate.max_tokens=32", "regenerate.cut=end",
             "extract.samples_per_shard=8", f"train.num_steps={STEPS}",
             # A step packs ~600 tokens of these short answers: 1,024 of room instead of the demo's 2,048 halves
             # the padded positions its dense attention and the target's head compute (4.4 s a step alone)
             "train.data.micro_batch_tokens=1024",
-            "eval.num_speculative_tokens=[2]", "eval.num_prompts=4", "eval.max_tokens=32",
+            "eval.num_speculative_tokens=[2]", "eval.num_prompts=4", "eval.max_tokens=16",
             # the draft's engine and the target alone's side by side, as 'auto' starts a small target's on a
             # GPU ('auto' is one at a time on the CPU), taking turns at the batch-1 windows
             "eval.speed_batch_sizes=[1]", "eval.engines_at_once=true",
