@@ -69,7 +69,7 @@ SLOW_FILE_ORDER = ("test_faults.py", "test_real_target_job.py", "test_online.py"
 def pytest_runtest_logreport(report):
     """EAGLE3_TEST_TIMELINE=FILE: one JSON line per phase of each test (xdist worker, test, phase,
     start and stop wall clock), appended by every worker: when each worker ran what, and where a
-    worker waited (benchmarks/test_timeline.py reads it)."""
+    worker waited (benchmarks/suite_timeline.py reads it)."""
     path = os.environ.get("EAGLE3_TEST_TIMELINE")
     # xdist's controller gets each worker's reports again (report.node): the worker wrote them
     if path and ("PYTEST_XDIST_WORKER" in os.environ or not hasattr(report, "node")):

@@ -1,0 +1,42 @@
+"""benchmarks/suite_timeline.py and the hook that writes its input (tests/conftest.py,
+EAGLE3_TEST_TIMELINE): each test phase's worker, start and stop, and the per-worker summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from benchmarks.suite_timeline import longest, main, read, summarize
+from tests.conftest import REPO
+
+
+def test_conftest_writes_one_line_per_phase_and_the_reader_sums_them(tmp_path, capsys):
+    timeline = tmp_path / "tl.jsonl"
+    test = "tests/test_uv_env.py::test_the_highest_level_wins_as_in_pip"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], cwd=REPO,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "EAGLE3_TEST_TIMELINE": str(timeline)})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    records = read(timeline)
+    assert [(r["worker"], r["test"], r["when"], r["outcome"]) for r in records] == [
+        ("main", test, when, "passed") for when in ("setup", "call", "teardown")]
+    assert all(0 < r["start"] <= r["stop"] for r in records)
+    assert records[0]["stop"] <= records[1]["start"] <= records[1]["stop"] <= records[2]["start"]
+    assert main([str(timeline)]) == 0
+    assert "main:" in capsys.readouterr().out
+
+
+def test_summary_per_worker_and_the_gap_between_their_ends():
+    def rec(worker, test, start, stop):
+        return {"worker": worker, "test": test, "when": "call", "start": start, "stop": stop, "outcome": "passed"}
+
+    records = [rec("gw0", "a", 100, 150), rec("gw0", "b", 160, 200), rec("gw1", "c", 101, 190), rec("main", "d", 0, 5)]
+    s = summarize(records, "gw")
+    assert s["start"] == 100 and s["end_gap_s"] == 10.0
+    assert s["workers"]["gw0"] == {"first": 0.0, "last": 100.0, "span_s": 100.0, "busy_s": 90.0, "idle_s": 10.0,
+                                   "phases": 2}
+    assert s["workers"]["gw1"]["busy_s"] == 89.0 and "main" not in s["workers"]
+    assert [row[3] for row in longest(records, 2, "gw")] == ["c", "a"]
+    json.dumps(s)  # a plain record
