@@ -56,14 +56,16 @@ _PRETRAINED_NEEDED = True
 
 # The slow tier's files in the order its two xdist workers take them (`make test` runs it with
 # --dist loadfile --no-loadscope-reorder: whole files, in collection order, the first four two to a
-# worker, then each to the first worker free). Heaviest first by worker-seconds in a full run
-# (benchmarks/results/job/test-tiers.md, session 22), so that the last files are short ones and the
-# workers end together, except the second worker's first two files (2nd and 4th here), which need no
-# tiny target: on a fresh machine the first worker builds it (70-100 s, its pretraining) while the
-# second works instead of waiting on the build's lock. A file not listed goes after the listed ones.
-SLOW_FILE_ORDER = ("test_faults.py", "test_real_target_job.py", "test_online.py", "test_e2e_qwen3.py", "test_train.py",
-                   "test_e2e.py", "test_security.py", "test_quality.py", "test_startup.py", "test_extract.py",
-                   "test_doctor.py", "test_regenerate.py", "test_compat.py", "test_prepare.py", "test_engine_logs.py")
+# worker, then each to the first worker free). After the first four, heaviest first by worker-seconds
+# in a full run (benchmarks/results/job/test-tiers.md, session 29: its run c ended its workers 47 s
+# apart in the order before; this one, simulated on that run's file times, ~20 s sooner), so that the
+# last files are short ones and the workers end together. The second worker's first two files (2nd
+# and 4th here) need no tiny target: on a fresh machine the first worker builds it (70-100 s, its
+# pretraining) while the second works instead of waiting on the build's lock. A file not listed goes
+# after the listed ones.
+SLOW_FILE_ORDER = ("test_faults.py", "test_real_target_job.py", "test_online.py", "test_e2e_qwen3.py", "test_e2e.py",
+                   "test_quality.py", "test_train.py", "test_doctor.py", "test_extract.py", "test_compat.py",
+                   "test_startup.py", "test_regenerate.py", "test_security.py", "test_prepare.py", "test_engine_logs.py")
 
 
 def pytest_runtest_logreport(report):
