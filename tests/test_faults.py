@@ -107,7 +107,8 @@ def test_commit_record_that_does_not_fit_is_a_clear_error_and_counts_nothing(tmp
             manifest.commit(0, {"num_samples": 4})
         assert err.value.errno == errno.ENOSPC
         msg = str(err.value)
-        assert f"No space left on the file system of {fs / 'committed'} writing the commit record of shard 0" in msg
+        assert f"No space left on the file system of {fs / 'committed'} writing shard-000000.json: the commit record " \
+               "of shard 0 needs" in msg
         assert "shard-000000.arrow is written but not committed" in msg and "resubmit the same job" in msg
         assert os.listdir(fs / "committed") == [] and manifest.committed() == {}
         ballast.unlink()
@@ -175,8 +176,8 @@ def test_output_filesystem_full_mid_extraction_then_resubmit_completes(tiny_targ
             # a shard's data file that does not fit, or (where the last data file took the last of the room)
             # its commit record: either is said as clearly
             assert re.search(rf"No space left on the file system of ({re.escape(str(fs / 'data'))} writing shard-.*the "
-                             rf"shard needs about|{re.escape(str(fs / 'committed'))} writing the commit record of "
-                             r"shard \d+ .*is written but not committed)", text), text[-3000:]
+                             rf"shard needs about|{re.escape(str(fs / 'committed'))} writing shard-\d+\.json: the "
+                             r"commit record of shard \d+ .*is written but not committed)", text), text[-3000:]
             assert "bytes are free there" in text
             manifest = Manifest(fs)
             committed = manifest.committed()

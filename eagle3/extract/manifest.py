@@ -20,7 +20,6 @@ import errno
 import hashlib
 import json
 import os
-import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,19 +100,18 @@ class Manifest:
             raise AssertionError(f"commit of shard {shard} before its data file exists")
         record = {**record, "file": self.data_path(shard).name}
         text = json.dumps(record, sort_keys=True)
+        path = self.commit_dir / f"shard-{shard:06d}.json"
         try:
-            atomic_write_text(self.commit_dir / f"shard-{shard:06d}.json", text)
+            atomic_write_text(path, text)
         except OSError as e:
             # The data file took the last of the room (seen on a small tmpfs): as clear as a shard's own.
             if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
-            usage = shutil.disk_usage(self.commit_dir)
-            what = "Disk quota exceeded" if e.errno == errno.EDQUOT else "No space left"
-            raise OSError(e.errno, f"{what} on the file system of {self.commit_dir} writing the commit record of shard "
-                          f"{shard} ({len(text)} bytes; {usage.free:,} bytes are free there): its data file "
-                          f"{self.data_path(shard).name} is written but not committed, so it does not count and is "
-                          "written again. Free space there (or set output_dir on a larger disk) and resubmit the same "
-                          "job: the shards already committed are kept and not redone") from e
+            from eagle3.extract.shards import disk_full_error
+
+            raise disk_full_error(path, e, f"the commit record of shard {shard} needs {len(text)} bytes",
+                                  f"Its data file {self.data_path(shard).name} is written but not committed, so it "
+                                  "does not count and is written again") from e
 
     def remove_temp_files(self) -> list[str]:
         """Delete the temporary files of writes that never finished (a writer killed mid-write

@@ -156,23 +156,25 @@ def write_shard_file(table: pa.Table, path: str | Path, compression: str | None 
     except BaseException as e:
         tmp.unlink(missing_ok=True)  # a full disk keeps no partial file behind
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise disk_full_error(final, table.nbytes, e) from e
+            need = f"the shard needs about {table.nbytes:,} bytes ({table.nbytes / 2**20:.1f} MiB)"
+            raise disk_full_error(final, e, need, "Nothing of this shard was kept (its temporary file is removed, it "
+                                  "is not committed)") from e
         raise
     return final.stat().st_size
 
 
-def disk_full_error(path: Path, needed: int, cause: OSError) -> OSError:
-    """The error for a shard that did not fit: where, how many bytes it needs, how many are free,
-    and what to do. An OSError(ENOSPC), so it pickles through Ray as one."""
+def disk_full_error(path: Path, cause: OSError, need: str, outcome: str) -> OSError:
+    """The error for a write of the extraction output that did not fit: where, what needed the room
+    (`need`), how many bytes are free, what became of the write (`outcome`) and what to do. An
+    OSError with the cause's errno (ENOSPC, EDQUOT), so it pickles through Ray as one."""
     import shutil
 
     usage = shutil.disk_usage(path.parent)
     what = "Disk quota exceeded" if cause.errno == errno.EDQUOT else "No space left"
-    return OSError(cause.errno, f"{what} on the file system of {path.parent} writing {path.name}: the shard needs "
-                   f"about {needed:,} bytes ({needed / 2**20:.1f} MiB), {usage.free:,} bytes are free there "
-                   f"({usage.total:,} in all). Nothing of this shard was kept (its temporary file is removed, it is "
-                   "not committed). Free space there (or set output_dir on a larger disk) and resubmit the same "
-                   "job: the shards already committed are kept and not redone")
+    return OSError(cause.errno, f"{what} on the file system of {path.parent} writing {path.name}: {need}, "
+                   f"{usage.free:,} bytes are free there ({usage.total:,} in all). {outcome}. Free space there (or set "
+                   "output_dir on a larger disk) and resubmit the same job: the shards already committed are kept and "
+                   "not redone")
 
 
 def _write_ipc(table: pa.Table, path: Path, compression: str | None, rows_per_batch: int, direct_io: bool) -> None:
