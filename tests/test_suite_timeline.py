@@ -17,7 +17,8 @@ def test_conftest_writes_one_line_per_phase_and_the_reader_sums_them(tmp_path, c
     test = "tests/test_uv_env.py::test_the_highest_level_wins_as_in_pip"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], cwd=REPO,
                           capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "EAGLE3_TEST_TIMELINE": str(timeline)})
+                          env={**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")},
+                               "EAGLE3_TEST_TIMELINE": str(timeline)})  # not an xdist worker's name
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     records = read(timeline)
     assert [(r["worker"], r["test"], r["when"], r["outcome"]) for r in records] == [
