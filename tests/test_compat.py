@@ -766,35 +766,34 @@ def test_ray_train_snapshot_reads_back_what_a_run_reported(ray_local, tmp_path):
 
 
 SHM_OP_SCRIPT = """
-import importlib, json, sys
+import importlib, json
 from deepspeed.accelerator import get_accelerator
 
 ds_torch = importlib.import_module("deepspeed.comm.torch")  # `import ... as` would get deepspeed.comm's torch
-
 builder = type(get_accelerator().create_op_builder("ShareMemCommBuilder"))
 built = []
 builder.load = lambda self, *a, **k: built.append(self.NAME) or "the op"  # what would compile it
-if sys.argv[1] == "skip":
-    from compat.deepspeed_comm import skip_cpu_shm_op
+default = {"op": ds_torch.build_shm_op(), "built": list(built)}
+from compat.deepspeed_comm import skip_cpu_shm_op
 
-    skip_cpu_shm_op()
-print("RESULT " + json.dumps({"op": ds_torch.build_shm_op(), "built": built, "name": builder.NAME}))
+skip_cpu_shm_op()
+built.clear()
+print("RESULT " + json.dumps({"name": builder.NAME, "default": default,
+                              "skipped": {"op": ds_torch.build_shm_op(), "built": built}}))
 """
 
 
-@pytest.mark.parametrize("skip", [False, True], ids=["deepspeed-default", "skipped"])
-def test_deepspeed_cpu_shm_op_is_built_at_init_unless_marked_incompatible(skip):
+def test_deepspeed_cpu_shm_op_is_built_at_init_unless_marked_incompatible():
     """compat/deepspeed_comm: on the CPU accelerator DeepSpeed's comm init (build_shm_op, called by
     TorchBackend at every deepspeed.initialize) builds the shared-memory op, whose `load` is a C++
     build; marked incompatible in deepspeed.ops.__compatible_ops__, it returns None and builds
     nothing. The build stood in for (a real one takes ~34 s), in a process of its own (the CPU
-    accelerator is chosen once per process). If the default case stops building, the seam can go;
-    if the skipped case builds, the seam moved."""
-    proc = subprocess.run([sys.executable, "-c", SHM_OP_SCRIPT, "skip" if skip else "default"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    accelerator is chosen once per process). If the default stops building, the seam can go; if
+    the skipped call builds, the seam moved."""
+    proc = subprocess.run([sys.executable, "-c", SHM_OP_SCRIPT], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu"})
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, proc.stderr[-3000:]
     got = json.loads(lines[-1][len("RESULT "):])
-    assert got["name"] == "deepspeed_shm_comm"
-    assert got == ({"op": None, "built": [], "name": got["name"]} if skip else
-                   {"op": "the op", "built": ["deepspeed_shm_comm"], "name": got["name"]})
+    assert got == {"name": "deepspeed_shm_comm", "default": {"op": "the op", "built": ["deepspeed_shm_comm"]},
+                   "skipped": {"op": None, "built": []}}
