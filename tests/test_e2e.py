@@ -35,7 +35,7 @@ def demo_run(tmp_path_factory, tiny_target, shared_ray):
         [sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml", "--set", f"output_dir={out}",
          "--set", f"target.model={out / 'target'}", "--set", f"ray.address={shared_ray}",
          # batch 1 and a larger batch, as the default (1, 16) on a GPU; 4 here, where each decode step of 16
-         # sequences is a CPU's (16 cost ~50 s of this job on 2 cores)
+         # sequences is a CPU's (the fixture: 222 s with 16, 216.5 s with 4, one run each, session 29)
          "--set", "eval.num_speculative_tokens=[3]", "--set", "eval.speed_batch_sizes=[1, 4]",
          "--set", "train.num_steps=20",
          "--set", "train.online.record_sample_ids=true"],

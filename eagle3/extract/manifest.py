@@ -16,7 +16,6 @@ plain directory's shard files).
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -105,9 +104,10 @@ class Manifest:
             atomic_write_text(path, text)
         except OSError as e:
             # The data file took the last of the room (seen on a small tmpfs): as clear as a shard's own.
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            from eagle3.extract.shards import DISK_FULL, disk_full_error
+
+            if e.errno not in DISK_FULL:
                 raise
-            from eagle3.extract.shards import disk_full_error
 
             raise disk_full_error(path, e, f"the commit record of shard {shard} needs {len(text)} bytes",
                                   f"Its data file {self.data_path(shard).name} is written but not committed, so it "

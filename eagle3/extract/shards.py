@@ -155,12 +155,16 @@ def write_shard_file(table: pa.Table, path: str | Path, compression: str | None 
         os.replace(tmp, final)
     except BaseException as e:
         tmp.unlink(missing_ok=True)  # a full disk keeps no partial file behind
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        if isinstance(e, OSError) and e.errno in DISK_FULL:
             need = f"the shard needs about {table.nbytes:,} bytes ({table.nbytes / 2**20:.1f} MiB)"
             raise disk_full_error(final, e, need, "Nothing of this shard was kept (its temporary file is removed, it "
                                   "is not committed)") from e
         raise
     return final.stat().st_size
+
+
+# The errnos of a write that did not fit (disk_full_error's causes).
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def disk_full_error(path: Path, cause: OSError, need: str, outcome: str) -> OSError:

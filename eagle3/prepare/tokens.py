@@ -309,9 +309,14 @@ def prepare_dataset(cfg: PrepareConfig, tokenizer_dir: str, out_dir: str, *,
     teach the draft an ending the target never wrote. Files appear under their final names only
     once complete.
     """
+    return _prepare_here(cfg, tokenizer_dir, out_dir, _chunks(cfg, chunk_records), progress)
+
+
+def _prepare_here(cfg: PrepareConfig, tokenizer_dir: str, out_dir: str, chunks: Iterable[list[Record]],
+                  progress: bool) -> dict[str, Any]:
+    """The stage over `chunks` in this process (prepare_dataset, and prepare_dataset_ray's one chunk)."""
     tokenizer = load_tokenizer(tokenizer_dir)
-    results = (tokenize_chunk(cfg, tokenizer, chunk) for chunk in _chunks(cfg, chunk_records))
-    return _assemble(cfg, out_dir, results, progress)
+    return _assemble(cfg, out_dir, (tokenize_chunk(cfg, tokenizer, chunk) for chunk in chunks), progress)
 
 
 @functools.lru_cache(maxsize=2)
@@ -352,8 +357,7 @@ def prepare_dataset_ray(cfg: PrepareConfig, tokenizer_dir: str, out_dir: str, *,
     if len(head) < 2:
         log.info("prepare: %s is one chunk (< %d records): tokenized in this process", cfg.conversations,
                  chunk_records)
-        tokenizer = load_tokenizer(tokenizer_dir)
-        return _assemble(cfg, out_dir, (tokenize_chunk(cfg, tokenizer, chunk) for chunk in head), progress)
+        return _prepare_here(cfg, tokenizer_dir, out_dir, head, progress)
     workers = num_workers or cfg.num_workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
     task = ray.remote(num_cpus=1)(_tokenize_chunk_task)
     cfg_ref = ray.put(cfg)
