@@ -27,6 +27,7 @@ class RegeneratorActor:
                  chat_template_kwargs: dict | None = None):
         import ray
         from transformers import AutoTokenizer
+        from vllm import LLM  # noqa: F401 - before the clock: startup_s is the engine's start, not vLLM's import
 
         from compat.vllm_engine import Engine, VLLMStepEngine, core_in_process, engine_env, generation_engine_kwargs
         from eagle3.evaluate import resolve_enforce_eager

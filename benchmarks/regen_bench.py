@@ -236,6 +236,7 @@ def main(argv=None) -> int:
 
     os.environ.update(engine_env(in_process=False, cpu_kvcache_space_gib=1 if args.cpu_smoke else 4))
     from transformers import AutoTokenizer
+    from vllm import LLM  # noqa: F401 - before the clock: startup_s is the engine's start, not vLLM's import
 
     tok = AutoTokenizer.from_pretrained(args.target)
     sampling = resolve_sampling(RegenerateConfig(temperature=args.temperature, top_p=args.top_p,

@@ -15,6 +15,9 @@ sample (one prefill step per request, so hidden states come from one forward).
 Also owns `Engine`, the one way our code starts and releases a vLLM `LLM` in a process, and
 `VLLMStepEngine`, an `LLM`'s engine driven request by request for regeneration (see their
 docstrings for the seams they use).
+vLLM is imported only inside what starts or drives an engine: engine_env, core_in_process and
+prefill_max_model_len serve processes that start none (the job's driver, an hf-backend extractor),
+and engine_env's variables are set before vLLM is imported.
 """
 
 from __future__ import annotations
@@ -23,8 +26,6 @@ import gc
 import os
 import time
 from typing import Self
-
-from compat.hidden_states_connector import CONNECTOR_NAME, MODULE_PATH
 
 
 def engine_env(*, in_process: bool, cpu_kvcache_space_gib: int) -> dict[str, str]:
@@ -62,6 +63,8 @@ def extraction_engine_kwargs(
             f"max_num_batched_tokens={max_num_batched_tokens} < max_model_len={max_model_len}: with chunked "
             "prefill off every sample must fit one step; raise extract.max_num_batched_tokens"
         )
+    from compat.hidden_states_connector import CONNECTOR_NAME, MODULE_PATH  # imports vLLM: see the module docstring
+
     kwargs = dict(
         model=model,
         dtype=dtype,

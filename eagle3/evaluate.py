@@ -186,6 +186,9 @@ class SpecDecodeEngine:
                  dtype: str = "auto", enforce_eager: bool = True, max_num_seqs: int | None = None,
                  gpu_memory_utilization: float = 0.85, trust_remote_code: bool = False,
                  kv_cache_memory_bytes: int | None = None):
+        # Before started_at and the clock: startup_s is the engine's start, not vLLM's import.
+        from vllm import LLM  # noqa: F401
+
         from compat.vllm_engine import Engine, eagle3_engine_kwargs, engine_core_in_this_process
         from eagle3.precision import engine_dtype
 

@@ -23,7 +23,6 @@ from typing import Self
 
 import pyarrow as pa
 
-from eagle3.extract.codec import encode_hidden_states, hidden_states_columns
 from eagle3.config import ExtractConfig
 from eagle3.schema import hidden_states_schema
 
@@ -209,6 +208,9 @@ class Extractor:
         self.dtype = getattr(self.backend, "dtype", None)  # the compute dtype, for logs (a test's backend has none)
 
     def extract(self, tokens: pa.Table) -> tuple[pa.Table, ExtractStats]:
+        # The codec imports torch: the drivers and the online feed read target_text_config here and need none.
+        from eagle3.extract.codec import encode_hidden_states, hidden_states_columns
+
         t0 = time.perf_counter()
         ids_col = tokens.column("input_ids").to_pylist()
         keep, rejects = [], []
