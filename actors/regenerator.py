@@ -27,7 +27,6 @@ class RegeneratorActor:
                  chat_template_kwargs: dict | None = None):
         import ray
         from transformers import AutoTokenizer
-        from vllm import LLM  # noqa: F401 - before the clock: startup_s is the engine's start, not vLLM's import
 
         from compat.vllm_engine import Engine, VLLMStepEngine, core_in_process, engine_env, generation_engine_kwargs
         from eagle3.evaluate import resolve_enforce_eager
@@ -47,9 +46,11 @@ class RegeneratorActor:
         gpu = bool(ray.get_gpu_ids())
         self.enforce_eager = resolve_enforce_eager(regen_cfg.enforce_eager, gpu=gpu)
         self.in_process = core_in_process(on_gpu=gpu)
-        t0 = time.perf_counter()
         os.environ.update(engine_env(in_process=self.in_process,
                                      cpu_kvcache_space_gib=extract_cfg.cpu_kvcache_space_gib))
+        from vllm import LLM  # noqa: F401 - after its environment, before the clock: startup_s is the engine's start
+
+        t0 = time.perf_counter()
         self.engine = Engine(**generation_engine_kwargs(
             model=model_dir, max_model_len=self.max_model_len, dtype=dtype,
             tensor_parallel_size=extract_cfg.tensor_parallel_size,
