@@ -88,6 +88,15 @@ def _file_rank(item) -> int:
     return SLOW_FILE_ORDER.index(name) if name in SLOW_FILE_ORDER else len(SLOW_FILE_ORDER)
 
 
+def pytest_runtest_setup(item):
+    """A fast test that asks for the session's shared cluster (shared_ray, ray_local) fails before
+    its fixtures start it. That cluster lives in a temp dir of its own, so the check of each test's
+    Ray temp dir (_ray_temp_dir_of_its_own) does not see it."""
+    if "shared_ray" in item.fixturenames and not (item.get_closest_marker("slow") or item.get_closest_marker("gpu")):
+        pytest.fail(f"{item.nodeid} uses the shared Ray cluster (shared_ray) but is not marked slow: mark it "
+                    "@pytest.mark.slow (the fast tier starts no Ray cluster)", pytrace=False)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     global _PRETRAINED_NEEDED

@@ -419,10 +419,11 @@ def test_sharegpt_slice_every_record_is_a_sample_an_eval_prompt_or_a_reject(tok_
     assert drop["num_samples"] + drop["num_eval_prompts"] == len(samples) + len(evals) + len(recovered)
 
 
-@pytest.mark.slow  # starts Ray
 def test_ray_prepare_of_one_chunk_tokenizes_in_this_process(tok_dir, sharegpt_file, tmp_path):
     """A source of one chunk (fewer than chunk_records records) goes through no Ray task (this tier
     starts no cluster: conftest fails a fast test that does) and gives the serial output."""
+    import ray
+
     from eagle3.prepare.tokens import prepare_dataset_ray
 
     cfg = PrepareConfig(conversations=str(sharegpt_file), max_length=4096, max_samples=30, num_eval_prompts=4)
@@ -430,8 +431,10 @@ def test_ray_prepare_of_one_chunk_tokenizes_in_this_process(tok_dir, sharegpt_fi
     one = prepare_dataset_ray(cfg, tok_dir, str(tmp_path / "one"), num_workers=2, chunk_records=64)
     assert one == serial and serial["num_records"] == 30
     assert read_tokens(tmp_path / "one").equals(read_tokens(tmp_path / "serial"))
+    assert not ray.is_initialized()  # a task would have started (or joined) a cluster
 
 
+@pytest.mark.slow  # starts Ray
 def test_ray_prepare_gives_the_serial_output(tok_dir, sharegpt_file, tmp_path, ray_local):
     """Tokens, rejects, eval prompts and summary equal, with chunks small enough that the eval
     prompts span several chunks and two tasks run at once."""

@@ -1,5 +1,6 @@
 """benchmarks/suite_timeline.py and the hook that writes its input (tests/conftest.py,
-EAGLE3_TEST_TIMELINE): each test phase's worker, start and stop, and the per-worker summary."""
+EAGLE3_TEST_TIMELINE): each test phase's worker, start and stop, and the per-worker summary. Also
+conftest's guard of the tiers: a fast test that asks for the shared Ray cluster fails."""
 
 from __future__ import annotations
 
@@ -42,3 +43,20 @@ def test_summary_per_worker_and_the_gap_between_their_ends():
     assert s["workers"]["gw1"]["busy_s"] == 89.0 and "main" not in s["workers"]
     assert [row[3] for row in longest(records, 2, "gw")] == ["c", "a"]
     json.dumps(s)  # a plain record
+
+
+def test_a_fast_test_on_the_shared_cluster_fails_before_the_cluster_starts(tmp_path):
+    """The shared cluster lives in a temp dir of its own, out of sight of the per-test Ray temp dir
+    check; tests/conftest.py's pytest_runtest_setup refuses a fast test that asks for it (here
+    through ray_local), before its fixtures run: in well under the cluster's ~10 s start."""
+    probe = tmp_path / "test_probe.py"
+    probe.write_text("def test_fast_but_on_the_shared_cluster(ray_local):\n    pass\n")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
+                           "-c", "pyproject.toml", "--rootdir", ".", str(probe)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300,
+                          env={**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")},
+                               "TMPDIR": str(tmp_path)})  # where shared_ray would make its e3shared- dir
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "test_fast_but_on_the_shared_cluster uses the shared Ray cluster (shared_ray) but is not marked slow" \
+        in proc.stdout
+    assert "1 error" in proc.stdout and not list(tmp_path.glob("e3shared-*"))  # no cluster was started
