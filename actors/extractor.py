@@ -26,6 +26,9 @@ class ExtractorActor:
                  replica: int):
         import ray
 
+        # torch (the codec's) before the clock, so that startup_s is the backend's start as it was: the
+        # extractor module no longer imports torch itself, for the drivers that read only its config helpers.
+        from eagle3.extract.codec import encode_hidden_states  # noqa: F401
         from eagle3.extract.extractor import Extractor
 
         self.replica = replica
