@@ -2,6 +2,7 @@
 # The last carry call of this plan: it carries .gpusm02 (make_carry.sh: the third GGUF part and the wheels), joins the
 # GGUF, readies the site and ShareGPT, copies the tree to /tmp/repo and starts queue.sh until the lease's end less 60 s.
 # Usage, in the repository root on the device: BUDGET=<lease.budget_left_s of the previous reply> bash benchmarks/results/leases/session31-plan/last.sh
+# (QUEUE=queue-short.sh for a lease under ~1,250 s)
 D=$PWD/.gpusm02
 . /tmp/unpack.sh /tmp/none
 set -e
@@ -18,5 +19,5 @@ python3 -c "import vllm, gguf, accelerate; print(vllm.__version__, accelerate.__
 QUEUE_END=$(( $(date +%s) + ${BUDGET:?} - 60 ))
 echo $QUEUE_END > /tmp/queue_end
 echo "queue until $(date -d @$QUEUE_END +%T) ($(( QUEUE_END - $(date +%s) )) s)"
-QUEUE_END=$QUEUE_END setsid nohup bash /tmp/repo/benchmarks/results/leases/session31-plan/queue.sh > /tmp/queue.out 2>&1 < /dev/null & disown
+QUEUE_END=$QUEUE_END setsid nohup bash /tmp/repo/benchmarks/results/leases/session31-plan/${QUEUE:-queue.sh} > /tmp/queue.out 2>&1 < /dev/null & disown
 sleep 5; cat /tmp/queue.out; cat /tmp/res/queue.log 2>/dev/null
