@@ -30,6 +30,8 @@ from pathlib import Path
 TICK = os.sysconf("SC_CLK_TCK")
 # What a Ray worker is called before it runs its first actor or task, and what it is called between them.
 UNNAMED = ("python default_worker.py", "python setup_worker.py", "ray::IDLE")
+# execnet's command line for a worker it starts (execnet.gateway_io.popen_bootstrapline): pytest-xdist's workers.
+EXECNET_BOOTSTRAP = "import sys;exec(eval(sys.stdin.readline()))"
 # How much of a `python -c` child's code names its kind (enough to tell the suite's children apart).
 CODE_CHARS = 50
 
@@ -41,7 +43,9 @@ def kind(cmdline: list[str]) -> str:
         return first.split()[0].split(".")[0]  # 'ray::EvaluatorActor.measure' -> 'ray::EvaluatorActor'
     if first.startswith("ray-dashboard-") or "multiprocessing.forkserver" in " ".join(cmdline[:4]):
         return "ray dashboard head modules"
-    if first.startswith("[pytest-xdist") or first.startswith("tests/"):
+    # An xdist worker starts as execnet's `python -c` bootstrap and takes its "[pytest-xdist running] ..."
+    # title later; a process keeps the kind it was first seen under, so the bootstrap names it too.
+    if first.startswith("[pytest-xdist") or first.startswith("tests/") or EXECNET_BOOTSTRAP in cmdline[1:]:
         return "pytest worker (the tests' own code)"
     exe = os.path.basename(first)
     if "python" in exe:
