@@ -6,9 +6,10 @@ CPU seconds (utime + stime), every process of the machine, not only the command'
 cluster outlives its driver's parentage; run it on an otherwise quiet machine), grouped by what it
 is: a Ray worker by its actor or task (`ray::RayTrainWorker`, the method dropped; a worker's first
 seconds as `default_worker.py` or `setup_worker.py` count under what it then became), a Python
-process by its module or script, the dashboard's head modules as one group, anything else by its
-executable. A process that lives less than one period is missed, and a killed one keeps its last
-sample: the total is a lower bound (86% of 2 cores x wall in session 27's run).
+process by its module or script (a `python -c` one by its code's first 50 characters), the
+dashboard's head modules as one group, anything else by its executable. A process that lives less
+than one period is missed, and a killed one keeps its last sample: the total is a lower bound (86% of
+2 cores x wall in session 27's run).
 
     python -m benchmarks.cpu_by_process --out cpu.json -- make test-slow
 
@@ -29,6 +30,10 @@ from pathlib import Path
 TICK = os.sysconf("SC_CLK_TCK")
 # What a Ray worker is called before it runs its first actor or task, and what it is called between them.
 UNNAMED = ("python default_worker.py", "python setup_worker.py", "ray::IDLE")
+# execnet's command line for a worker it starts (execnet.gateway_io.popen_bootstrapline): pytest-xdist's workers.
+EXECNET_BOOTSTRAP = "import sys;exec(eval(sys.stdin.readline()))"
+# How much of a `python -c` child's code names its kind (enough to tell the suite's children apart).
+CODE_CHARS = 50
 
 
 def kind(cmdline: list[str]) -> str:
@@ -38,7 +43,9 @@ def kind(cmdline: list[str]) -> str:
         return first.split()[0].split(".")[0]  # 'ray::EvaluatorActor.measure' -> 'ray::EvaluatorActor'
     if first.startswith("ray-dashboard-") or "multiprocessing.forkserver" in " ".join(cmdline[:4]):
         return "ray dashboard head modules"
-    if first.startswith("[pytest-xdist") or first.startswith("tests/"):
+    # An xdist worker starts as execnet's `python -c` bootstrap and takes its "[pytest-xdist running] ..."
+    # title later; a process keeps the kind it was first seen under, so the bootstrap names it too.
+    if first.startswith("[pytest-xdist") or first.startswith("tests/") or EXECNET_BOOTSTRAP in cmdline[1:]:
         return "pytest worker (the tests' own code)"
     exe = os.path.basename(first)
     if "python" in exe:
@@ -46,7 +53,10 @@ def kind(cmdline: list[str]) -> str:
             i = cmdline.index("-m")
             return "python -m " + (cmdline[i + 1] if i + 1 < len(cmdline) else "")
         if "-c" in cmdline[1:]:
-            return "python -c"
+            # by its code's start: tests, vLLM (multiprocessing's spawn) and Ray all run `python -c` children
+            i = cmdline.index("-c")
+            code = " ".join(cmdline[i + 1].split()) if i + 1 < len(cmdline) else ""
+            return "python -c " + code[:CODE_CHARS]
         scripts = [os.path.basename(a) for a in cmdline[1:] if not a.startswith("-")]
         return "python " + (scripts[0] if scripts else "")
     return exe

@@ -17,7 +17,14 @@ def test_kinds_group_ray_workers_by_actor_and_python_by_module():
         "ray dashboard head modules"
     assert kind(["ray-dashboard-MetricsHead-0 (/v/bin/python -B -c ...)"]) == "ray dashboard head modules"
     assert kind(["[pytest-xdist running] tests/test_e2e.py::test_x"]) == "pytest worker (the tests' own code)"
+    # the same worker before it set its title: execnet's bootstrap
+    assert kind(["/v/bin/python", "-c", "import sys;exec(eval(sys.stdin.readline()))"]) == \
+        "pytest worker (the tests' own code)"
     assert kind(["/usr/bin/raylet", "--node_ip_address=x"]) == "raylet"
+    # a `python -c` child by its code's first 50 characters, whitespace collapsed
+    assert kind(["/v/bin/python", "-c", "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5)",
+                 "--multiprocessing-fork"]) == "python -c from multiprocessing.spawn import spawn_main; spaw"
+    assert kind(["/v/bin/python", "-c", "\nimport sys\n\nimport   ray\n"]) == "python -c import sys import ray"
 
 
 def test_a_busy_child_is_sampled_under_its_kind(tmp_path):

@@ -119,25 +119,22 @@ def test_resume_reads_a_real_checkpoint_and_refuses_one_with_a_payload(tiny_targ
 
 
 @pytest.mark.slow
-def test_local_cluster_dashboard_and_job_server_listen_on_loopback():
+def test_local_cluster_dashboard_and_job_server_listen_on_loopback(ray_local):
+    """The session's shared cluster (conftest's shared_ray) is a local cluster as a job starts one:
+    ray_jobs.cluster.init_ray with its defaults, in a process of its own. Looked at here instead of
+    a cluster of this test's own, whose start and stop took 7-14 s of the suite."""
     import psutil
-    import ray
 
-    from ray_jobs.cluster import init_ray
-
-    init_ray(num_cpus=1)
-    try:
-        url = ray.get_runtime_context().dashboard_url if hasattr(ray.get_runtime_context(), "dashboard_url") \
-            else ray._private.worker.global_worker.node.address_info["webui_url"]
-        host, port = url.replace("http://", "").rsplit(":", 1)
-        tmp = os.environ["RAY_TMPDIR"]  # this test's cluster only (conftest)
-        dashboards = [p for p in psutil.process_iter(["cmdline"])
-                      if tmp in " ".join(p.info["cmdline"] or []) and "dashboard/dashboard.py" in " ".join(p.info["cmdline"])]
-        assert len(dashboards) == 1, [p.info["cmdline"][:3] for p in dashboards]
-        bound = {(c.laddr.ip, c.laddr.port) for c in dashboards[0].net_connections(kind="inet")
-                 if c.status == psutil.CONN_LISTEN}
-    finally:
-        ray.shutdown()
+    ray = ray_local
+    url = ray.get_runtime_context().dashboard_url if hasattr(ray.get_runtime_context(), "dashboard_url") \
+        else ray._private.worker.global_worker.node.address_info["webui_url"]
+    host, port = url.replace("http://", "").rsplit(":", 1)
+    session = ray._private.worker.global_worker.node.get_session_dir_path()  # that cluster's processes only
+    dashboards = [p for p in psutil.process_iter(["cmdline"])
+                  if session in " ".join(p.info["cmdline"] or []) and "dashboard/dashboard.py" in " ".join(p.info["cmdline"])]
+    assert len(dashboards) == 1, [p.info["cmdline"][:3] for p in dashboards]
+    bound = {(c.laddr.ip, c.laddr.port) for c in dashboards[0].net_connections(kind="inet")
+             if c.status == psutil.CONN_LISTEN}
     assert host == "127.0.0.1"
     # The HTTP server (dashboard and the job API that `ray job submit` posts to) on loopback only.
     assert [ip for ip, p in bound if p == int(port)] == ["127.0.0.1"], bound
