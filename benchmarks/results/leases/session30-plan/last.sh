@@ -2,8 +2,8 @@
 # The last carry call of this plan: it carries .gpugq24 (make_carry.sh: the 25th GGUF part and the wheels), joins the
 # GGUF, readies the site and ShareGPT, copies the tree to /tmp/repo and starts queue.sh until the lease's end less 60 s.
 # Usage, in the repository root on the device: BUDGET=<lease.budget_left_s of the previous reply> bash benchmarks/results/leases/session30-plan/last.sh
-D=$PWD/.gpugq24
 . /tmp/unpack.sh /tmp/none
+D=$PWD/.gpugq24   # after unpack.sh, which sets D to its own argument
 set -e
 mkdir -p /tmp/g && cp $D/qpart.24 /tmp/g/
 n=$(ls /tmp/g/qpart.* | wc -l); [ $n -eq 25 ] || { echo "only $n of 25 parts"; exit 1; }

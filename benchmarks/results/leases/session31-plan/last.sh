@@ -3,8 +3,8 @@
 # GGUF, readies the site and ShareGPT, copies the tree to /tmp/repo and starts queue.sh until the lease's end less 60 s.
 # Usage, in the repository root on the device: BUDGET=<lease.budget_left_s of the previous reply> bash benchmarks/results/leases/session31-plan/last.sh
 # (QUEUE=queue-short.sh for a lease under ~1,250 s)
-D=$PWD/.gpusm02
 . /tmp/unpack.sh /tmp/none
+D=$PWD/.gpusm02   # after unpack.sh, which sets D to its own argument
 set -e
 mkdir -p /tmp/g && cp $D/spart.02 /tmp/g/
 cat /tmp/g/spart.0[0-2] > /tmp/g/smollm2.gguf && rm /tmp/g/spart.*
