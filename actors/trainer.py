@@ -46,10 +46,12 @@ def train_loop_per_worker(config: dict) -> None:
     t_start = time.perf_counter()
     import ray.train
 
+    from compat.process_group import mute_barrier_device_warning
     from eagle3.train import deepspeed_backend
     from eagle3.train.trainer import Eagle3Trainer
 
     logging.basicConfig(level=logging.INFO)
+    mute_barrier_device_warning()  # torch's warning at every checkpoint's barrier (compat/process_group.py)
     cfg: TrainConfig = config["cfg"]
     ctx = ray.train.get_context()
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()

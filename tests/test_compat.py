@@ -726,6 +726,31 @@ def test_ray_train_storage_layout_probe():
     assert name == "seam ray train storage layout"
 
 
+def test_ray_train_process_group_has_no_device_so_torch_warns_at_each_barrier():
+    """Ray 2.60, torch 2.11-2.13: compat/process_group.py mutes torch's warning at each barrier of a
+    process group started without `device_id`, and only it. Fails when Ray Train passes `device_id`
+    (remove the seam and its call in actors/trainer.py) or torch rewords the warning (update
+    BARRIER_DEVICE_WARNING from torch/distributed/distributed_c10d.py's `barrier`)."""
+    import re
+    import warnings
+
+    import torch.distributed.distributed_c10d as c10d
+    from ray.train.torch import config as ray_torch_config
+
+    from compat.process_group import BARRIER_DEVICE_WARNING, mute_barrier_device_warning
+
+    setup = inspect.getsource(ray_torch_config._setup_torch_process_group)
+    assert "init_process_group(" in setup and "device_id" not in setup
+    assert re.search(BARRIER_DEVICE_WARNING, inspect.getsource(c10d.barrier))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mute_barrier_device_warning()
+        warnings.warn("barrier(): using the device under current context. You can specify `device_id` in "
+                      "`init_process_group` to mute this warning.", UserWarning)
+        warnings.warn("barrier(): another warning", UserWarning)
+    assert [str(w.message) for w in caught] == ["barrier(): another warning"]
+
+
 @pytest.mark.slow  # a Ray Train run on the session's shared cluster
 def test_ray_train_snapshot_reads_back_what_a_run_reported(ray_local, tmp_path):
     """Ray 2.60: a one-worker TorchTrainer reports three checkpoints (keeping two); the snapshot
