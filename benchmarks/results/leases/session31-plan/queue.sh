@@ -1,6 +1,7 @@
 #!/bin/bash
 # Session 31's short-lease queue on one GPU machine (the device's copy of the working tree at /tmp/repo), for a lease
-# too short for session 30's two-layer plan (../session30-plan/: four failed machine starts left ~1,350 s):
+# too short for session 30's two-layer plan (../session30-plan/: when this was written, failed machine starts had left ~1,350 s; not run in session 31,
+# whose lease ran queue-short.sh):
 # issue 28's whole SmolLM2 job on a warm node (<= 428 s; sessions 22-23: 495 s and 506 s at code 76d40eb / a362587)
 # and issue 27's SmolLM2 acceptance, at this session's code. Session 22's job and warm-up
 # (../session22-h200/smollm2-sharegpt.yaml), with a smaller warm-up (400 records, 64-token turns, 20 steps): it
