@@ -14,7 +14,8 @@ C=/tmp/repo/benchmarks/results/leases/session22-h200/smollm2-sharegpt.yaml
 nvidia-smi > $R/nvidia-smi.txt 2>&1
 step build-smollm2 240 python -m eagle3.real_targets --model smollm2 --gguf /tmp/g/smollm2.gguf --out /tmp/smollm2
 step warmup-job 600 python -m ray_jobs.run --config $C --set output_dir=/tmp/warmjob --set prepare.max_samples=400 \
-  --set regenerate.max_tokens=64 --set train.num_steps=20
+  --set regenerate.max_tokens=64 --set train.num_steps=20 \
+  --set train.optimizer.warmup_steps=5
 bash $L/gather.sh
 step smollm2-job 720 python -m ray_jobs.run --config $C
 echo "$(date +%T) queue done" >> $R/queue.log

@@ -8,6 +8,8 @@
 #                       .gpusm02 the ShareGPT, gguf and accelerate wheels
 # Needs .venv (make install: it also fetches the GGUF into ~/.cache/eagle3/real_targets/smollm2/).
 set -euo pipefail
+# Every job command of the queues loads with its overrides here first (session 32 lost its warm-up to one that did not)
+.venv/bin/python benchmarks/results/leases/check_queue.py benchmarks/results/leases/session32-plan/queue*.sh
 G=$HOME/.cache/eagle3/real_targets/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $G" | sha256sum -c
 [ -d /tmp/gpu-carry/parts ] || bash ../shared/gpu/build_carry.sh /tmp/gpu-carry

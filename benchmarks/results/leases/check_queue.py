@@ -1,0 +1,66 @@
+"""Loads, on the CPU VM, the job config of every `ray_jobs.run` / `ray_jobs.doctor` command in a lease's queue
+scripts, with their --set overrides, so that a config the job refuses fails here in seconds instead of on the
+device (session 32: a warm-up's `--set train.num_steps=20` under the config's warmup_steps 50 failed there in 1 s,
+and the lease's warm-up was lost).
+
+    .venv/bin/python benchmarks/results/leases/check_queue.py benchmarks/results/leases/session32-plan/queue.sh ...
+
+Paths under /tmp/repo/ (the device's copy of the tree) are read from this checkout. Exit 1 on the first refusal."""
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import yaml
+
+from eagle3.config import load_job_config
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def commands(script: Path):
+    """Each `python -m ray_jobs.{run,doctor}` command line of the script, continuation lines joined and the
+    script's own plain assignments (`C=/tmp/repo/...`) put in for $NAME."""
+    text = script.read_text().replace("\\\n", " ")
+    names: dict[str, str] = {}
+    for line in text.splitlines():
+        m = re.fullmatch(r"([A-Za-z_]\w*)=(\S+)", line.strip())
+        if m:
+            names[m[1]] = m[2]
+        line = re.sub(r"\$\{?([A-Za-z_]\w*)\}?", lambda v: names.get(v[1], v[0]), line)
+        words = shlex.split(line, comments=True)
+        for i in range(len(words) - 2):
+            if words[i] == "python" and words[i + 1] == "-m" and words[i + 2] in ("ray_jobs.run", "ray_jobs.doctor"):
+                yield words[i + 3:]
+
+
+def config_of(args: list[str]):
+    config, overrides, it = None, {}, iter(args)
+    for a in it:
+        if a == "--config":
+            config = next(it).replace("/tmp/repo/", f"{ROOT}/")
+        elif a == "--set":
+            key, _, value = next(it).partition("=")
+            overrides[key] = yaml.safe_load(value)
+    return load_job_config(config, overrides)
+
+
+def main(paths: list[str]) -> int:
+    n = 0
+    for p in paths:
+        for args in commands(Path(p)):
+            try:
+                cfg = config_of(args)
+            except (ValueError, SystemExit) as e:
+                print(f"{p}: refused: {' '.join(args)}\n  {e}", file=sys.stderr)
+                return 1
+            n += 1
+            print(f"{p}: ok ({cfg.output_dir}, stages {','.join(cfg.stages)}, {cfg.train.num_steps} steps)")
+    if not n:
+        print(f"no ray_jobs command in {paths}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
