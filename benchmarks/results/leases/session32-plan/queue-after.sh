@@ -8,7 +8,5 @@ C=/tmp/repo/benchmarks/results/leases/session22-h200/smollm2-sharegpt.yaml
 while [ ! -f $R/DONE ] && [ $(date +%s) -lt $(cat /tmp/queue_end) ]; do sleep 5; done
 step smollm2-job-warm 720 python -m ray_jobs.run --config $C --set output_dir=/tmp/smoljob3
 echo "$(date +%T) queue-after done" >> $R/queue.log
-d=/tmp/smoljob3; o=$R/smoljob3; mkdir -p $o
-cp $d/report.json $d/eval.json $d/*.md $d/*.png $d/train/*.png $d/train/train_summary.json $o/ 2>/dev/null
-[ -f $d/train/metrics.jsonl ] && gzip -c $d/train/metrics.jsonl > $o/metrics.jsonl.gz
+bash /tmp/repo/benchmarks/results/leases/gather_jobs.sh /tmp/smoljob3
 touch $R/DONE2
