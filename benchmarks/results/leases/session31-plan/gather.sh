@@ -1,11 +1,3 @@
 #!/bin/bash
-# Copies the jobs' reports, evals, summaries, metrics (gzipped) and curves under /tmp/res (the queue runs it; a
-# collecting call may too), then packs /tmp/res into $OUT/res.tgz when OUT is set.
-for d in /tmp/warmjob /tmp/smoljob; do
-  [ -d $d ] || continue
-  o=/tmp/res/$(basename $d); mkdir -p $o
-  cp $d/report.json $d/eval.json $d/*.md $d/*.png $d/train/*.png $d/train/train_summary.json $o/ 2>/dev/null
-  [ -f $d/train/metrics.jsonl ] && gzip -c $d/train/metrics.jsonl > $o/metrics.jsonl.gz
-done
-[ -n "${OUT:-}" ] && tar czf $OUT/res.tgz -C /tmp res
-true
+# This plan's job folders through ../gather_jobs.sh (their files under /tmp/res; $OUT/res.tgz when OUT is set).
+exec bash "$(dirname "$0")/../gather_jobs.sh" /tmp/warmjob /tmp/smoljob
