@@ -591,6 +591,19 @@ def _interval_text(s: dict, precision: float) -> str:
     return f"; 95% interval {lo:.2f}-{hi:.2f}x over {s['rounds']} rounds{short}"
 
 
+def overrides_from(items: list[str]) -> dict:
+    """--set KEY=VALUE items as load_job_config's overrides, each value parsed as YAML."""
+    import yaml
+
+    overrides = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+        overrides[key] = yaml.safe_load(value)
+    return overrides
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ray_jobs.run", description=__doc__.split("\n")[0])
     ap.add_argument("--config", help="YAML/JSON job config; omitted: the built-in demo defaults")
@@ -605,14 +618,10 @@ def main(argv: list[str] | None = None) -> int:
         print(reference(), end="")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    import yaml
-
-    overrides = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            ap.error(f"--set {item!r}: expected KEY=VALUE")
-        overrides[key] = yaml.safe_load(value)
+    try:
+        overrides = overrides_from(args.set)
+    except ValueError as e:
+        ap.error(str(e))
     cfg = load_job_config(args.config, overrides)
     report = run(cfg)
     print(format_summary(report), flush=True)

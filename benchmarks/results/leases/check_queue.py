@@ -11,9 +11,8 @@ import shlex
 import sys
 from pathlib import Path
 
-import yaml
-
 from eagle3.config import load_job_config
+from ray_jobs.run import overrides_from
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -35,14 +34,14 @@ def commands(script: Path):
 
 
 def config_of(args: list[str]):
-    config, overrides, it = None, {}, iter(args)
+    """The job config a command's --config and --set give, as ray_jobs.run's main builds it."""
+    config, items, it = None, [], iter(args)
     for a in it:
         if a == "--config":
             config = next(it).replace("/tmp/repo/", f"{ROOT}/")
         elif a == "--set":
-            key, _, value = next(it).partition("=")
-            overrides[key] = yaml.safe_load(value)
-    return load_job_config(config, overrides)
+            items.append(next(it))
+    return load_job_config(config, overrides_from(items))
 
 
 def main(paths: list[str]) -> int:
