@@ -27,6 +27,14 @@ class EvaluatorActor:
         os.environ.update(engine_env(in_process=in_process, cpu_kvcache_space_gib=cpu_kvcache_space_gib))
         self.engine = None
 
+    def import_engine(self) -> float:
+        """Import vLLM now (seconds it took): an actor placed ahead of its engine's start (the eval's
+        engines started during training) pays the import while it waits."""
+        t = time.perf_counter()
+        from vllm import LLM  # noqa: F401
+
+        return time.perf_counter() - t
+
     def start(self, target_dir: str, draft_dir: str | None, **engine_kwargs) -> float:
         """Start this actor's engine (eagle3.evaluate.SpecDecodeEngine); returns its start seconds."""
         from eagle3.evaluate import SpecDecodeEngine
@@ -42,6 +50,10 @@ class EvaluatorActor:
 
         return measure(self._need_engine(), **kwargs) | {"actor_created_at": self.created_at,
                                                           "process_started_at": self.process_started_at}
+
+    def reload_draft(self, draft_dir: str) -> dict:
+        """SpecDecodeEngine.reload_draft on this actor's engine."""
+        return self._need_engine().reload_draft(draft_dir)
 
     def _need_engine(self):
         if self.engine is None:

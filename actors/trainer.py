@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -86,6 +87,11 @@ def train_loop_per_worker(config: dict) -> None:
             # (resume_refusal_before_workers); the checkpoint's own client state stays the workers' check.
             ray.train.report({**metrics, "world_size": world_size, "heldout_threshold": config["heldout_threshold"]},
                              checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+    if config.get("provisional_draft_dir"):
+        # eval.start_during_training: the draft as it stands, so that the eval's engines start now
+        # with its config and shapes (ray_jobs/run.py); they take the trained weights at the end.
+        write_provisional_draft(trainer, config["provisional_draft_dir"])
 
     last: dict = {}
     progress = _Progress(cfg, config["metrics_path"], config.get("progress")) if rank == 0 else None
@@ -351,6 +357,19 @@ def resume_refusal_before_workers(out: Path, num_workers: int, heldout_threshold
     return resume_refusal(latest.path, m["world_size"], num_workers, m.get("heldout_threshold", 0), heldout_threshold)
 
 
+def write_provisional_draft(trainer, out_dir: str) -> None:
+    """Export the draft as it stands (every rank: a collective under ZeRO-3) into out_dir, which
+    appears whole or not at all (written beside it, then renamed), replacing an earlier one."""
+    import shutil
+
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if trainer.export(tmp) is not None:  # rank 0
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+
+
 def scaling_config(num_workers: int, use_gpu: bool, gpus_per_worker: float = 1.0):
     """Ray Train's ScalingConfig: a whole GPU per worker, or with gpus_per_worker < 1 (online
     mode's shared GPUs, ray_jobs.online.split_gpus) that share of one, as Ray's fractional resource."""
@@ -363,7 +382,8 @@ def scaling_config(num_workers: int, use_gpu: bool, gpus_per_worker: float = 1.0
 
 def run_training(cfg: TrainConfig, data_files: list[str] | None, target_dir: str, out_dir: str,
                  draft_dir: str | None = None, *, use_gpu: bool | None = None, online: dict | None = None,
-                 gpus_per_worker: float = 1.0, heldout_threshold: int = 0) -> dict:
+                 gpus_per_worker: float = 1.0, heldout_threshold: int = 0,
+                 provisional_draft_dir: str | None = None) -> dict:
     """Train a draft on cfg.num_workers Ray Train workers; resume if out_dir holds a checkpoint.
     The data: committed shard files, or with data_files None, `online` (ray_jobs/online.py: the
     feed actor's handle, tokens_path, samples_per_shard, layout (layer_ids, hidden_size, hs_dtype)).
@@ -383,7 +403,9 @@ def run_training(cfg: TrainConfig, data_files: list[str] | None, target_dir: str
     heldout_threshold 0, from prepared/heldout.json, eagle3.prepare.heldout). Also written to
     <out_dir>/train_summary.json. use_gpu None: when the Ray cluster has GPUs. gpus_per_worker < 1:
     each worker takes that share of one GPU (Ray resource and torch memory cap), the rest of it
-    being an engine replica's (online mode's train.online.gpu_split shared).
+    being an engine replica's (online mode's train.online.gpu_split shared), or the eval's engines'
+    (eval.start_during_training). provisional_draft_dir: the workers export the draft there once set
+    up, before the first step (write_provisional_draft).
     """
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
@@ -421,7 +443,7 @@ def run_training(cfg: TrainConfig, data_files: list[str] | None, target_dir: str
                            "target_dir": str(Path(target_dir).resolve()),
                            "draft_dir": str(Path(draft_dir).resolve() if draft_dir else out / "draft"),
                            "use_gpu": use_gpu, "metrics_path": str(out / "metrics.jsonl"), "progress": progress_actor,
-                           "heldout_threshold": heldout_threshold,
+                           "heldout_threshold": heldout_threshold, "provisional_draft_dir": provisional_draft_dir,
                            "gpu_memory_fraction": gpus_per_worker if use_gpu and gpus_per_worker < 1 else None},
         scaling_config=scaling_config(cfg.num_workers, use_gpu, gpus_per_worker),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),

@@ -291,7 +291,7 @@ def cpu_seeded_sampling_kwargs(max_model_len: int) -> dict:
 def eagle3_engine_kwargs(*, target: str, draft: str | None, num_speculative_tokens: int, max_model_len: int,
                          dtype: str = "bfloat16", enforce_eager: bool = True, gpu_memory_utilization: float = 0.85,
                          trust_remote_code: bool = False, max_num_seqs: int | None = None,
-                         kv_cache_memory_bytes: int | None = None) -> dict:
+                         kv_cache_memory_bytes: int | None = None, reloadable_draft: bool = False) -> dict:
     """Target + speculators-format EAGLE-3 draft, with stats on so spec-decode counters are kept;
     draft None: the target alone (the baseline of a speedup; num_speculative_tokens must be 0).
     enforce_eager=False is how a user serves on a GPU (CUDA graphs, vLLM's default); vLLM sizes its
@@ -302,7 +302,8 @@ def eagle3_engine_kwargs(*, target: str, draft: str | None, num_speculative_toke
     kv_cache_memory_bytes (vLLM >= 0.11 CacheConfig; GPU): the KV cache's size, set rather than
     profiled. Several engines that start at once on one GPU need it: profiling reads the device's
     free memory, which the others' starts change (0.26's gpu_worker asserts on memory freed
-    meanwhile); with it, vLLM only checks that gpu_memory_utilization of the device is free."""
+    meanwhile); with it, vLLM only checks that gpu_memory_utilization of the device is free.
+    reloadable_draft: the workers take new draft weights in place (compat.draft_reload)."""
     if (draft is None) != (num_speculative_tokens == 0):
         raise ValueError(f"draft={draft!r} with num_speculative_tokens={num_speculative_tokens}: give a draft "
                          "directory and k >= 1, or no draft and k = 0 (the target alone)")
@@ -319,6 +320,10 @@ def eagle3_engine_kwargs(*, target: str, draft: str | None, num_speculative_toke
         kwargs["max_num_seqs"] = max_num_seqs
     if kv_cache_memory_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+    if reloadable_draft and draft is not None:
+        from compat.draft_reload import WORKER_EXTENSION
+
+        kwargs["worker_extension_cls"] = WORKER_EXTENSION
     return kwargs
 
 

@@ -415,6 +415,15 @@ class EvalConfig:
     GPU), each engine with its share of extract.gpu_memory_utilization and a KV cache of
     extract.kv_cache_memory_bytes (4 GiB where null); false elsewhere. false: one engine at a time,
     the device to itself."""
+    start_during_training: Literal["auto", True, False] = "auto"
+    """Start the eval's engines while the draft trains, from a provisional export of it (the trainer
+    writes it once set up, under train/provisional_draft), and load the trained weights into them in
+    place when training ends (compat.draft_reload): the engines' start (~75 s on an H100 for a 135M
+    target, session 32) overlaps training instead of following it. The training workers then take
+    1 - EVAL_GPU_RESERVE of their GPU and the engines share the rest. 'auto': on where the engines
+    start side by side (engines_at_once: a small target on a GPU), training is offline, in this job,
+    on one worker; false elsewhere. An engine that refuses the trained weights (compat.draft_reload)
+    is started again from them. Its figures are the same either way: no timing runs during training."""
     speed_precision: float = 0.05
     """How well each speedup must be known: after its windows' repeats, rounds go on (both engines,
     only the windows still short of it) until the 95% interval of the speedup is within +-this

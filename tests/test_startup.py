@@ -189,6 +189,40 @@ def test_eval_engines_start_side_by_side_for_a_small_target_on_a_gpu(tmp_path):
         load_job_config(None, {"eval.engines_at_once": "yes"})
 
 
+def test_eval_engines_start_during_training_where_they_would_start_side_by_side(tmp_path):
+    """eval.start_during_training 'auto': on for a small target on a GPU (where the eval's engines
+    start side by side anyway) trained offline by one worker in the same job; off on the CPU, for a
+    larger target, online, or without a train or eval stage. A forced true that cannot work (online
+    training, several workers on GPUs) stops the job with the reason, before any model loads."""
+    from ray_jobs.run import eval_during_training
+
+    small, large = tmp_path / "small", tmp_path / "large"
+    for d, text in ((small, SMOLLM2_135M), (large, QWEN25_1_5B)):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(text))
+    auto = load_job_config(None, {})
+    assert auto.eval.start_during_training == "auto"
+    on, why = eval_during_training(auto, str(small), gpu=True)
+    assert on and why.startswith("auto: a 0.13B-parameter target")
+    assert eval_during_training(auto, str(large), gpu=True)[0] is False
+    assert eval_during_training(auto, str(small), gpu=False) == (
+        False, "auto: on the CPU (the engines would take the trainer's cores)")
+    only_train = load_job_config(None, {"stages": ["prepare", "extract", "train"]})
+    assert eval_during_training(only_train, str(small), gpu=True) == (False, "the job does not both train and evaluate")
+    assert eval_during_training(load_job_config(None, {"train.source": "online"}), str(small), gpu=True)[0] is False
+    assert eval_during_training(load_job_config(None, {"train.num_workers": 2}), str(small), gpu=True)[0] is False
+    forced = load_job_config(None, {"eval.start_during_training": True})
+    assert eval_during_training(forced, str(large), gpu=False) == (True, "eval.start_during_training: true")
+    with pytest.raises(ValueError, match=r"start_during_training: true cannot work here: train.source is online"):
+        eval_during_training(load_job_config(None, {"eval.start_during_training": True, "train.source": "online"}),
+                             str(small), gpu=True)
+    with pytest.raises(ValueError, match=r"train.num_workers=2 on GPUs"):
+        eval_during_training(load_job_config(None, {"eval.start_during_training": True, "train.num_workers": 2}),
+                             str(small), gpu=True)
+    off = load_job_config(None, {"eval.start_during_training": False})
+    assert eval_during_training(off, str(small), gpu=True) == (False, "eval.start_during_training: false")
+
+
 class _FakeDoctor:
     """ray_jobs.doctor.DoctorRun without Ray: the verdict after `wait` seconds."""
 
