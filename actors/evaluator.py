@@ -27,14 +27,6 @@ class EvaluatorActor:
         os.environ.update(engine_env(in_process=in_process, cpu_kvcache_space_gib=cpu_kvcache_space_gib))
         self.engine = None
 
-    def import_engine(self) -> float:
-        """Import vLLM now (seconds it took): an actor placed ahead of its engine's start (the eval's
-        engines started during training) pays the import while it waits."""
-        t = time.perf_counter()
-        from vllm import LLM  # noqa: F401
-
-        return time.perf_counter() - t
-
     def start(self, target_dir: str, draft_dir: str | None, **engine_kwargs) -> float:
         """Start this actor's engine (eagle3.evaluate.SpecDecodeEngine); returns its start seconds."""
         from eagle3.evaluate import SpecDecodeEngine

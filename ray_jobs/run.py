@@ -339,10 +339,10 @@ def eval_during_training(cfg: JobConfig, target_dir: str, *, gpu: bool) -> tuple
 
 
 class EarlyEval:
-    """The eval's engines, started while the draft trains (eval.start_during_training): placed at
-    once beside the training workers (each on its EVAL_GPU_RESERVE share of the GPU), vLLM
-    imported; the target alone's engine started at once, the draft's from the provisional draft the
-    trainer exports once set up (actors.trainer.write_provisional_draft). take() hands them to the
+    """The eval's engines, started while the draft trains (eval.start_during_training): once the
+    trainer is set up and has exported its provisional draft (actors.trainer.write_provisional_draft),
+    placed beside the training workers (each on its EVAL_GPU_RESERVE share of the GPU) and started,
+    the draft's from that provisional draft. take() hands them to the
     eval stage after training, each draft engine given the trained weights in place
     (compat.draft_reload); one that refuses them is started again from the trained draft."""
 
@@ -364,26 +364,23 @@ class EarlyEval:
 
         from actors.evaluator import place_evaluator
 
-        t0, placed_at = time.perf_counter(), time.time()
-        self._actors = [place_evaluator(self.cfg.extract.cpu_kvcache_space_gib, gpu=self.plan.gpu,
-                                        gpu_share=self.plan.share) for _ in self.plan.engines]
-        for a in self._actors:
-            a.import_engine.remote()  # while the trainer sets up
-        starts = {i: a.start.remote(self.target_dir, None, num_speculative_tokens=0, **engine)
-                  for i, (a, (k, draft, engine, _)) in enumerate(zip(self._actors, self.plan.engines)) if draft is None}
+        # Placed once the trainer has written its provisional draft, i.e. once its workers hold their
+        # resources: actors placed before them could take what the worker group needs (a cluster of 2
+        # CPUs: 2 engines of 1 CPU each, and training never starts).
+        t0 = time.perf_counter()
         while not (self.provisional / "config.json").exists() and not self.training_ended.is_set():
             time.sleep(0.5)
         provisional = (self.provisional / "config.json").exists()
-        draft_at = time.perf_counter() - t0
-        # No provisional draft once training ended (a finished run resubmitted trains nothing): the trained one.
-        source = str(self.provisional) if provisional else None
-        starts |= {i: a.start.remote(self.target_dir, source or draft, num_speculative_tokens=k,
-                                     reloadable_draft=provisional, **engine)
-                   for i, (a, (k, draft, engine, _)) in enumerate(zip(self._actors, self.plan.engines))
-                   if draft is not None}
+        draft_at, placed_at = time.perf_counter() - t0, time.time()
         if self._cancelled:
             return {}
-        ray.get(list(starts.values()))
+        self._actors = [place_evaluator(self.cfg.extract.cpu_kvcache_space_gib, gpu=self.plan.gpu,
+                                        gpu_share=self.plan.share) for _ in self.plan.engines]
+        # No provisional draft once training ended (a finished run resubmitted trains nothing): the trained one.
+        source = str(self.provisional) if provisional else None
+        ray.get([a.start.remote(self.target_dir, None if draft is None else source or draft, num_speculative_tokens=k,
+                                **({"reloadable_draft": provisional} if draft is not None else {}), **engine)
+                 for a, (k, draft, engine, _) in zip(self._actors, self.plan.engines)])
         return {"placed_at": placed_at, "provisional": source, "provisional_after_s": round(draft_at, 2),
                 "ready_after_s": round(time.perf_counter() - t0, 2), "ready_at": time.time()}
 

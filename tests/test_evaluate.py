@@ -221,6 +221,64 @@ def test_rounds_beyond_the_repeats_only_where_they_can_reach_the_precision():
     assert reachable(samples, 0.5, rounds_left=8) == []
 
 
+class _ScriptedSpeedActor:
+    """An eval actor's `speed` (the calls ray_jobs.run._interleaved_speed makes) on a clock the test
+    owns: each window it times takes 1 s and runs at 100 x ratios[key][round] tokens/s (the target
+    alone's: ratios None, 100). Stands in for no engine and no Ray: it tests which rounds are run."""
+
+    def __init__(self, ratios, clock):
+        from types import SimpleNamespace
+
+        self.ratios, self.clock = ratios, clock
+        self.speed = SimpleNamespace(remote=self._speed)
+
+    def _speed(self, prompts, windows, samplings, *, rounds, warmup, only=None):
+        out = []
+        for w in windows:
+            for smp in samplings:
+                key = (w.batch_size, smp.mode)
+                if warmup or (only is not None and key not in only):
+                    continue
+                self.clock[0] += 1.0
+                rate = 100.0 * (self.ratios[key][rounds[0]] if self.ratios else 1.0)
+                out.append({"batch_size": w.batch_size, "mode": smp.mode, "temperature": smp.temperature,
+                            "top_p": smp.top_p, "num_prompts": w.num_prompts, "max_tokens": w.max_tokens,
+                            "seconds": [w.num_tokens / rate], "num_tokens": [w.num_tokens], "drafts": 0,
+                            "accepted": 0})
+        return out
+
+
+def test_interleaved_rounds_go_on_only_for_speedups_that_can_reach_the_precision(monkeypatch):
+    """ray_jobs.run._interleaved_speed after its 5 paired repeats: batch 1's ratios spread +-20%
+    (+-5% would need ~55 rounds, the 30 s left hold ~7), so it gets none; batch 16's (+-7% after 5,
+    ~4 needed) gets rounds until its interval is within +-5%, and then no more."""
+    from types import SimpleNamespace
+
+    import ray_jobs.run as run
+    from eagle3.evaluate import imprecise
+
+    clock = [0.0]
+    monkeypatch.setattr(run.time, "perf_counter", lambda: clock[0])
+    noisy = [1.0, 1.5, 1.1, 1.45, 1.05] + [1.0, 1.5] * 20
+    steady = [1.08, 1.22, 1.12, 1.20, 1.10] + [1.15] * 40
+    draft = _ScriptedSpeedActor({(1, "greedy"): noisy, (16, "greedy"): steady}, clock)
+    alone = _ScriptedSpeedActor(None, clock)
+    windows = (SpeedWindow(batch_size=1, num_prompts=4, max_tokens=8, repeats=5),
+               SpeedWindow(batch_size=16, num_prompts=32, max_tokens=8, repeats=5))
+    results = [{"draft": "d", "wall_s": 0.0}, {"draft": None, "wall_s": 0.0}]
+    run._interleaved_speed(SimpleNamespace(get=lambda x: x), [draft, alone], results, [[1, 2]], windows,
+                           (DecodeSampling("greedy", 0.0),), precision=0.05, max_s=30.0)
+    runs = {r["batch_size"]: r for r in results[0]["speed"]}
+    assert len(runs[1]["seconds"]) == 5 and 5 < len(runs[16]["seconds"]) < 12
+    ratios = [100.0 * x for x in steady[:len(runs[16]["seconds"])]]
+    assert imprecise({"b16": [r / 100.0 for r in ratios]}, 0.05) == []  # it stopped once precise
+    assert imprecise({"b16": [r / 100.0 for r in ratios[:-1]]}, 0.05) == ["b16"]  # ... and not before
+    beyond = results[0]["speed_beyond_repeats"]
+    assert beyond["rounds"] == len(runs[16]["seconds"]) - 5 and beyond["window_pair_s"] == 2.0
+    assert [u.split(":")[0] for u in beyond["unreachable"]] == ["batch 1 greedy"]
+    assert [len(r["seconds"]) for r in results[1]["speed"]] == [5, len(runs[16]["seconds"])]
+
+
 def test_speedup_interval_paired_and_unpaired():
     from eagle3.evaluate import speedup_interval
 
