@@ -90,7 +90,7 @@ def train_loop_per_worker(config: dict) -> None:
 
     if config.get("provisional_draft_dir"):
         # eval.start_during_training: the draft as it stands, so that the eval's engines start now
-        # with its config and shapes (ray_jobs/run.py); they take the trained weights at the end.
+        # with its config and shapes (ray_jobs/evaluate.py); they take the trained weights at the end.
         write_provisional_draft(trainer, config["provisional_draft_dir"])
 
     last: dict = {}

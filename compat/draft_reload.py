@@ -1,5 +1,5 @@
 """Seam: new EAGLE-3 draft weights into a running vLLM engine, so that the eval's engines can start
-while the draft trains (ray_jobs/run.py, eval.start_during_training) from a provisional export of
+while the draft trains (ray_jobs/evaluate.py, eval.start_during_training) from a provisional export of
 the same shapes, and take the trained weights when training ends, without a second start.
 
 vLLM versions: 0.26 - 0.32.

@@ -22,7 +22,7 @@ Owns:
   hidden-state shards: the training side of a train/serve comparison, through the exported files
   rather than the trainer's memory, so the export is part of what is compared.
 Does not own: the engine settings (compat.vllm_engine.eagle3_engine_kwargs), placement (actors.
-evaluator, ray_jobs.run, benchmarks.quality_bench). Imports neither torch nor vllm at module level:
+evaluator, ray_jobs.evaluate, benchmarks.quality_bench). Imports neither torch nor vllm at module level:
 the driver builds eval.json with the pure parts.
 """
 
@@ -502,7 +502,7 @@ def eval_report(engines: list[dict], *, samplings: tuple[DecodeSampling, ...], s
                            "interleaved": interleaved, "precision": precision,
                            "windows": [asdict(w) | {"num_tokens": w.num_tokens} for w in windows],
                            "method": SPEED_METHOD, "results": results}
-        if "speed_beyond_repeats" in with_draft:  # the rounds after the repeats (ray_jobs.run._interleaved_speed)
+        if "speed_beyond_repeats" in with_draft:  # the rounds after the repeats (ray_jobs.evaluate._interleaved_speed)
             report["speed"]["beyond_repeats"] = with_draft["speed_beyond_repeats"]
     return report
 

@@ -127,7 +127,7 @@ def test_eval_report_pairs_each_window_with_the_baseline():
 
 
 def test_rounds_timed_in_turns_merge_and_pair_each_round_with_the_baselines():
-    """Engines side by side time the windows in turns (ray_jobs.run._interleaved_speed): one
+    """Engines side by side time the windows in turns (ray_jobs.evaluate._interleaved_speed): one
     SpecDecodeEngine.speed call per round, merged per engine; the report then pairs round r with
     the draft with round r without it. A drift that slows both engines' round 2 alike leaves the
     paired ratios tight while the unpaired range crosses 1."""
@@ -222,7 +222,7 @@ def test_rounds_beyond_the_repeats_only_where_they_can_reach_the_precision():
 
 
 class _ScriptedSpeedActor:
-    """An eval actor's `speed` (the calls ray_jobs.run._interleaved_speed makes) on a clock the test
+    """An eval actor's `speed` (the calls ray_jobs.evaluate._interleaved_speed makes) on a clock the test
     owns: each window it times takes 1 s and runs at 100 x ratios[key][round] tokens/s (the target
     alone's: ratios None, 100). Stands in for no engine and no Ray: it tests which rounds are run."""
 
@@ -249,16 +249,16 @@ class _ScriptedSpeedActor:
 
 
 def test_interleaved_rounds_go_on_only_for_speedups_that_can_reach_the_precision(monkeypatch):
-    """ray_jobs.run._interleaved_speed after its 5 paired repeats: batch 1's ratios spread +-20%
+    """ray_jobs.evaluate._interleaved_speed after its 5 paired repeats: batch 1's ratios spread +-20%
     (+-5% would need ~55 rounds, the 30 s left hold ~7), so it gets none; batch 16's (+-7% after 5,
     ~4 needed) gets rounds until its interval is within +-5%, and then no more."""
     from types import SimpleNamespace
 
-    import ray_jobs.run as run
+    import ray_jobs.evaluate as stage
     from eagle3.evaluate import imprecise
 
     clock = [0.0]
-    monkeypatch.setattr(run.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(stage.time, "perf_counter", lambda: clock[0])
     noisy = [1.0, 1.5, 1.1, 1.45, 1.05] + [1.0, 1.5] * 20
     steady = [1.08, 1.22, 1.12, 1.20, 1.10] + [1.15] * 40
     draft = _ScriptedSpeedActor({(1, "greedy"): noisy, (16, "greedy"): steady}, clock)
@@ -266,7 +266,7 @@ def test_interleaved_rounds_go_on_only_for_speedups_that_can_reach_the_precision
     windows = (SpeedWindow(batch_size=1, num_prompts=4, max_tokens=8, repeats=5),
                SpeedWindow(batch_size=16, num_prompts=32, max_tokens=8, repeats=5))
     results = [{"draft": "d", "wall_s": 0.0}, {"draft": None, "wall_s": 0.0}]
-    run._interleaved_speed(SimpleNamespace(get=lambda x: x), [draft, alone], results, [[1, 2]], windows,
+    stage._interleaved_speed(SimpleNamespace(get=lambda x: x), [draft, alone], results, [[1, 2]], windows,
                            (DecodeSampling("greedy", 0.0),), precision=0.05, max_s=30.0)
     runs = {r["batch_size"]: r for r in results[0]["speed"]}
     assert len(runs[1]["seconds"]) == 5 and 5 < len(runs[16]["seconds"]) < 12

@@ -163,16 +163,22 @@ def test_replicas_per_gpu_auto_gives_a_small_target_four_engines_a_gpu():
         load_job_config(None, {"extract.replicas_per_gpu": "four"})
 
 
-def test_eval_engines_start_side_by_side_for_a_small_target_on_a_gpu(tmp_path):
-    """eval.engines_at_once 'auto': a small target's engines (extraction's rule: under 0.5B
-    parameters, engines of one GPU) start side by side on a GPU, and one at a time on the CPU, for a
-    larger target, or with one engine; true and false hold everywhere."""
-    from ray_jobs.run import engines_at_once
-
+def _small_and_large_targets(tmp_path: Path) -> tuple[Path, Path]:
+    """Target directories of SmolLM2-135M's and Qwen2.5-1.5B's config.json alone (no weights)."""
     small, large = tmp_path / "small", tmp_path / "large"
     for d, text in ((small, SMOLLM2_135M), (large, QWEN25_1_5B)):
         d.mkdir()
         (d / "config.json").write_text(json.dumps(text))
+    return small, large
+
+
+def test_eval_engines_start_side_by_side_for_a_small_target_on_a_gpu(tmp_path):
+    """eval.engines_at_once 'auto': a small target's engines (extraction's rule: under 0.5B
+    parameters, engines of one GPU) start side by side on a GPU, and one at a time on the CPU, for a
+    larger target, or with one engine; true and false hold everywhere."""
+    from ray_jobs.evaluate import engines_at_once
+
+    small, large = _small_and_large_targets(tmp_path)
     auto = load_job_config(None, {})
     assert auto.eval.engines_at_once == "auto"
     at_once, why = engines_at_once(auto, str(small), 2, gpu=True)
@@ -194,12 +200,9 @@ def test_eval_engines_start_during_training_where_they_would_start_side_by_side(
     start side by side anyway) trained offline by one worker in the same job; off on the CPU, for a
     larger target, online, or without a train or eval stage. A forced true that cannot work (online
     training, several workers on GPUs) stops the job with the reason, before any model loads."""
-    from ray_jobs.run import eval_during_training
+    from ray_jobs.evaluate import eval_during_training
 
-    small, large = tmp_path / "small", tmp_path / "large"
-    for d, text in ((small, SMOLLM2_135M), (large, QWEN25_1_5B)):
-        d.mkdir()
-        (d / "config.json").write_text(json.dumps(text))
+    small, large = _small_and_large_targets(tmp_path)
     auto = load_job_config(None, {})
     assert auto.eval.start_during_training == "auto"
     on, why = eval_during_training(auto, str(small), gpu=True)

@@ -1,0 +1,405 @@
+"""The eval stage's driver: the draft's engines (and the target alone's) as Ray actors
+(actors/evaluator.py), placed one at a time or side by side, or started while the draft trains
+(EarlyEval, eval.start_during_training); their acceptance measured side by side, their timed
+windows taken in turns (_interleaved_speed); eval.json's dict from eagle3.evaluate.eval_report.
+What crosses this process: configs, prompts' token ids, results. Imports neither torch, vllm nor
+deepspeed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagle3.config import JobConfig
+from ray_jobs.background import Background
+
+log = logging.getLogger("eagle3")
+
+
+@dataclass
+class EvalPlan:
+    """The eval stage's engines and what they measure (eval_plan)."""
+
+    engines: list
+    """(k, draft directory or None, engine settings, whether it times the windows) each."""
+    at_once: bool
+    why: str
+    share: float
+    """Each engine's Ray GPU resource (1.0 one at a time)."""
+    gpu: bool
+    measure: dict
+    windows: tuple
+    samplings: tuple
+    source: str
+    speed_k: int | None
+
+
+# Of each training worker's GPU, what the eval's engines take while the draft trains
+# (eval.start_during_training); the worker keeps the rest (Ray resource and torch memory cap).
+EVAL_GPU_RESERVE = 0.5
+
+
+def eval_plan(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[list[int]], *,
+              during_training: bool = False) -> EvalPlan:
+    """One engine (one Ray actor) per setting, started one at a time with the device to itself, or
+    side by side (eval.engines_at_once: a small target's engines share its GPU; always while the
+    draft trains, in EVAL_GPU_RESERVE of the GPU)."""
+    import ray
+
+    from eagle3.evaluate import eval_samplings, resolve_enforce_eager, speed_windows
+    from eagle3.prepare.regenerate import resolve_sampling
+
+    ev = cfg.eval
+    gpu = ray.cluster_resources().get("GPU", 0) >= 1
+    served = resolve_sampling(cfg.regenerate, target_dir)
+    samplings = eval_samplings(served.temperature, served.top_p)
+    source = ("regenerate.temperature/top_p where set, else the target's generation_config.json, else 1.0 "
+              "(eagle3.prepare.regenerate.resolve_sampling)")
+    speed_k = ev.resolved_speed_k
+    windows = speed_windows(ev.speed_batch_sizes, gpu=gpu, max_tokens=ev.speed_window_tokens)
+    serving_eager = resolve_enforce_eager(ev.enforce_eager, gpu=gpu)
+    longest = max([ev.max_tokens] + [w.max_tokens for w in windows])
+    room = longest + max(ev.num_speculative_tokens) + 8
+    max_len = min(cfg.prepare.max_length, max(len(p) for p in prompts) + room)
+    # The windows decode more tokens than acceptance does: only prompts with room for them.
+    speed_prompts = [p for p in prompts if len(p) + room <= max_len]
+    if windows and not speed_prompts:
+        raise ValueError(f"no held-out prompt leaves room for {longest} generated tokens within prepare.max_length="
+                         f"{cfg.prepare.max_length}: raise it, or set eval.speed_batch_sizes: [] (no throughput)")
+    common = {"max_model_len": max_len, "dtype": cfg.target.dtype, "trust_remote_code": cfg.target.trust_remote_code}
+    # vLLM sizes its CUDA graph captures by max_num_seqs (compat.vllm_engine.eagle3_engine_kwargs):
+    # the timed engines never decode more than the largest batch at once.
+    serving = {**common, "enforce_eager": serving_eager, "max_num_seqs": max(ev.speed_batch_sizes, default=16)}
+    plan = [(k, draft_dir, serving if k == speed_k else {**common, "enforce_eager": True}, k == speed_k)
+            for k in ev.num_speculative_tokens]
+    if speed_k is not None:
+        plan.append((0, None, serving, True))  # the target alone: the speedup's baseline
+    if during_training:
+        at_once, why = True, "started while the draft trains (eval.start_during_training)"
+    else:
+        at_once, why = engines_at_once(cfg, target_dir, len(plan), gpu=gpu)
+    share = 1.0
+    if at_once:
+        from ray_jobs.extract import given_kv_cache_bytes, gpu_share
+
+        room = EVAL_GPU_RESERVE if during_training else 1.0
+        share = int(gpu_share(len(plan)) * room * 10_000) / 10_000
+        if gpu:  # each engine its share of the device, and a KV cache of a set size (no profiling of the others)
+            plan = [(k, d, {**e, "gpu_memory_utilization": cfg.extract.gpu_memory_utilization * room / len(plan),
+                            "kv_cache_memory_bytes": given_kv_cache_bytes(cfg.extract)}, t) for k, d, e, t in plan]
+    measure = {"prompts": prompts, "max_tokens": ev.max_tokens, "samplings": samplings, "speed_prompts": speed_prompts,
+               "seed": ev.seed, "ignore_eos": ev.ignore_eos, "speed_precision": ev.speed_precision,
+               "speed_max_s": ev.resolved_speed_max_s(gpu=gpu)}
+    return EvalPlan(plan, at_once, why, share, gpu, measure, windows, samplings, source, speed_k)
+
+
+def evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[list[int]],
+              early: EarlyEval | None = None) -> dict:
+    """The eval stage: its engines (eval_plan) started now, or while the draft trained (`early`),
+    their acceptance measured side by side and their timed windows taken in turns (_measure_group);
+    eval.json's dict (eagle3.evaluate.eval_report)."""
+    import ray
+
+    from eagle3.evaluate import eval_report
+
+    started = early.take(draft_dir) if early is not None else None
+    p = early.plan if started is not None else eval_plan(cfg, target_dir, draft_dir, prompts)
+    log.info("eval: %d engine(s), %s (%s)", len(p.engines), "started side by side, timed in turns"
+             if p.at_once else "one at a time", p.why)
+    results = []
+    for group in ([p.engines] if p.at_once else [[u] for u in p.engines]):
+        results += _measure_group(ray, cfg, target_dir, group, gpu=p.gpu, share=p.share, measure=p.measure,
+                                  windows=p.windows, started=started)
+    out = {"target": target_dir, "draft": draft_dir} | eval_report(
+        results, samplings=p.samplings, sampling_source=p.source, windows=p.windows, speed_k=p.speed_k,
+        num_prompts=len(prompts), max_tokens=cfg.eval.max_tokens, ignore_eos=cfg.eval.ignore_eos,
+        precision=cfg.eval.speed_precision)
+    if started is not None:
+        out["started_during_training"] = started["record"]
+    return out
+
+
+def _measure_group(ray, cfg: JobConfig, target_dir: str, group: list, *, gpu: bool, share: float, measure: dict,
+                   windows, started: dict | None = None) -> list[dict]:
+    """One group of the eval plan's engines ((k, draft, engine settings, timed) each): placed and
+    started at once (or `started` already: EarlyEval.take's actors), then measured
+    (eagle3.evaluate.measure): what times nothing (acceptance) side by side, timed windows with no
+    other engine working, the two that time them taking turns (_interleaved_speed); then released.
+    Each engine's result, with how long its actor and its engine took to start."""
+    from actors.evaluator import place_evaluator
+
+    if started is not None:
+        actors, placed_at = started["actors"], started["placed_at"]
+    else:
+        placed_at = time.time()
+        actors = [place_evaluator(cfg.extract.cpu_kvcache_space_gib, gpu=gpu, gpu_share=share) for _ in group]
+    try:
+        if started is None:
+            ray.get([a.start.remote(target_dir, draft, num_speculative_tokens=k, **engine)
+                     for a, (k, draft, engine, _) in zip(actors, group)])
+        # Engines side by side that both time the windows (the draft's at speed_k and the target
+        # alone) take turns, one round of every window each: a drift of the machine meets both.
+        timed = [i for i, u in enumerate(group) if u[3]] if windows else []
+        interleave = len(timed) > 1
+        own_windows = [windows if i in timed and not interleave else () for i in range(len(group))]
+        # Calls that time nothing (acceptance, and engines whose windows come in turns below) run side
+        # by side; a call that times its windows runs alone.
+        untimed = [i for i, w in enumerate(own_windows) if not w]
+        by_engine = dict(zip(untimed, ray.get([actors[i].measure_started.remote(**measure, windows=())
+                                               for i in untimed])))
+        by_engine |= {i: ray.get(actors[i].measure_started.remote(**measure, windows=w))
+                      for i, w in enumerate(own_windows) if w}
+        done = [by_engine[i] for i in range(len(group))]
+        if interleave:
+            _interleaved_speed(ray, [actors[i] for i in timed], [done[i] for i in timed], measure["speed_prompts"],
+                               windows, measure["samplings"], precision=measure["speed_precision"],
+                               max_s=measure["speed_max_s"])
+        ray.get([a.shutdown.remote() for a in actors])  # all at once: each engine takes seconds to stop
+        for res, (_, draft, engine, _) in zip(done, group):
+            # The wait before the engine (the actor's process start and imports, and its share of the
+            # device), and of it the wait for the actor's first line.
+            res["before_engine_s"] = res.pop("engine_started_at") - placed_at
+            res["actor_start_s"] = res.pop("actor_created_at") - placed_at
+            # of which the wait for the actor's process (for its share of the device, an earlier stage's to be
+            # freed), negative where Ray gave it a worker process that was already running
+            res["process_start_s"] = res.pop("process_started_at") - placed_at
+            res["engines_at_once"] = len(group)
+            log.info("eval: %s", _engine_line(res, draft, engine))
+        return done
+    finally:
+        for a in actors:
+            ray.kill(a)
+
+
+def _engine_line(res: dict, draft: str | None, engine: dict) -> str:
+    """'num_speculative_tokens=3 (engine CUDA graphs, started in 42 s, ...): greedy acceptance length 1.860, ...'."""
+    what = ", ".join(f"{m} acceptance length {acc['acceptance_length']:.3f}" for m, acc in res.get("acceptance", {}).items())
+    if "speed" in res:
+        what += ("; " if what else "") + ", ".join(
+            f"batch {r['batch_size']} {r['mode']} {r['tokens_per_s']['mean']:.0f} tokens/s" for r in res["speed"])
+    name = f"num_speculative_tokens={res['num_speculative_tokens']}" if draft else "target alone"
+    side = f"; {res['engines_at_once']} side by side" if res["engines_at_once"] > 1 else ""
+    return (f"{name} (engine {'eager' if engine['enforce_eager'] else 'CUDA graphs'}, started in "
+            f"{res['engine_start_s']:.0f} s, {res['before_engine_s']:.0f} s after its actor was placed{side}): {what}")
+
+
+def _interleaved_speed(ray, actors: list, results: list[dict], prompts, windows, samplings, *, precision: float,
+                       max_s: float) -> None:
+    """The timed windows on engines that stand side by side (the draft's and the target alone's): their
+    untimed warm-up waves (all at once), then round r of every window on each engine in turn (the order
+    reversed every other round); after the windows' repeats, more rounds of the windows whose paired
+    speedup is not yet known to within +-precision (eagle3.evaluate.imprecise), for at most max_s
+    seconds. Merged per engine (eagle3.evaluate.merge_speed) into its result's "speed"; its wall_s
+    gains the time."""
+    from eagle3.evaluate import imprecise, merge_speed, reachable, rounds_to_precision
+
+    t = time.perf_counter()  # the untimed warm-up waves, all engines at once
+    ray.get([a.speed.remote(prompts, windows, samplings, rounds=[], warmup=True) for a in actors])
+    spent = [time.perf_counter() - t] * len(actors)
+    parts: list[list] = [[] for _ in actors]
+
+    def one_round(r: int, only=None) -> None:
+        for i in (range(len(actors)) if r % 2 == 0 else reversed(range(len(actors)))):
+            t = time.perf_counter()
+            parts[i].append(ray.get(actors[i].speed.remote(prompts, windows, samplings, rounds=[r], warmup=False,
+                                                           only=only)))
+            spent[i] += time.perf_counter() - t
+
+    rounds = max(w.repeats for w in windows)
+    t = time.perf_counter()
+    for r in range(rounds):
+        one_round(r)
+    # one window at one sampling on both engines, for as long as the repeats took
+    per_key_s = (time.perf_counter() - t) / (rounds * len(windows) * len(samplings))
+    draft = next(i for i, res in enumerate(results) if res["draft"] is not None)
+    alone = next(i for i, res in enumerate(results) if res["draft"] is None)
+    started, extra, unreachable = time.perf_counter(), 0, []
+    while precision > 0 and (left := max_s - (time.perf_counter() - started)) > 0:
+        rates = [{(r["batch_size"], r["mode"]): [n / s for n, s in zip(r["num_tokens"], r["seconds"])]
+                  for r in merge_speed(parts[i])} for i in (draft, alone)]
+        ratios = {key: [x / y for x, y in zip(rates[0][key], rates[1][key])] for key in rates[0]}
+        wide = imprecise(ratios, precision)
+        # Rounds that cannot bring an interval to +-precision in the time left, at the spread of its
+        # rounds so far, are not run: the machine's noise would only spend the stage's time.
+        only = reachable(ratios, precision, left / (per_key_s * max(1, len(wide))))
+        unreachable = [f"batch {b} {m}: ~{rounds_to_precision(ratios[b, m], precision):.0f} rounds needed"
+                       for b, m in wide if (b, m) not in only]
+        if not only:
+            break
+        one_round(rounds, only)
+        rounds += 1
+        extra += 1
+    if unreachable:
+        log.info("eval: %d round(s) beyond the repeats; not timed further, their intervals would not reach +-%g%% "
+                 "in eval.speed_max_s=%gs at their spread (~%.1f s a window pair): %s", extra, precision * 100, max_s,
+                 per_key_s, "; ".join(unreachable))
+    for i, res in enumerate(results):
+        res["speed"] = merge_speed(parts[i])
+        res["speed_interleaved"] = True
+        res["speed_beyond_repeats"] = {"rounds": extra, "unreachable": unreachable, "window_pair_s": round(per_key_s, 2)}
+        res["wall_s"] += spent[i]
+
+
+def engines_at_once(cfg: JobConfig, target_dir: str, num_engines: int, *, gpu: bool) -> tuple[bool, str]:
+    """(whether the eval stage starts its engines side by side, why): eval.engines_at_once, where
+    'auto' is true for several engines of a small target on a GPU (ray_jobs.extract.small_target:
+    each engine start, ~70 s with CUDA graphs on an H200 for a 135M target, overlaps the others',
+    and the memory of a few such engines is a small part of the device's)."""
+    setting = cfg.eval.engines_at_once
+    if num_engines < 2:
+        return False, "one engine"
+    if setting != "auto":
+        return bool(setting), "eval.engines_at_once"
+    if not gpu:
+        return False, "auto: on the CPU (engines start in seconds there)"
+    from eagle3.extract.extractor import target_text_config
+    from ray_jobs.extract import small_target
+
+    small, why = small_target(cfg.extract, target_text_config(target_dir), gpu=True)
+    return small, f"auto: {why}"
+
+
+def eval_during_training(cfg: JobConfig, target_dir: str, *, gpu: bool) -> tuple[bool, str]:
+    """(whether the eval's engines start while the draft trains, why): eval.start_during_training,
+    for a job that trains (offline) and then evaluates. 'auto' is on where the engines would start
+    side by side anyway (engines_at_once: a small target on a GPU) and one worker trains: the
+    workers' GPUs are shared with the engines (EVAL_GPU_RESERVE), and two workers could land on
+    one GPU, which NCCL refuses. Raises ValueError for a forced true that cannot work."""
+    setting = cfg.eval.start_during_training
+    if not ("train" in cfg.stages and "eval" in cfg.stages and cfg.eval.enabled):
+        return False, "the job does not both train and evaluate"
+    if setting is False:
+        return False, "eval.start_during_training: false"
+    blocker = None
+    if cfg.train.source != "offline":
+        blocker = "train.source is online: its engines already share the GPUs with the trainer"
+    elif gpu and cfg.train.num_workers != 1:
+        blocker = (f"train.num_workers={cfg.train.num_workers} on GPUs: each worker would keep only part of a GPU, "
+                   "and Ray may place two on one (NCCL refuses two ranks on one GPU)")
+    if blocker is not None:
+        if setting is True:
+            raise ValueError(f"eval.start_during_training: true cannot work here: {blocker}; set it to auto or false")
+        return False, f"auto: {blocker}"
+    if setting is True:
+        return True, "eval.start_during_training: true"
+    if not gpu:
+        return False, "auto: on the CPU (the engines would take the trainer's cores)"
+    n = len(cfg.eval.num_speculative_tokens) + (cfg.eval.resolved_speed_k is not None)
+    return engines_at_once(cfg, target_dir, n, gpu=True)
+
+
+class EarlyEval:
+    """The eval's engines, started while the draft trains (eval.start_during_training): once the
+    trainer is set up and has exported its provisional draft (actors.trainer.write_provisional_draft),
+    placed beside the training workers (each on its EVAL_GPU_RESERVE share of the GPU) and started,
+    the draft's from that provisional draft. take() hands them to the
+    eval stage after training, each draft engine given the trained weights in place
+    (compat.draft_reload); one that refuses them is started again from the trained draft."""
+
+    def __init__(self, cfg: JobConfig, target_dir: str, out: Path, prompts: list[list[int]]):
+        import shutil
+        import threading
+
+        self.cfg, self.target_dir = cfg, target_dir
+        self.plan = eval_plan(cfg, target_dir, str(out / "draft"), prompts, during_training=True)
+        self.provisional = out / "train" / "provisional_draft"
+        shutil.rmtree(self.provisional, ignore_errors=True)  # an earlier run's: its shapes may not be this one's
+        self.training_ended = threading.Event()
+        self._cancelled = False
+        self._actors: list = []
+        self._bg = Background(self._start)
+
+    def _start(self) -> dict:
+        import ray
+
+        from actors.evaluator import place_evaluator
+
+        # Placed once the trainer has written its provisional draft, i.e. once its workers hold their
+        # resources: actors placed before them could take what the worker group needs (a cluster of 2
+        # CPUs: 2 engines of 1 CPU each, and training never starts).
+        t0 = time.perf_counter()
+        while not (self.provisional / "config.json").exists() and not self.training_ended.is_set():
+            time.sleep(0.5)
+        provisional = (self.provisional / "config.json").exists()
+        draft_at, placed_at = time.perf_counter() - t0, time.time()
+        if self._cancelled:
+            return {}
+        self._actors = [place_evaluator(self.cfg.extract.cpu_kvcache_space_gib, gpu=self.plan.gpu,
+                                        gpu_share=self.plan.share) for _ in self.plan.engines]
+        # No provisional draft once training ended (a finished run resubmitted trains nothing): the trained one.
+        source = str(self.provisional) if provisional else None
+        ray.get([a.start.remote(self.target_dir, None if draft is None else source or draft, num_speculative_tokens=k,
+                                **({"reloadable_draft": provisional} if draft is not None else {}), **engine)
+                 for a, (k, draft, engine, _) in zip(self._actors, self.plan.engines)])
+        return {"placed_at": placed_at, "provisional": source, "provisional_after_s": round(draft_at, 2),
+                "ready_after_s": round(time.perf_counter() - t0, 2), "ready_at": time.time()}
+
+    def cancel(self) -> None:
+        """Training failed: release the engines (started or not)."""
+        import ray
+
+        self._cancelled = True
+        self.training_ended.set()
+        for a in self._actors:
+            ray.kill(a)
+
+    def take(self, draft_dir: str) -> dict | None:
+        """After training: the started actors, each draft engine serving draft_dir's weights
+        ({"actors", "placed_at", "record"}), or None where the engines did not start (logged; the
+        eval then starts its own)."""
+        import json
+
+        import ray
+
+        self.training_ended.set()
+        ended_at = time.time()
+        try:
+            got = self._bg.result()
+        except Exception as e:  # noqa: BLE001 - the eval goes on the usual way
+            log.warning("eval: the engines started during training failed (%s); starting them now", e)
+            for a in self._actors:
+                ray.kill(a)
+            return None
+        record = {k: v for k, v in got.items() if k not in ("placed_at", "ready_at")}
+        record["waited_after_training_s"] = round(max(0.0, got["ready_at"] - ended_at), 2)
+        t = time.perf_counter()
+        for i, (k, draft, engine, _) in enumerate(self.plan.engines):
+            if draft is None or got["provisional"] is None:
+                continue
+            same = (json.loads((self.provisional / "config.json").read_text())
+                    == json.loads((Path(draft_dir) / "config.json").read_text()))
+            try:
+                if not same:
+                    raise RuntimeError("the trained draft's config.json differs from the provisional one's")
+                ray.get(self._actors[i].reload_draft.remote(draft_dir))
+            except Exception as e:  # noqa: BLE001 - compat.draft_reload.DraftReloadRefused, or the config
+                log.warning("eval: the k=%d engine cannot take the trained draft in place (%s); starting it again "
+                            "from %s", k, e, draft_dir)
+                ray.kill(self._actors[i])
+                from actors.evaluator import place_evaluator
+
+                self._actors[i] = place_evaluator(self.cfg.extract.cpu_kvcache_space_gib, gpu=self.plan.gpu,
+                                                  gpu_share=self.plan.share)
+                ray.get(self._actors[i].start.remote(self.target_dir, draft_dir, num_speculative_tokens=k, **engine))
+                record.setdefault("restarted", []).append(k)
+        record["reload_s"] = round(time.perf_counter() - t, 2)
+        log.info("eval: engines started during training: %s", record)
+        return {"actors": self._actors, "placed_at": got["placed_at"], "record": record}
+
+
+def early_eval(cfg: JobConfig, target_dir: str, out: Path) -> EarlyEval | None:
+    """The eval's engines, starting now while the draft trains, where eval_during_training says so."""
+    import ray
+
+    from eagle3.prepare.tokens import read_eval_prompts
+
+    on, why = eval_during_training(cfg, target_dir, gpu=ray.cluster_resources().get("GPU", 0) >= 1)
+    prompts = read_eval_prompts(out / "prepared")[: cfg.eval.num_prompts] if on else []
+    if not prompts:
+        log.info("eval: engines start after training (%s)", why if not on else "no held-out prompts")
+        return None
+    log.info("eval: engines start while the draft trains (%s)", why)
+    return EarlyEval(cfg, target_dir, out, prompts)
