@@ -7,7 +7,8 @@
 #    repeats), which also runs the new path once;
 # 2. the job itself, warm: ../session22-h200/smollm2-sharegpt.yaml unchanged (its engines during training unless the
 #    warm-up failed: then with eval.start_during_training=false, so that the job still measures the rest);
-# 3. the same draft with two decoder layers on that job's own data (linked: train, export and eval only).
+# 3. the same draft with two decoder layers on that job's own data (linked: train, export and eval only);
+# 4. the one-layer draft served at k=2 (the eval alone).
 # Each step's log and queue.log beside them; gather.sh packs /tmp/res for the collecting call.
 . /tmp/repo/benchmarks/results/leases/session16-h200/common.sh
 L=/tmp/repo/benchmarks/results/leases/session33-plan
@@ -27,6 +28,11 @@ mkdir -p /tmp/smoljob2 && ln -sfn /tmp/smoljob/prepared /tmp/smoljob2/prepared &
   ln -sfn /tmp/smoljob/regenerated /tmp/smoljob2/regenerated && ln -sfn /tmp/smoljob/hidden_states /tmp/smoljob2/hidden_states
 step smollm2-2layers 600 python -m ray_jobs.run --config $C --set output_dir=/tmp/smoljob2 \
   --set 'stages=["train","export","eval"]' --set train.draft.num_draft_layers=2 --set doctor=false
+# 4. With what is still left: the one-layer job's draft served at k=2 (the eval stage alone, its engines started now):
+#    does one draft token fewer turn batch 16's 0.91x (session 33) around?
+mkdir -p /tmp/smoljobk2 && for d in prepared regenerated hidden_states train draft; do ln -sfn /tmp/smoljob/$d /tmp/smoljobk2/$d; done
+step smollm2-k2 300 python -m ray_jobs.run --config $C --set output_dir=/tmp/smoljobk2 --set 'stages=["eval"]' \
+  --set 'eval.num_speculative_tokens=[2]' --set doctor=false
 echo "$(date +%T) queue done" >> $R/queue.log
 bash $L/gather.sh
 touch $R/DONE
