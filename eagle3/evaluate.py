@@ -448,7 +448,9 @@ SPEED_METHOD = ("each window is timed `repeats` times on each engine (the draft'
                 "each round's two windows, and paired_exceeds_one: all of them on the same side of 1. ci95: the 95% "
                 "interval of the speedup (Student's t over the paired ratios; without pairing, the two means' "
                 "relative half-widths added in quadrature); rounds beyond `repeats` are timed while an interval is "
-                "wider than +-precision of its speedup, for at most eval.speed_max_s; precise: it is not. call_seconds: "
+                "wider than +-precision of its speedup, for at most eval.speed_max_s, and with the engines taking turns "
+                "only where it could reach that in the time left (beyond_repeats: those rounds, and the windows given "
+                "up on); precise: it is not. call_seconds: "
                 "for each timed window, the seconds of each generate call in it (batch_size prompts each), so that a "
                 "window slow throughout can be told from one slow call")
 

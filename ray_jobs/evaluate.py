@@ -85,10 +85,10 @@ def eval_plan(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[lis
     if at_once:
         from ray_jobs.extract import given_kv_cache_bytes, gpu_share
 
-        room = EVAL_GPU_RESERVE if during_training else 1.0
-        share = int(gpu_share(len(plan)) * room * 10_000) / 10_000
+        device = EVAL_GPU_RESERVE if during_training else 1.0  # of the GPU, what the engines share
+        share = gpu_share(len(plan) / device)
         if gpu:  # each engine its share of the device, and a KV cache of a set size (no profiling of the others)
-            plan = [(k, d, {**e, "gpu_memory_utilization": cfg.extract.gpu_memory_utilization * room / len(plan),
+            plan = [(k, d, {**e, "gpu_memory_utilization": cfg.extract.gpu_memory_utilization * device / len(plan),
                             "kv_cache_memory_bytes": given_kv_cache_bytes(cfg.extract)}, t) for k, d, e, t in plan]
     measure = {"prompts": prompts, "max_tokens": ev.max_tokens, "samplings": samplings, "speed_prompts": speed_prompts,
                "seed": ev.seed, "ignore_eos": ev.ignore_eos, "speed_precision": ev.speed_precision,
@@ -312,10 +312,14 @@ class EarlyEval:
         self._actors: list = []
         self._bg = Background(self._start)
 
+    def _place(self):
+        """An evaluator actor as the plan places its engines (actors.evaluator.place_evaluator)."""
+        from actors.evaluator import place_evaluator
+
+        return place_evaluator(self.cfg.extract.cpu_kvcache_space_gib, gpu=self.plan.gpu, gpu_share=self.plan.share)
+
     def _start(self) -> dict:
         import ray
-
-        from actors.evaluator import place_evaluator
 
         # Placed once the trainer has written its provisional draft, i.e. once its workers hold their
         # resources: actors placed before them could take what the worker group needs (a cluster of 2
@@ -327,8 +331,7 @@ class EarlyEval:
         draft_at, placed_at = time.perf_counter() - t0, time.time()
         if self._cancelled:
             return {}
-        self._actors = [place_evaluator(self.cfg.extract.cpu_kvcache_space_gib, gpu=self.plan.gpu,
-                                        gpu_share=self.plan.share) for _ in self.plan.engines]
+        self._actors = [self._place() for _ in self.plan.engines]
         # No provisional draft once training ended (a finished run resubmitted trains nothing): the trained one.
         source = str(self.provisional) if provisional else None
         ray.get([a.start.remote(self.target_dir, None if draft is None else source or draft, num_speculative_tokens=k,
@@ -366,11 +369,11 @@ class EarlyEval:
         record = {k: v for k, v in got.items() if k not in ("placed_at", "ready_at")}
         record["waited_after_training_s"] = round(max(0.0, got["ready_at"] - ended_at), 2)
         t = time.perf_counter()
+        same = got["provisional"] is not None and (json.loads((self.provisional / "config.json").read_text())
+                                                   == json.loads((Path(draft_dir) / "config.json").read_text()))
         for i, (k, draft, engine, _) in enumerate(self.plan.engines):
             if draft is None or got["provisional"] is None:
                 continue
-            same = (json.loads((self.provisional / "config.json").read_text())
-                    == json.loads((Path(draft_dir) / "config.json").read_text()))
             try:
                 if not same:
                     raise RuntimeError("the trained draft's config.json differs from the provisional one's")
@@ -379,10 +382,7 @@ class EarlyEval:
                 log.warning("eval: the k=%d engine cannot take the trained draft in place (%s); starting it again "
                             "from %s", k, e, draft_dir)
                 ray.kill(self._actors[i])
-                from actors.evaluator import place_evaluator
-
-                self._actors[i] = place_evaluator(self.cfg.extract.cpu_kvcache_space_gib, gpu=self.plan.gpu,
-                                                  gpu_share=self.plan.share)
+                self._actors[i] = self._place()
                 ray.get(self._actors[i].start.remote(self.target_dir, draft_dir, num_speculative_tokens=k, **engine))
                 record.setdefault("restarted", []).append(k)
         record["reload_s"] = round(time.perf_counter() - t, 2)

@@ -108,9 +108,9 @@ def approx_num_params(text_cfg: dict) -> int:
     return layers * (attn + mlp) + embed
 
 
-def gpu_share(n: int) -> float:
+def gpu_share(n: float) -> float:
     """One of n equal shares of a GPU as a Ray resource, rounded down to Ray's 0.0001 granularity
-    (n of them must fit in 1: 3 x 0.3333)."""
+    (n of them must fit in 1: 3 x 0.3333; n = 4 engines / 0.5 of the GPU gives each 1/8)."""
     return int(10_000 / n) / 10_000
 
 

@@ -418,13 +418,19 @@ def overrides_from(items: list[str]) -> dict:
     return overrides
 
 
-def main(argv: list[str] | None = None) -> int:
+def argument_parser() -> argparse.ArgumentParser:
+    """The job's command line (main; benchmarks/results/leases/check_queue.py reads lease queues with it)."""
     ap = argparse.ArgumentParser(prog="python -m ray_jobs.run", description=__doc__.split("\n")[0])
     ap.add_argument("--config", help="YAML/JSON job config; omitted: the built-in demo defaults")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config value, e.g. --set train.num_steps=50 (value parsed as YAML)")
     ap.add_argument("--help-config", action="store_true",
                     help="print every config key with its type, default and meaning (docs/config.md), then exit")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argument_parser()
     args = ap.parse_args(argv)
     if args.help_config:
         from eagle3.config_reference import reference

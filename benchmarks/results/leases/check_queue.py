@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from eagle3.config import load_job_config
-from ray_jobs.run import overrides_from
+from ray_jobs.run import argument_parser, overrides_from
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -34,14 +34,11 @@ def commands(script: Path):
 
 
 def config_of(args: list[str]):
-    """The job config a command's --config and --set give, as ray_jobs.run's main builds it."""
-    config, items, it = None, [], iter(args)
-    for a in it:
-        if a == "--config":
-            config = next(it).replace("/tmp/repo/", f"{ROOT}/")
-        elif a == "--set":
-            items.append(next(it))
-    return load_job_config(config, overrides_from(items))
+    """The job config a command's --config and --set give, parsed and built as ray_jobs.run's main does
+    (ray_jobs.doctor takes the same two)."""
+    parsed, _ = argument_parser().parse_known_args(args)
+    config = parsed.config.replace("/tmp/repo/", f"{ROOT}/") if parsed.config else None
+    return load_job_config(config, overrides_from(parsed.set))
 
 
 def main(paths: list[str]) -> int:
