@@ -19,14 +19,15 @@ ROOT = Path(__file__).resolve().parents[3]
 
 def commands(script: Path):
     """Each `python -m ray_jobs.{run,doctor}` command line of the script, continuation lines joined and the
-    script's own plain assignments (`C=/tmp/repo/...`) put in for $NAME."""
+    script's own plain assignments (`C=/tmp/repo/...`, `C=$L/x.yaml`, and the
+    last `... && STEPS=500` before a command: a run-time value's floor) put in for $NAME."""
     text = script.read_text().replace("\\\n", " ")
     names: dict[str, str] = {}
     for line in text.splitlines():
-        m = re.fullmatch(r"([A-Za-z_]\w*)=(\S+)", line.strip())
+        line = re.sub(r"\$\{?([A-Za-z_]\w*)\}?", lambda v: names.get(v[1], v[0]), line)
+        m = re.search(r"(?:^|&&\s*)([A-Za-z_]\w*)=([^\s$()]+)$", line.strip())
         if m:
             names[m[1]] = m[2]
-        line = re.sub(r"\$\{?([A-Za-z_]\w*)\}?", lambda v: names.get(v[1], v[0]), line)
         words = shlex.split(line, comments=True)
         for i in range(len(words) - 2):
             if words[i] == "python" and words[i + 1] == "-m" and words[i + 2] in ("ray_jobs.run", "ray_jobs.doctor"):
