@@ -428,10 +428,10 @@ class EvalConfig:
     """How well each speedup must be known: after its windows' repeats, rounds go on (both engines,
     only the windows still short of it) until the 95% interval of the speedup is within +-this
     fraction of it, or speed_max_s is spent; eval.json gives each interval, its rounds and whether
-    it got there (precise). Engines side by side (the draft's and the target alone's taking turns)
-    time a window again only where its interval could reach this in the time left at the spread of
-    its rounds so far (eagle3.evaluate.reachable); an engine timed alone (engines_at_once false)
-    goes on until its time is spent. Five paired rounds of GPU windows gave 95% intervals of +-6-34% at batch
+    it got there (precise). A window is timed again only where its interval could reach this in
+    the time left at the spread of its rounds so far (eagle3.evaluate.reachable): the paired
+    speedup's where the draft's and the target alone's engines take turns, each engine's tokens/s
+    (to +-this / sqrt 2) where an engine is timed alone (engines_at_once false). Five paired rounds of GPU windows gave 95% intervals of +-6-34% at batch
     1 (SmolLM2, session 23; the 1.5B, session 25, where one draft measured 1.45x and then 1.18x:
     benchmarks/results/README.md, session 25). 0: the repeats alone."""
     speed_max_s: float | None = None

@@ -28,11 +28,14 @@ the driver builds eval.json with the pure parts.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Self
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -341,7 +344,8 @@ class SpecDecodeEngine:
         time, alternating between them (merge_speed joins the rounds). precision, max_s: after the
         repeats, more rounds of the windows whose mean tokens/s is not yet known to within
         precision / sqrt(2) of itself (imprecise; so that a ratio of two such means is known to
-        about precision), for at most max_s seconds in all."""
+        about precision) and can get there in the time left (reachable), for at most max_s seconds
+        in all (_rounds_beyond_repeats)."""
         if not prompts:
             raise ValueError("speed needs at least one prompt")
         runs = {}
@@ -357,17 +361,32 @@ class SpecDecodeEngine:
             for (w, s), run in runs.items():
                 if (only is None and r < w.repeats) or (only is not None and (w.batch_size, s.mode) in only):
                     self._time_window(w, s, prompts, run)
-        extra, started = [(w.batch_size, s.mode) for w, s in runs], time.perf_counter()
-        while precision > 0 and time.perf_counter() - started < max_s:
-            extra = imprecise({(w.batch_size, s.mode): [n / t for n, t in zip(run["num_tokens"], run["seconds"])]
-                               for (w, s), run in runs.items() if (w.batch_size, s.mode) in extra},
-                              precision / math.sqrt(2))
-            if not extra:
-                break
-            for (w, s), run in runs.items():
-                if (w.batch_size, s.mode) in extra:
-                    self._time_window(w, s, prompts, run)
+        if precision > 0:
+            self._rounds_beyond_repeats(runs, prompts, precision / math.sqrt(2), max_s)
         return merge_speed([list(runs.values())])
+
+    def _rounds_beyond_repeats(self, runs: dict, prompts: list[list[int]], precision: float, max_s: float) -> None:
+        """speed's rounds after the repeats, on this engine alone: each round times again the windows
+        whose mean tokens/s is not yet known to within precision of itself and could get there in the
+        time left at the spread of its rounds so far (reachable, the rule of the engines taking turns in
+        ray_jobs.evaluate); a window given up on stays so. Each run records them as beyond_repeats."""
+        by_key = {(w.batch_size, s.mode): (w, s) for w, s in runs}
+        rates = lambda key: [n / t for n, t in zip(runs[by_key[key]]["num_tokens"], runs[by_key[key]]["seconds"])]
+        live, given_up, started = list(by_key), {}, time.perf_counter()
+        while live and (left := max_s - (time.perf_counter() - started)) > 0:
+            samples = {key: rates(key) for key in live}
+            wide = imprecise(samples, precision)
+            round_s = sum(sum(runs[by_key[k]]["seconds"]) / len(runs[by_key[k]]["seconds"]) for k in wide)
+            live = reachable(samples, precision, left / round_s) if wide else []
+            given_up |= {k: rounds_to_precision(samples[k], precision) for k in wide if k not in live}
+            for key in live:
+                self._time_window(*by_key[key], prompts, runs[by_key[key]])
+        for key, wanted in given_up.items():
+            log.info("eval: batch %d %s not timed further: its tokens/s would need ~%.0f rounds to come within "
+                     "+-%.1f%%, more than eval.speed_max_s=%gs holds", *key, wanted, precision * 100, max_s)
+        for key, (w, s) in by_key.items():
+            runs[w, s]["beyond_repeats"] = {"rounds": max(0, len(runs[w, s]["seconds"]) - w.repeats),
+                                            "given_up": f"~{given_up[key]:.0f} rounds needed" if key in given_up else None}
 
     def _time_window(self, w: SpeedWindow, s: DecodeSampling, prompts: list[list[int]], run: dict) -> None:
         """Times window `w` once at sampling `s` into `run` (its seconds, tokens, the seconds of each
@@ -448,9 +467,10 @@ SPEED_METHOD = ("each window is timed `repeats` times on each engine (the draft'
                 "each round's two windows, and paired_exceeds_one: all of them on the same side of 1. ci95: the 95% "
                 "interval of the speedup (Student's t over the paired ratios; without pairing, the two means' "
                 "relative half-widths added in quadrature); rounds beyond `repeats` are timed while an interval is "
-                "wider than +-precision of its speedup, for at most eval.speed_max_s, and with the engines taking turns "
-                "only where it could reach that in the time left (beyond_repeats: those rounds, and the windows given "
-                "up on); precise: it is not. call_seconds: "
+                "wider than +-precision of its speedup, for at most eval.speed_max_s, and only "
+                "where it could reach that in the time left at its spread so far (beyond_repeats: those rounds, and "
+                "the windows given up on; for an engine timed alone, each window's own tokens/s to +-precision / "
+                "sqrt 2); precise: it is not. call_seconds: "
                 "for each timed window, the seconds of each generate call in it (batch_size prompts each), so that a "
                 "window slow throughout can be told from one slow call")
 
@@ -496,9 +516,11 @@ def eval_report(engines: list[dict], *, samplings: tuple[DecodeSampling, ...], s
             results.append({k: r[k] for k in ("batch_size", "mode", "temperature", "top_p")}
                            | {"with_draft": {k: r[k] for k in ("tokens_per_s", "seconds", "num_tokens",
                                                                 "acceptance_length")}
-                                            | {"call_seconds": r.get("call_seconds", [])},
+                                            | {"call_seconds": r.get("call_seconds", [])}
+                                            | {k: r[k] for k in ("beyond_repeats",) if k in r},
                               "without_draft": {k: b[k] for k in ("tokens_per_s", "seconds", "num_tokens")}
-                                               | {"call_seconds": b.get("call_seconds", [])},
+                                               | {"call_seconds": b.get("call_seconds", [])}
+                                            | {k: b[k] for k in ("beyond_repeats",) if k in b},
                               "speedup": sp})
         report["speed"] = {"num_speculative_tokens": speed_k, "enforce_eager": with_draft["enforce_eager"],
                            "interleaved": interleaved, "precision": precision,

@@ -353,7 +353,7 @@ def test_speed_precision_config():
 
 
 class _ClockedEngine:
-    """SpecDecodeEngine's timing loop (speed, _time_window) on a clock the test owns: each _generate
+    """SpecDecodeEngine's timing loop (speed, _time_window, _rounds_beyond_repeats) on a clock the test owns: each _generate
     call advances it by the next of `durations` (cycled). Stands in for no engine: it tests our
     rounds and when they stop, not vLLM (the slow tier's jobs time real engines)."""
 
@@ -364,6 +364,7 @@ class _ClockedEngine:
         monkeypatch.setattr(ev.time, "perf_counter", lambda: self.now)
         self.speed = ev.SpecDecodeEngine.speed.__get__(self)
         self._time_window = ev.SpecDecodeEngine._time_window.__get__(self)
+        self._rounds_beyond_repeats = ev.SpecDecodeEngine._rounds_beyond_repeats.__get__(self)
 
     def _generate(self, prompts, *, max_tokens, temperature, top_p=1.0):
         from types import SimpleNamespace
@@ -415,13 +416,31 @@ def test_speed_times_more_rounds_until_precise_or_out_of_time(monkeypatch):
 
     rates = [8 / s for s in run["seconds"]]
     assert imprecise({"w": rates}, 0.05 / 2 ** 0.5) == [] and imprecise({"w": rates[:-1]}, 0.05 / 2 ** 0.5) == ["w"]
-    # The same with 10 s to spend: it stops on time, short of the precision.
+    assert run["beyond_repeats"] == {"rounds": n - 3, "given_up": None}
+    # With 10 s to spend (~7 rounds of ~1.3 s), the spread of the first three rounds (8, 4, 8 tokens/s: std
+    # 0.346 of the mean) needs (1.96 x 0.346 / (0.05 / sqrt 2))^2 = 369: no round is timed beyond the
+    # repeats, and the run says why (the rule of the engines taking turns, reachable).
     e = _ClockedEngine(steady, monkeypatch)
     [run] = e.speed([[1, 2]], [window], greedy, precision=0.05, max_s=10.0)
-    assert 3 < len(run["seconds"]) < n and sum(run["seconds"][3:]) < 10.0 + 1.5
+    assert len(run["seconds"]) == 3
+    assert run["beyond_repeats"]["rounds"] == 0 and run["beyond_repeats"]["given_up"] == "~369 rounds needed"
+    # A smaller spread (8, 7.3, 8 tokens/s: ~9 rounds needed) is within reach of the same 10 s: timed on,
+    # within the time.
+    near = [1.0, 1.0, 1.1, 1.0] + [1.05] * 200
+    e = _ClockedEngine(near, monkeypatch)
+    [run] = e.speed([[1, 2]], [window], greedy, precision=0.05, max_s=10.0)
+    assert 3 < len(run["seconds"]) and sum(run["seconds"][3:]) < 10.0 + 1.05
+    assert run["beyond_repeats"] == {"rounds": len(run["seconds"]) - 3, "given_up": None}
+    # eval.json keeps each engine's, where the engines were timed one after the other
+    engines = [{"num_speculative_tokens": 3, "draft": "d", "enforce_eager": True, "acceptance": {"greedy": _acc(2.0, 3)},
+                "speed": [run]}, {"num_speculative_tokens": 0, "draft": None, "enforce_eager": True, "speed": [run]}]
+    [res] = eval_report(engines, samplings=greedy, sampling_source="test", windows=(window,), speed_k=3,
+                        num_prompts=1, max_tokens=8, precision=0.05)["speed"]["results"]
+    assert res["with_draft"]["beyond_repeats"] == res["without_draft"]["beyond_repeats"] == run["beyond_repeats"]
     # precision 0: the repeats alone
     e = _ClockedEngine(steady, monkeypatch)
-    assert len(e.speed([[1, 2]], [window], greedy, precision=0.0, max_s=1000.0)[0]["seconds"]) == 3
+    [run] = e.speed([[1, 2]], [window], greedy, precision=0.0, max_s=1000.0)
+    assert len(run["seconds"]) == 3 and "beyond_repeats" not in run
 
 
 def test_walk_rounds_replays_vllms_rounds():
