@@ -200,7 +200,7 @@ class OnlineFeed:
         tokens = heldout_rows(self.tokens, self.heldout["threshold"])
         plan = ShardPlan(tokens.num_rows, self.samples_per_shard)
         manifest = Manifest(Path(self.heldout["dir"]), ecfg.file_format)
-        manifest.open(self.heldout["fingerprint"])
+        manifest.open(self.heldout["fingerprint"], sample_ids=tokens.column("sample_id").to_pylist())
         done = manifest.committed()
         live = self.pool.live()
         pending = []

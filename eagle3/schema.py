@@ -13,6 +13,7 @@ auxiliary layers.
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pyarrow as pa
@@ -29,6 +30,16 @@ TOKENS_SCHEMA = pa.schema(
     ],
     metadata={"eagle3.kind": "tokens", "eagle3.schema_version": str(SCHEMA_VERSION)},
 )
+
+
+def ids_sha256(sample_ids) -> str:
+    """The hash of an input's sample ids, in order, that the regenerated and hidden-states outputs'
+    fingerprints hold (eagle3.extract.manifest): what tells a resume the same input, or one that grew."""
+    h = hashlib.sha256()
+    for s in sample_ids:
+        h.update(s.encode())
+        h.update(b"\0")
+    return h.hexdigest()
 
 
 def hidden_states_schema(*, layer_ids: list[int], hidden_size: int, hs_dtype: str = "bfloat16") -> pa.Schema:

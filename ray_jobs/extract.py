@@ -153,7 +153,11 @@ def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str,
     check_schema(tokens.schema, "tokens")
     plan, layer_ids, hidden_size, fingerprint = extraction_plan(ecfg, target_dir, tokens, tokens_source)
     manifest = Manifest(Path(out_dir), ecfg.file_format)
-    manifest.open(fingerprint)
+    grown = manifest.open(fingerprint, sample_ids=tokens.column("sample_id").to_pylist())
+    if grown is not None:
+        log.info("extract: the input grew from %d to %d samples (the old ones first, in order): the shards full in "
+                 "both plans stay committed%s", grown.num_samples, tokens.num_rows,
+                 f"; shard(s) {grown.dropped} dropped, to be done again" if grown.dropped else "")
     committed = manifest.committed()
     sched = ShardScheduler(plan.num_shards, committed, max_inflight_per_replica=ecfg.max_inflight_shards)
     log.info("%s (shards of up to %d samples)", sched.describe_resume("extract"), plan.samples_per_shard)

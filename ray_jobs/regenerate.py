@@ -37,8 +37,9 @@ def run_regenerate(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: s
     import ray
 
     from actors.regenerator import RegeneratorActor
-    from eagle3.prepare.regenerate import (conversation_ids, cut_warning, fallback_warning, finalize, regenerate_fingerprint,
-                                   reject_warning, resolve_sampling, sampling_fallbacks, source_messages)
+    from eagle3.prepare.regenerate import (REJECTS_FILE, TOKENS_FILE, conversation_ids, cut_warning, fallback_warning,
+                                           finalize, regenerate_fingerprint, reject_warning, resolve_sampling,
+                                           sampling_fallbacks, source_messages)
     from actors.replica_pool import ReplicaPool, failure_reason, is_system_failure
     from eagle3.extract.extractor import target_text_config
     from ray_jobs.extract import replica_layout, resolve_replicas_per_gpu
@@ -50,17 +51,25 @@ def run_regenerate(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: s
     fallbacks = sampling_fallbacks(rcfg, target_dir)
     plan = ShardPlan(len(ids), rcfg.samples_per_shard)
     manifest = Manifest(Path(out_dir), "parquet")
-    manifest.open(regenerate_fingerprint(ids, plan.samples_per_shard, sampling, target=target_dir,
-                                         max_length=cfg.prepare.max_length,
-                                         assistant_only_loss=cfg.prepare.assistant_only_loss,
-                                         chat_template_kwargs=cfg.prepare.chat_template_kwargs, cut=rcfg.cut))
+    grown = manifest.open(regenerate_fingerprint(ids, plan.samples_per_shard, sampling, target=target_dir,
+                                                 max_length=cfg.prepare.max_length,
+                                                 assistant_only_loss=cfg.prepare.assistant_only_loss,
+                                                 chat_template_kwargs=cfg.prepare.chat_template_kwargs, cut=rcfg.cut),
+                          sample_ids=ids)
+    if grown is not None:  # the input grew: the full shards stay, the finished run's outputs are stale
+        for name in (TOKENS_FILE, REJECTS_FILE):
+            (Path(out_dir) / name).unlink(missing_ok=True)
+        log.info("regenerate: the input grew from %d to %d conversations (the old ones first, in order): the "
+                 "shards full in both plans stay committed%s", grown.num_samples, len(ids),
+                 f"; shard(s) {grown.dropped} dropped, to be done again" if grown.dropped else "")
     committed = manifest.committed()
     sched = ShardScheduler(plan.num_shards, committed, max_inflight_per_replica=INFLIGHT_PER_REPLICA)
     log.info("%s (up to %d conversations each; temperature %g, top_p %g, max_tokens %d, seed %s)",
              sched.describe_resume("regenerate"), plan.samples_per_shard, sampling.temperature, sampling.top_p,
              sampling.max_tokens, sampling.seed)
     summary = {"num_shards": plan.num_shards, "samples_per_shard": plan.samples_per_shard,
-               "shards_skipped": len(sched.skipped), "sampling": vars(sampling), "sampling_fallbacks": fallbacks}
+               "shards_skipped": len(sched.skipped), "grown": grown._asdict() if grown else None,
+               "sampling": vars(sampling), "sampling_fallbacks": fallbacks}
     warned = False
     if (msg := fallback_warning(fallbacks, sampling)) and not sched.finished:
         log.warning(msg)

@@ -234,6 +234,16 @@ def test_extract_commits_each_sample_once_and_resumes(tiny_target, tmp_path, ray
         run_extract(cfg, str(tmp_path / "other.parquet"), tiny_target, str(out), progress=False)
     assert sorted(_dataset_ids(second["files"])) == sorted(ids)
 
+    # More samples after the same ones (a larger max_samples): the shards full in both plans stay; the
+    # old last one (5 of 6) and the new one are extracted, each sample once.
+    more = tokens_table(lengths + [20, 30, 40])
+    pq.write_table(more, tmp_path / "grown.parquet")
+    with caplog.at_level("INFO", logger="eagle3.extract"):
+        grown = run_extract(cfg, str(tmp_path / "grown.parquet"), tiny_target, str(out), progress=False)
+    assert "extract: the input grew from 41 to 44 samples" in caplog.text and "shard(s) [6] dropped" in caplog.text
+    assert grown["shards_skipped"] == 6 and sorted(r for rep in grown["replicas"] for r in rep["shards"]) == [6, 7]
+    assert sorted(_dataset_ids(grown["files"])) == sorted(i for i in more.column("sample_id").to_pylist() if i != "s0040")
+
 
 @pytest.mark.slow  # starts Ray
 def test_placement_timeout_says_what_to_check(tiny_target, tmp_path, ray_shared):

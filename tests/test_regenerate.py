@@ -460,6 +460,48 @@ def test_finalize_writes_tokens_in_shard_order_with_the_tokens_schema(tok, tmp_p
     assert (tmp_path / "rejects.jsonl").read_text() == ""
 
 
+def test_an_input_that_only_grew_keeps_its_full_shards(tmp_path):
+    """A larger max_samples resubmitted into the same output_dir (session 28 grew ShareGPT from 12,000 to
+    17,672 records and needed a script of its own, extend_regenerated.py, to keep 44 regenerated shards):
+    where the old samples are the new input's first ones, in order, and nothing else changed, the
+    shards full in the old plan hold the same samples in the new one and stay; the old last one, not
+    full, is dropped. Anything else that differs is refused, nothing deleted."""
+    from eagle3.extract.manifest import Grown, Manifest
+    from eagle3.prepare.regenerate import regenerate_fingerprint
+
+    def fp(ids, **kw):
+        return regenerate_fingerprint(ids, 3, GREEDY, target="t", max_length=512, assistant_only_loss=True, **kw)
+
+    ids = [f"c{i}" for i in range(8)]
+    manifest = Manifest(tmp_path, "parquet")
+    assert manifest.open(fp(ids[:5]), sample_ids=ids[:5]) is None
+    for shard in (0, 1):  # rows 0-2 (full) and 3-4 (the old plan's last, not full)
+        manifest.data_path(shard).write_bytes(b"x")
+        manifest.commit(shard, {"num_samples": 3 - shard})
+    for other, given in ((fp(ids[1:7]), ids[1:7]),  # not the old samples first
+                         (fp(ids[:4]), ids[:4]),  # shrunk
+                         (fp(ids, cut="end"), ids),  # grown, and another setting
+                         (fp(ids), None)):  # grown, the ids not given
+        with pytest.raises(ValueError, match="holds shards of another input"):
+            manifest.open(other, sample_ids=given)
+    assert sorted(manifest.committed()) == [0, 1] and manifest.data_path(1).exists()
+
+    assert manifest.open(fp(ids), sample_ids=ids) == Grown(5, [1])
+    assert sorted(manifest.committed()) == [0] and not manifest.data_path(1).exists()
+    assert manifest.open(fp(ids), sample_ids=ids) is None  # the manifest names the new input now
+    # All shards of 8 done (the last, rows 6-7, not full); grown to 9, then to 11: the last shard goes
+    # only where it was not full.
+    for shard in (1, 2):
+        manifest.data_path(shard).write_bytes(b"x")
+        manifest.commit(shard, {})
+    assert manifest.open(fp(ids + ["c8"]), sample_ids=ids + ["c8"]) == Grown(8, [2])
+    manifest.data_path(2).write_bytes(b"x")
+    manifest.commit(2, {})  # rows 6-8: full
+    more = ids + ["c8", "c9", "c10"]
+    assert manifest.open(fp(more), sample_ids=more) == Grown(9, [])
+    assert sorted(manifest.committed()) == [0, 1, 2]
+
+
 @pytest.fixture(scope="module")
 def weightless_target(tok_dir, tmp_path_factory) -> str:
     """The tiny tokenizer and a Llama config, no weights: enough for vLLM to resolve engine args."""
@@ -612,6 +654,26 @@ def test_vllm_regenerates_each_conversation_once_and_resumes(tiny_target, tmp_pa
         run_regenerate(_job(tmp_path, tmp_path / "conv.jsonl", temperature=0.5, max_tokens=48, samples_per_shard=2),
                        str(tmp_path / "prepared" / "tokens.parquet"), tiny_target, str(out), progress=False)
     assert read_tokens(out).equals(tokens)
+
+    # More records into a copy of that output (a larger max_samples, resubmitted): the shards that were
+    # full stay, the old last one (one conversation of two) is dropped, and only it and the new ones are
+    # regenerated; each conversation once.
+    import shutil
+
+    shutil.copytree(out, tmp_path / "grown")
+    (tmp_path / "conv9.jsonl").write_text("\n".join(DEMO.read_text().splitlines()[:9]) + "\n")
+    cfg9 = _job(tmp_path, tmp_path / "conv9.jsonl", temperature=0, max_tokens=48, samples_per_shard=2,
+                enforce_eager=True)
+    prepare_dataset(cfg9.prepare, tiny_target, str(tmp_path / "prepared9"))
+    ids9 = read_tokens(tmp_path / "prepared9").column("sample_id").to_pylist()
+    assert ids9[:5] == prepared.column("sample_id").to_pylist() and len(ids9) > 6
+    grown = run_regenerate(cfg9, str(tmp_path / "prepared9" / "tokens.parquet"), tiny_target, str(tmp_path / "grown"),
+                           progress=False)
+    assert grown["grown"] == {"num_samples": 5, "dropped": [2]} and grown["shards_skipped"] == 2
+    assert sorted(s for rep in grown["replicas"] for s in rep["shards"]) == list(range(2, (len(ids9) + 1) // 2))
+    kept9 = read_tokens(tmp_path / "grown").column("sample_id").to_pylist()
+    rejected9 = [json.loads(line)["sample_id"] for line in (tmp_path / "grown" / "rejects.jsonl").read_text().splitlines()]
+    assert sorted(kept9 + rejected9) == sorted(ids9)
 
     # Sampled with per-turn seeds: the CPU engine takes seeded requests (no part-prefilled ones,
     # compat.vllm_engine.cpu_seeded_sampling_kwargs), and each conversation is kept or rejected once.

@@ -10,18 +10,21 @@ A shard counts only once its commit file exists. A data file without one is part
 themselves written to a temporary name and renamed, so a reader never sees half a file.
 Shard k always holds rows [k * samples_per_shard, (k + 1) * samples_per_shard) of the
 prepared tokens table, so each sample belongs to exactly one shard.
+An input that only grew (its old samples first, in order) keeps the shards that were full (Manifest.open).
 Also which files a path given for training names (`resolve_files`: a run's committed shards, or a
 plain directory's shard files).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
+
+from eagle3.schema import ids_sha256
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -59,6 +62,14 @@ class ShardPlan:
         return start, min(start + self.samples_per_shard, self.num_samples)
 
 
+class Grown(NamedTuple):
+    """Manifest.open on an input that only grew: the old input's sample count, and the shards dropped
+    (the old last shard where it was not full)."""
+
+    num_samples: int
+    dropped: list[int]
+
+
 class Manifest:
     def __init__(self, root: str | Path, file_format: str = "arrow"):
         from eagle3.extract.shards import SUFFIX
@@ -68,21 +79,41 @@ class Manifest:
         self.data_dir = self.root / "data"
         self.commit_dir = self.root / "committed"
 
-    def open(self, fingerprint: dict) -> None:
-        """Create the layout, or check that an existing one was made for the same input."""
+    def open(self, fingerprint: dict, sample_ids: Sequence[str] | None = None) -> Grown | None:
+        """Create the layout, or check that an existing one was made for the same input; a Grown where
+        the input only grew, else None.
+
+        An input that only grew keeps what it can: given the new input's `sample_ids`, where the
+        old input's samples are its first ones in the same order (their hash) and nothing else in
+        the fingerprint differs, each shard that was full in the old plan holds the same samples in
+        the new one and stays committed. The old last shard, if it was not full, is dropped (its
+        commit first, then its file), and the manifest then names the new input. Anything else
+        that differs is refused, nothing deleted."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.commit_dir.mkdir(parents=True, exist_ok=True)
         path = self.root / "MANIFEST.json"
-        if path.exists():
-            found = json.loads(path.read_text())
-            if found != fingerprint:
-                diff = {k: (found.get(k), fingerprint.get(k)) for k in set(found) | set(fingerprint)
-                        if found.get(k) != fingerprint.get(k)}
-                raise ValueError(
-                    f"{self.root} holds shards of another input (differs in {diff}, as (found, now)); "
-                    "use a new output_dir, or delete that directory to start over")
-        else:
+        if not path.exists():
             atomic_write_text(path, json.dumps(fingerprint, indent=1, sort_keys=True))
+            return None
+        found = json.loads(path.read_text())
+        if found == fingerprint:
+            return None
+        diff = {k: (found.get(k), fingerprint.get(k)) for k in set(found) | set(fingerprint)
+                if found.get(k) != fingerprint.get(k)}
+        old_n = found.get("num_samples")
+        if not (sample_ids is not None and set(diff) == {"num_samples", "sample_ids_sha256"}
+                and isinstance(old_n, int) and 0 < old_n < len(sample_ids)
+                and ids_sha256(sample_ids[:old_n]) == found["sample_ids_sha256"]):
+            raise ValueError(
+                f"{self.root} holds shards of another input (differs in {diff}, as (found, now)); "
+                "use a new output_dir, or delete that directory to start over")
+        size = fingerprint["samples_per_shard"]
+        dropped = sorted(k for k in self.committed() if (k + 1) * size > old_n)
+        for k in dropped:
+            (self.commit_dir / f"shard-{k:06d}.json").unlink()
+            self.data_path(k).unlink(missing_ok=True)
+        atomic_write_text(path, json.dumps(fingerprint, indent=1, sort_keys=True))
+        return Grown(old_n, dropped)
 
     def data_path(self, shard: int) -> Path:
         return self.data_dir / f"shard-{shard:06d}{self.suffix}"
@@ -156,10 +187,6 @@ def resolve_files(files: str | Path | Sequence[str | Path]) -> list[str]:
 
 def tokens_fingerprint(sample_ids: list[str], samples_per_shard: int, layer_ids: list[int], hs_dtype: str,
                        file_format: str = "arrow") -> dict:
-    h = hashlib.sha256()
-    for s in sample_ids:
-        h.update(s.encode())
-        h.update(b"\0")
-    return {"num_samples": len(sample_ids), "sample_ids_sha256": h.hexdigest(),
+    return {"num_samples": len(sample_ids), "sample_ids_sha256": ids_sha256(sample_ids),
             "samples_per_shard": samples_per_shard, "layer_ids": list(layer_ids), "hs_dtype": hs_dtype,
             "file_format": file_format}

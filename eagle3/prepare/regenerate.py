@@ -46,7 +46,7 @@ from typing import Callable, Protocol
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle3.schema import TOKENS_SCHEMA
+from eagle3.schema import TOKENS_SCHEMA, ids_sha256
 
 TOKENS_FILE = "tokens.parquet"
 REJECTS_FILE = "rejects.jsonl"
@@ -533,12 +533,9 @@ def write_shard_table(table: pa.Table, path: str | Path) -> int:
 def regenerate_fingerprint(sample_ids: list[str], samples_per_shard: int, sampling: Sampling, *, target: str,
                            max_length: int, assistant_only_loss: bool,
                            chat_template_kwargs: dict | None = None, cut: str = "reject") -> dict:
-    """What a resumed run must share with the run that wrote the shards."""
-    h = hashlib.sha256()
-    for s in sample_ids:
-        h.update(s.encode())
-        h.update(b"\0")
-    return {"num_samples": len(sample_ids), "sample_ids_sha256": h.hexdigest(), "samples_per_shard": samples_per_shard,
+    """What a resumed run must share with the run that wrote the shards (an input that only grew keeps
+    the shards it can: eagle3.extract.manifest.Manifest.open)."""
+    return {"num_samples": len(sample_ids), "sample_ids_sha256": ids_sha256(sample_ids), "samples_per_shard": samples_per_shard,
             "sampling": asdict(sampling), "target": str(target), "max_length": max_length,
             "assistant_only_loss": assistant_only_loss, "chat_template_kwargs": chat_template_kwargs or {},
             "cut": cut}
