@@ -168,7 +168,8 @@ def run_extract(cfg: JobConfig, tokens_path: str, target_dir: str, out_dir: str,
                  f"{need:,}", size_text(need), size_text(free), out_dir)
 
     summary = {"num_shards": plan.num_shards, "samples_per_shard": plan.samples_per_shard,
-               "shards_skipped": len(sched.skipped), "layer_ids": layer_ids}
+               "shards_skipped": len(sched.skipped), "grown": grown._asdict() if grown else None,
+               "layer_ids": layer_ids}
     if not sched.finished:
         from eagle3.extract.extractor import target_text_config
 

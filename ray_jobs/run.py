@@ -251,9 +251,11 @@ def _dtype_line(startup: dict) -> str | None:
 
 
 def _resumed(stage: dict) -> str:
-    """What a resumed stage took from an earlier run, e.g. '; 6 of 19 shards already committed'."""
+    """What a resumed stage took from an earlier run, e.g. '; 6 of 19 shards already committed', and
+    from a smaller input, e.g. '(kept from an input of 12000)'."""
     skipped = stage.get("shards_skipped", 0)
-    return f"; {skipped} of {stage['num_shards']} shards already committed" if skipped else ""
+    grown = f" (kept from an input of {stage['grown']['num_samples']})" if stage.get("grown") else ""
+    return f"; {skipped} of {stage['num_shards']} shards already committed{grown}" if skipped else ""
 
 
 def _accuracy_lines(st: dict) -> list[str]:

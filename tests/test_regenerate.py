@@ -500,6 +500,11 @@ def test_an_input_that_only_grew_keeps_its_full_shards(tmp_path):
     more = ids + ["c8", "c9", "c10"]
     assert manifest.open(fp(more), sample_ids=more) == Grown(9, [])
     assert sorted(manifest.committed()) == [0, 1, 2]
+    # The job's summary line says what a stage kept, and from what
+    from ray_jobs.run import _resumed
+
+    stage = {"num_shards": 4, "shards_skipped": 3, "grown": Grown(9, [])._asdict()}
+    assert _resumed(stage) == "; 3 of 4 shards already committed (kept from an input of 9)"
 
 
 @pytest.fixture(scope="module")
