@@ -370,23 +370,24 @@ class SpecDecodeEngine:
         whose mean tokens/s is not yet known to within precision of itself and could get there in the
         time left at the spread of its rounds so far (reachable, the rule of the engines taking turns in
         ray_jobs.evaluate); a window given up on stays so. Each run records them as beyond_repeats."""
-        by_key = {(w.batch_size, s.mode): (w, s) for w, s in runs}
-        rates = lambda key: [n / t for n, t in zip(runs[by_key[key]]["num_tokens"], runs[by_key[key]]["seconds"])]
+        by_key = {(w.batch_size, s.mode): runs[w, s] for w, s in runs}
         live, given_up, started = list(by_key), {}, time.perf_counter()
         while live and (left := max_s - (time.perf_counter() - started)) > 0:
-            samples = {key: rates(key) for key in live}
+            samples = {key: [n / t for n, t in zip(by_key[key]["num_tokens"], by_key[key]["seconds"])] for key in live}
             wide = imprecise(samples, precision)
-            round_s = sum(sum(runs[by_key[k]]["seconds"]) / len(runs[by_key[k]]["seconds"]) for k in wide)
-            live = reachable(samples, precision, left / round_s) if wide else []
+            round_s = sum(sum(by_key[k]["seconds"]) / len(by_key[k]["seconds"]) for k in wide)
+            live = reachable(samples, precision, left / max(round_s, 1e-9)) if wide else []
             given_up |= {k: rounds_to_precision(samples[k], precision) for k in wide if k not in live}
-            for key in live:
-                self._time_window(*by_key[key], prompts, runs[by_key[key]])
+            for (w, s), run in runs.items():
+                if (w.batch_size, s.mode) in live:
+                    self._time_window(w, s, prompts, run)
         for key, wanted in given_up.items():
             log.info("eval: batch %d %s not timed further: its tokens/s would need ~%.0f rounds to come within "
                      "+-%.1f%%, more than eval.speed_max_s=%gs holds", *key, wanted, precision * 100, max_s)
-        for key, (w, s) in by_key.items():
-            runs[w, s]["beyond_repeats"] = {"rounds": max(0, len(runs[w, s]["seconds"]) - w.repeats),
-                                            "given_up": f"~{given_up[key]:.0f} rounds needed" if key in given_up else None}
+        for (w, s), run in runs.items():
+            key = (w.batch_size, s.mode)
+            run["beyond_repeats"] = {"rounds": max(0, len(run["seconds"]) - w.repeats),
+                                     "given_up": f"~{given_up[key]:.0f} rounds needed" if key in given_up else None}
 
     def _time_window(self, w: SpeedWindow, s: DecodeSampling, prompts: list[list[int]], run: dict) -> None:
         """Times window `w` once at sampling `s` into `run` (its seconds, tokens, the seconds of each
