@@ -422,7 +422,8 @@ class EvalConfig:
     target, session 32) overlaps training instead of following it. The training workers then take
     1 - EVAL_GPU_RESERVE of their GPU and the engines share the rest. 'auto': on where the engines
     start side by side (engines_at_once: a small target on a GPU), training is offline, in this job,
-    on one worker; false elsewhere. An engine that refuses the trained weights (compat.draft_reload)
+    on one worker; false elsewhere. true where that cannot work (online training, several workers on
+    GPUs) stops the job at its start, with the reason. An engine that refuses the trained weights (compat.draft_reload)
     is started again from them. Its figures are the same either way: no timing runs during training."""
     speed_precision: float = 0.05
     """How well each speedup must be known: after its windows' repeats, rounds go on (both engines,

@@ -273,15 +273,8 @@ def eval_during_training(cfg: JobConfig, target_dir: str, *, gpu: bool) -> tuple
         return False, "the job does not both train and evaluate"
     if setting is False:
         return False, "eval.start_during_training: false"
-    blocker = None
-    if cfg.train.source != "offline":
-        blocker = "train.source is online: its engines already share the GPUs with the trainer"
-    elif gpu and cfg.train.num_workers != 1:
-        blocker = (f"train.num_workers={cfg.train.num_workers} on GPUs: each worker would keep only part of a GPU, "
-                   "and Ray may place two on one (NCCL refuses two ranks on one GPU)")
-    if blocker is not None:
-        if setting is True:
-            raise ValueError(f"eval.start_during_training: true cannot work here: {blocker}; set it to auto or false")
+    check_start_during_training(cfg, gpu=gpu)
+    if (blocker := _during_training_blocker(cfg, gpu=gpu)) is not None:
         return False, f"auto: {blocker}"
     if setting is True:
         return True, "eval.start_during_training: true"
@@ -289,6 +282,24 @@ def eval_during_training(cfg: JobConfig, target_dir: str, *, gpu: bool) -> tuple
         return False, "auto: on the CPU (the engines would take the trainer's cores)"
     n = len(cfg.eval.num_speculative_tokens) + (cfg.eval.resolved_speed_k is not None)
     return engines_at_once(cfg, target_dir, n, gpu=True)
+
+
+def _during_training_blocker(cfg: JobConfig, *, gpu: bool) -> str | None:
+    """Why the eval's engines cannot start while this job's draft trains, or None."""
+    if cfg.train.source != "offline":
+        return "train.source is online: its engines already share the GPUs with the trainer"
+    if gpu and cfg.train.num_workers != 1:
+        return (f"train.num_workers={cfg.train.num_workers} on GPUs: each worker would keep only part of a GPU, "
+                "and Ray may place two on one (NCCL refuses two ranks on one GPU)")
+    return None
+
+
+def check_start_during_training(cfg: JobConfig, *, gpu: bool) -> None:
+    """A forced eval.start_during_training: true that cannot work raises ValueError with the reason:
+    at the job's start (ray_jobs.run, before any model loads) and again where the eval decides."""
+    if (cfg.eval.start_during_training is True and "train" in cfg.stages and "eval" in cfg.stages
+            and cfg.eval.enabled and (blocker := _during_training_blocker(cfg, gpu=gpu)) is not None):
+        raise ValueError(f"eval.start_during_training: true cannot work here: {blocker}; set it to auto or false")
 
 
 class EarlyEval:

@@ -28,7 +28,7 @@ from pathlib import Path
 from eagle3.config import JobConfig, load_job_config
 from eagle3.provenance import write_provenance
 from ray_jobs.background import Background
-from ray_jobs.evaluate import EVAL_GPU_RESERVE, early_eval, evaluate
+from ray_jobs.evaluate import EVAL_GPU_RESERVE, check_start_during_training, early_eval, evaluate
 from ray_jobs.target import resolve_target
 
 log = logging.getLogger("eagle3")
@@ -92,14 +92,16 @@ def run(cfg: JobConfig) -> dict:
         report["seconds"][name] = round(time.perf_counter() - t, 2)
         return result
 
+    import ray
+
     split = early = None
     if cfg.train.source == "online" and "train" in cfg.stages:
-        import ray
-
         from ray_jobs.online import split_gpus
 
         # Once per job, here: a split that cannot work fails before any model loads; run_online places by it.
         split = split_gpus(cfg, int(ray.cluster_resources().get("GPU", 0)))
+    if cfg.eval.start_during_training is True:  # one that cannot work, too (online training never reaches early_eval)
+        check_start_during_training(cfg, gpu=ray.cluster_resources().get("GPU", 0) >= 1)
     target_dir = timed("target", resolve_target, cfg, out)
     report["target"] = target_dir
     # The doctor's tasks and prepare run side by side (prepare loads no model: a tokenizer, Ray tasks

@@ -224,6 +224,18 @@ def test_eval_engines_start_during_training_where_they_would_start_side_by_side(
                              str(small), gpu=True)
     off = load_job_config(None, {"eval.start_during_training": False})
     assert eval_during_training(off, str(small), gpu=True) == (False, "eval.start_during_training: false")
+    # The same refusals at the job's start (ray_jobs.run, before any model loads): online training never
+    # reaches the eval's own decision, so a forced true was ignored there; several workers stop before extract.
+    from ray_jobs.evaluate import check_start_during_training
+
+    with pytest.raises(ValueError, match=r"true cannot work here: train.source is online"):
+        check_start_during_training(load_job_config(None, {"eval.start_during_training": True,
+                                                           "train.source": "online"}), gpu=False)
+    two = load_job_config(None, {"eval.start_during_training": True, "train.num_workers": 2})
+    with pytest.raises(ValueError, match=r"train.num_workers=2 on GPUs"):
+        check_start_during_training(two, gpu=True)
+    check_start_during_training(two, gpu=False)  # CPU workers share no GPU
+    check_start_during_training(load_job_config(None, {"train.source": "online"}), gpu=True)  # auto: never refused
 
 
 class _FakeDoctor:
