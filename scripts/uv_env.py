@@ -1,10 +1,10 @@
 """Prints `export` lines that hand pip's configuration to uv (scripts/install_cpu.sh).
 
 uv reads no pip.conf and no PIP_* variables. A machine whose pip is pointed at local indexes,
-wheel folders, constraints or a CA file (this one's: ../shared/ENVIRONMENT.md) would get other
-packages from uv, or none. So the settings `pip config list` shows are mapped to uv's own
-variables; the highest of pip's configuration levels wins, as in pip. uv's index strategy is set
-to pip's (the best version across every index, not the first index that has the package)."""
+wheel folders, constraints or a CA file would get other packages from uv, or none. So the
+settings `pip config list` shows are mapped to uv's own variables; the highest of pip's
+configuration levels wins, as in pip. uv's index strategy is set to pip's (the best version
+across every index, not the first index that has the package)."""
 
 from __future__ import annotations
 
