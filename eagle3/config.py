@@ -425,35 +425,18 @@ class EvalConfig:
     on one worker; false elsewhere. true where that cannot work (online training, several workers on
     GPUs) stops the job at its start, with the reason. An engine that refuses the trained weights (compat.draft_reload)
     is started again from them. Its figures are the same either way: no timing runs during training."""
-    speed_precision: float = 0.05
-    """How well each speedup must be known: after its windows' repeats, rounds go on (both engines,
-    only the windows still short of it) until the 95% interval of the speedup is within +-this
-    fraction of it, or speed_max_s is spent; eval.json gives each interval, its rounds and whether
-    it got there (precise). A window is timed again only where its interval could reach this in
-    the time left at the spread of its rounds so far (eagle3.evaluate.reachable): the paired
-    speedup's where the draft's and the target alone's engines take turns, each engine's tokens/s
-    (to +-this / sqrt 2) where an engine is timed alone (engines_at_once false). Five paired rounds of GPU windows gave 95% intervals of +-6-34% at batch
-    1 (SmolLM2, session 23; the 1.5B, session 25, where one draft measured 1.45x and then 1.18x:
-    benchmarks/results/README.md, session 25). 0: the repeats alone."""
-    speed_max_s: float | None = None
-    """Seconds of timed rounds beyond the repeats, at most, for the whole stage. None: 120 on a GPU
-    (a batch-1 round of both engines takes ~8-10 s for a 1-2B target there: ~12 more rounds), 0 on
-    the CPU (the demo's windows stay as they are)."""
-    speed_window_tokens: int | None = None
-    """Tokens each prompt decodes in a timed window (exactly this many: the windows ignore EOS).
-    None: the platform's, 256 on a GPU (seconds a window for a 1-2B target) and 24 on the CPU (about
-    a second on the tiny target). A longer window is steadier and costs more of the stage."""
+    speed_repeats: int | None = None
+    """Rounds each timed engine decodes every window, fixed before timing. None: 3 on a GPU, 2 on
+    the CPU."""
     num_prompts: int = 16
     """Held-out prompts (prepare.num_eval_prompts holds the first good records out of training); the
-    acceptance runs all of them, the timed windows cycle through them."""
+    acceptance runs all of them, and the timed windows decode them (eagle3.evaluate.speed_windows)."""
     max_tokens: int = 64
     """Tokens generated per prompt for acceptance, at most (exactly, with ignore_eos)."""
     ignore_eos: bool = False
     """Acceptance runs: false = each answer ends where the target ends it (its EOS, or max_tokens),
-    as `vllm serve` answers a user; true = exactly max_tokens tokens a prompt, past the end of the
-    turn (text no user is served, which the draft never trained on: on SmolLM2 1.80 accepted against
-    2.68 predicted by held-out accuracy, benchmarks/results/README.md, session 20). The timed windows
-    always run past EOS (a batch keeps its size to the end); eval.json gives their acceptance too."""
+    as `vllm serve` answers a user; true = exactly max_tokens tokens, past the end of the turn, text
+    no user is served. The timed windows always end at EOS."""
     seed: int = 0
     """Sampled acceptance: request i's seed is seed + i (repeatable). Timed windows sample
     unseeded, as served requests do."""
@@ -475,22 +458,12 @@ class EvalConfig:
         if any(b < 1 for b in self.speed_batch_sizes) or len(set(self.speed_batch_sizes)) != len(self.speed_batch_sizes):
             _fail("eval", "speed_batch_sizes", list(self.speed_batch_sizes),
                   "give distinct batch sizes, each >= 1, e.g. [1, 16]; or [] for no throughput")
-        if not 0 <= self.speed_precision < 1:
-            _fail("eval", "speed_precision", self.speed_precision,
-                  "must be >= 0 and < 1, a fraction of the speedup, e.g. 0.05 for +-5%; 0: the repeats alone")
-        if self.speed_max_s is not None and self.speed_max_s < 0:
-            _fail("eval", "speed_max_s", self.speed_max_s, "must be >= 0 seconds, or null (120 on a GPU, 0 on the CPU)")
-        if self.speed_window_tokens is not None and self.speed_window_tokens < 1:
-            _fail("eval", "speed_window_tokens", self.speed_window_tokens,
-                  "must be >= 1 tokens, or null (256 on a GPU, 24 on the CPU)")
+        if self.speed_repeats is not None and self.speed_repeats < 1:
+            _fail("eval", "speed_repeats", self.speed_repeats, "must be >= 1 rounds, or null (3 on a GPU, 2 on the CPU)")
         if self.num_prompts < 1:
             _fail("eval", "num_prompts", self.num_prompts, "must be >= 1 (or eval.enabled: false)")
         if self.max_tokens < 1:
             _fail("eval", "max_tokens", self.max_tokens, "must be >= 1")
-
-    def resolved_speed_max_s(self, *, gpu: bool) -> float:
-        """speed_max_s, derived from the platform where null."""
-        return self.speed_max_s if self.speed_max_s is not None else (120.0 if gpu else 0.0)
 
     @property
     def resolved_speed_k(self) -> int | None:

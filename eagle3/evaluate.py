@@ -9,14 +9,12 @@ Owns:
   served, or with `ignore_eos` exactly `max_tokens` tokens past it; also vLLM's accepted tokens per
   draft position. Counters come from the engine's own
   Prometheus metrics (compat/vllm_engine.py), as differences before/after, so one engine serves
-  several measurements. `speed`: output tokens/s over fixed windows (`SpeedWindow`: prompts decoded
-  batch_size at a time, each exactly max_tokens tokens), each window timed `repeats` times.
+  several measurements. `speed`: output tokens/s over windows of held-out prompts (`SpeedWindow`:
+  prompts decoded batch_size at a time, answers ending at EOS as served), a fixed number of rounds.
 - The pure parts of a speedup: `speed_windows` (the windows the job times, derived from the
-  platform), `spread` of repeated timings, `speedup` (with / without a draft, and whether the
-  difference exceeds the spread), `eval_samplings` (greedy and the served sampling),
-  `resolve_enforce_eager`, and `eval_report` (eval.json from the engines' results).
-- `measure`: the job's eval measurements on a started engine; `merge_speed`: one engine's timed
-  windows from several `speed` calls (engines side by side take turns, a round at a time).
+  platform), `spread`, `wave_speedup` (the ratio and its bootstrap interval over prompts),
+  `eval_samplings` (greedy and the served sampling), `resolve_enforce_eager`, and `eval_report`
+  (eval.json from the engines' results); `merge_speed` joins one engine's rounds timed in turns.
 - `draft_accuracy`: the trainer's metric (speculators' full_acc_i: the draft's argmax equals the
   target's argmax at loss-masked positions, step i of the TTT unroll) for an exported draft on
   hidden-state shards: the training side of a train/serve comparison, through the exported files
@@ -59,10 +57,9 @@ def eval_samplings(temperature: float, top_p: float) -> tuple[DecodeSampling, ..
 
 @dataclass(frozen=True)
 class SpeedWindow:
-    """One timed window: num_prompts prompts in waves of exactly batch_size requests, each decoding
-    exactly max_tokens tokens (ignore_eos), so a wave decodes at that batch size from start to end
-    (but its last steps, where speculative decoding finishes some requests first); timed `repeats`
-    times on each engine."""
+    """One timed window: num_prompts held-out prompts in waves of batch_size requests, each answer
+    ending where the target ends it (EOS, or max_tokens), as `vllm serve` answers; every engine
+    times it `repeats` times, a number fixed before timing."""
 
     batch_size: int
     num_prompts: int
@@ -74,24 +71,26 @@ class SpeedWindow:
             raise ValueError(f"{self}: every size must be >= 1 and num_prompts a multiple of batch_size")
 
     @property
-    def num_tokens(self) -> int:
-        return self.num_prompts * self.max_tokens
+    def num_waves(self) -> int:
+        return self.num_prompts // self.batch_size
 
 
-# The job's windows (speed_windows), by platform. GPU: 256 tokens a prompt, batch 1 over 4 prompts
-# (1,024 tokens: seconds at the few hundred tokens/s of a 1-2B target), a larger batch over 2 waves,
-# each timed 5 times. CPU: windows of about a second on the tiny demo target, 3 times, so that the
-# demo and the tests show the measurement without spending minutes on it.
-GPU_WINDOWS = {"max_tokens": 256, "prompts_at_batch_1": 4, "waves": 2, "repeats": 5}
-CPU_WINDOWS = {"max_tokens": 24, "prompts_at_batch_1": 2, "waves": 1, "repeats": 3}
+# The job's windows by platform. GPU: every held-out prompt at batch 1, at least two waves at larger
+# batches, three rounds. CPU: a few short answers, so that the demo and the tests show the
+# measurement without spending minutes on it.
+GPU_WINDOWS = {"prompts_at_batch_1": None, "min_waves": 2, "max_tokens": None, "repeats": 3}
+CPU_WINDOWS = {"prompts_at_batch_1": 4, "min_waves": 1, "max_tokens": 24, "repeats": 2}
 
 
-def speed_windows(batch_sizes: tuple[int, ...], *, gpu: bool, max_tokens: int | None = None) -> tuple[SpeedWindow, ...]:
-    """The windows the job's eval times at each batch size, on a GPU or on the CPU; each prompt
-    decodes max_tokens tokens in them where given (eval.speed_window_tokens), else the platform's."""
+def speed_windows(batch_sizes: tuple[int, ...], *, gpu: bool, num_prompts: int, max_tokens: int,
+                  repeats: int | None = None) -> tuple[SpeedWindow, ...]:
+    """The windows the eval times at each batch size over `num_prompts` held-out prompts, answers of
+    at most max_tokens tokens (the CPU caps both); repeats None: the platform's."""
     p = GPU_WINDOWS if gpu else CPU_WINDOWS
-    return tuple(SpeedWindow(batch_size=b, num_prompts=p["prompts_at_batch_1"] if b == 1 else b * p["waves"],
-                             max_tokens=max_tokens or p["max_tokens"], repeats=p["repeats"]) for b in batch_sizes)
+    n1 = min(num_prompts, p["prompts_at_batch_1"] or num_prompts)
+    tokens = min(max_tokens, p["max_tokens"] or max_tokens)
+    return tuple(SpeedWindow(batch_size=b, num_prompts=n1 if b == 1 else b * max(p["min_waves"], num_prompts // b),
+                             max_tokens=tokens, repeats=repeats or p["repeats"]) for b in batch_sizes)
 
 
 def resolve_enforce_eager(setting: bool | str, *, gpu: bool) -> bool:
@@ -122,79 +121,44 @@ def ranges_apart(a: list[float], b: list[float]) -> bool:
 def speedup(with_draft: list[float], without: list[float]) -> dict:
     """Tokens/s with a draft over tokens/s without, from repeated windows of each: `ratio` of the
     means; `ratio_min`/`ratio_max` the slowest and fastest pairing of one window with the draft and
-    one without (min(with)/max(without), max(with)/min(without)); `exceeds_spread`: every pairing is
-    on the same side of 1 (the draft is faster, or slower, whichever windows are compared)."""
+    one without; `exceeds_spread`: every pairing is on the same side of 1."""
     w, wo = spread(with_draft), spread(without)
     return {"ratio": w["mean"] / wo["mean"], "ratio_min": w["min"] / wo["max"], "ratio_max": w["max"] / wo["min"],
             "exceeds_spread": ranges_apart(with_draft, without)}
 
 
-# Student's t, two-sided 95%, by degrees of freedom 1..30 (the normal's 1.96 beyond).
-_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+BOOTSTRAP_RESAMPLES = 2000
 
 
-def ci95(values: list[float]) -> tuple[float, float] | None:
-    """The 95% confidence interval of the mean of `values` (Student's t: repeated timings, few of
-    them); None for fewer than two."""
-    n = len(values)
-    if n < 2:
-        return None
-    s = spread(values)
-    half = (_T95[n - 2] if n - 1 <= len(_T95) else 1.96) * s["std"] / math.sqrt(n)
-    return s["mean"] - half, s["mean"] + half
+def wave_speedup(with_waves: list[list[tuple[int, float]]], without_waves: list[list[tuple[int, float]]], *,
+                 resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> dict:
+    """The speedup of one window and its 95% interval over prompts. Each argument holds, for each
+    round, each wave's (generated tokens, seconds), wave i being the same prompts on both engines.
+    ratio: (tokens / seconds with the draft) / (without), all rounds pooled. ci95: the 2.5th and
+    97.5th percentiles of that ratio over `resamples` bootstrap draws of the waves (with
+    replacement, each wave's rounds kept together), so that it covers how the speedup varies from
+    prompt to prompt, not only the timing jitter of the same prompts; None for a single wave."""
+    import random
 
+    def totals(waves: list[list[tuple[int, float]]], pick) -> tuple[float, float]:
+        return (sum(rnd[i][0] for rnd in waves for i in pick), sum(rnd[i][1] for rnd in waves for i in pick))
 
-def imprecise(samples: dict, precision: float) -> list:
-    """The keys of `samples` (key -> repeated measurements) whose mean is not yet known to within
-    `precision` of itself: fewer than two values, or a 95% interval whose half-width exceeds
-    precision x the mean. What the eval times again, until none is left or its time is spent."""
-    out = []
-    for key, values in samples.items():
-        ci = ci95(values)
-        if ci is None or (ci[1] - ci[0]) / 2 > precision * abs(sum(values) / len(values)):
-            out.append(key)
-    return out
+    n = len(with_waves[0])
+    if any(len(r) != n for r in with_waves + without_waves):
+        raise ValueError("every round of both engines must time the same waves")
 
+    def ratio(pick) -> float:
+        (tw, sw), (two, swo) = totals(with_waves, pick), totals(without_waves, pick)
+        return (tw / sw) / (two / swo)
 
-def rounds_to_precision(values: list[float], precision: float) -> float:
-    """How many measurements in all the mean of `values` would need for its 95% interval to come
-    within +-precision of it, at the spread seen so far (the normal's 1.96, which the t of a few
-    rounds only widens: a lower bound); inf for fewer than two."""
-    if len(values) < 2:
-        return math.inf
-    s = spread(values)
-    if s["std"] == 0:
-        return len(values)
-    return max(len(values), (1.96 * s["std"] / (precision * abs(s["mean"]))) ** 2)
-
-
-def reachable(samples: dict, precision: float, rounds_left: float) -> list:
-    """Of the keys whose mean is not yet known to within precision (imprecise), those that could
-    get there in rounds_left more measurements at their spread so far (rounds_to_precision): what
-    more rounds can still settle, where more of the same noise would only spend the time."""
-    return [k for k in imprecise(samples, precision)
-            if rounds_to_precision(samples[k], precision) - len(samples[k]) <= rounds_left]
-
-
-def speedup_interval(with_draft: list[float], without: list[float], *, paired: bool, precision: float) -> dict:
-    """The 95% interval of a speedup from repeated windows (tokens/s with the draft, without it):
-    over the rounds' ratios where the two engines took turns (paired), else around the ratio of the
-    means, the two means' relative half-widths added in quadrature. rounds: the windows each way;
-    precise: the interval's half-width is within precision x the speedup (always false for
-    precision 0: nothing was asked)."""
-    if paired:
-        values = [x / y for x, y in zip(with_draft, without)]
-        ratio, ci = sum(values) / len(values), ci95(values)
-    else:
-        w, wo = ci95(with_draft), ci95(without)
-        ratio = spread(with_draft)["mean"] / spread(without)["mean"]
-        ci = None
-        if w is not None and wo is not None:
-            rel = math.hypot((w[1] - w[0]) / (w[1] + w[0]), (wo[1] - wo[0]) / (wo[1] + wo[0]))
-            ci = ratio * (1 - rel), ratio * (1 + rel)
-    return {"ci95": list(ci) if ci else None, "rounds": min(len(with_draft), len(without)),
-            "precise": bool(ci) and precision > 0 and (ci[1] - ci[0]) / 2 <= precision * ratio}
+    point = ratio(range(n))
+    ci = None
+    if n > 1:
+        rng = random.Random(seed)
+        draws = sorted(ratio([rng.randrange(n) for _ in range(n)]) for _ in range(resamples))
+        ci = [draws[int(0.025 * (resamples - 1))], draws[int(0.975 * (resamples - 1))]]
+    return {"ratio": point, "ci95": ci, "waves": n, "rounds": len(with_waves), "resamples": resamples if ci else 0,
+            "ci95_excludes_one": bool(ci) and (ci[0] > 1 or ci[1] < 1)}
 
 
 def _cycle(prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -328,24 +292,17 @@ class SpecDecodeEngine:
 
     def speed(self, prompts: list[list[int]], windows: tuple[SpeedWindow, ...] | list[SpeedWindow],
               samplings: tuple[DecodeSampling, ...] | list[DecodeSampling], *, rounds: range | list[int] | None = None,
-              warmup: bool = True, only: list[tuple[int, str]] | None = None, precision: float = 0.0,
-              max_s: float = 0.0) -> list[dict]:
+              warmup: bool = True, only: list[tuple[int, str]] | None = None) -> list[dict]:
         """Output tokens/s (generated tokens over the window's wall seconds, its prompts' prefill
         included) of each window at each sampling, one entry per (window, sampling) with every
-        repeat's seconds and tokens; `prompts` are cycled to fill a window. Sampled requests carry
-        no seed, as served requests do not (a seed gives each request a generator of its own in
-        vLLM's sampler, a slower path). One untimed wave of each (window, sampling) first (first-
-        call work: buffers, lazy kernels), then the repeats interleaved (repeat r of every window
-        before repeat r+1 of any), so that a drift of the machine spreads over all of them rather
-        than biasing one. A draft engine also gives the acceptance length over its timed windows.
-        rounds: which repeats to time (None: all); warmup False: no untimed wave; only: the
-        (batch_size, mode) pairs to time, each once a round whatever its window's repeats (a round
-        beyond them). The job's eval stage times engines that stand side by side one round at a
-        time, alternating between them (merge_speed joins the rounds). precision, max_s: after the
-        repeats, more rounds of the windows whose mean tokens/s is not yet known to within
-        precision / sqrt(2) of itself (imprecise; so that a ratio of two such means is known to
-        about precision) and can get there in the time left (reachable), for at most max_s seconds
-        in all (_rounds_beyond_repeats)."""
+        round's seconds and tokens, and each wave's. Answers end at the target's EOS, as served;
+        sampled requests carry no seed, as served requests do not. One untimed wave of each
+        (window, sampling) first (first-call work: buffers, lazy kernels), then the rounds
+        interleaved (round r of every window before round r+1 of any), so that a drift of the
+        machine spreads over all of them. A draft engine also gives the acceptance length over its
+        timed windows. rounds: which rounds to time (None: every window's repeats); warmup False: no
+        untimed wave; only: the (batch_size, mode) pairs to time. Engines side by side take turns a
+        round at a time (ray_jobs.evaluate); merge_speed joins the rounds."""
         if not prompts:
             raise ValueError("speed needs at least one prompt")
         runs = {}
@@ -353,58 +310,33 @@ class SpecDecodeEngine:
             for s in samplings:
                 if warmup:
                     self._generate(_cycle(prompts, w.batch_size), max_tokens=w.max_tokens, temperature=s.temperature,
-                                   top_p=s.top_p)  # warm-up, untimed
+                                   top_p=s.top_p, ignore_eos=False)  # warm-up, untimed
                 runs[w, s] = {"batch_size": w.batch_size, "mode": s.mode, "temperature": s.temperature,
                               "top_p": s.top_p, "num_prompts": w.num_prompts, "max_tokens": w.max_tokens,
-                              "seconds": [], "num_tokens": [], "call_seconds": [], "drafts": 0, "accepted": 0}
+                              "seconds": [], "num_tokens": [], "wave_seconds": [], "wave_tokens": [],
+                              "drafts": 0, "accepted": 0}
         for r in (range(max((w.repeats for w in windows), default=0)) if rounds is None else rounds):
             for (w, s), run in runs.items():
                 if (only is None and r < w.repeats) or (only is not None and (w.batch_size, s.mode) in only):
                     self._time_window(w, s, prompts, run)
-        if precision > 0:
-            self._rounds_beyond_repeats(runs, prompts, precision / math.sqrt(2), max_s)
         return merge_speed([list(runs.values())])
 
-    def _rounds_beyond_repeats(self, runs: dict, prompts: list[list[int]], precision: float, max_s: float) -> None:
-        """speed's rounds after the repeats, on this engine alone: each round times again the windows
-        whose mean tokens/s is not yet known to within precision of itself and could get there in the
-        time left at the spread of its rounds so far (reachable, the rule of the engines taking turns in
-        ray_jobs.evaluate); a window given up on stays so. Each run records them as beyond_repeats."""
-        by_key = {(w.batch_size, s.mode): runs[w, s] for w, s in runs}
-        live, given_up, started = list(by_key), {}, time.perf_counter()
-        while live and (left := max_s - (time.perf_counter() - started)) > 0:
-            samples = {key: [n / t for n, t in zip(by_key[key]["num_tokens"], by_key[key]["seconds"])] for key in live}
-            wide = imprecise(samples, precision)
-            round_s = sum(sum(by_key[k]["seconds"]) / len(by_key[k]["seconds"]) for k in wide)
-            live = reachable(samples, precision, left / max(round_s, 1e-9)) if wide else []
-            given_up |= {k: rounds_to_precision(samples[k], precision) for k in wide if k not in live}
-            for (w, s), run in runs.items():
-                if (w.batch_size, s.mode) in live:
-                    self._time_window(w, s, prompts, run)
-        for key, wanted in given_up.items():
-            log.info("eval: batch %d %s not timed further: its tokens/s would need ~%.0f rounds to come within "
-                     "+-%.1f%%, more than eval.speed_max_s=%gs holds", *key, wanted, precision * 100, max_s)
-        for (w, s), run in runs.items():
-            key = (w.batch_size, s.mode)
-            run["beyond_repeats"] = {"rounds": max(0, len(run["seconds"]) - w.repeats),
-                                     "given_up": f"~{given_up[key]:.0f} rounds needed" if key in given_up else None}
-
     def _time_window(self, w: SpeedWindow, s: DecodeSampling, prompts: list[list[int]], run: dict) -> None:
-        """Times window `w` once at sampling `s` into `run` (its seconds, tokens, the seconds of each
-        generate call in it, and for a draft engine its drafts and accepted tokens, from the engine's
-        counters)."""
+        """Times window `w` once at sampling `s` into `run`: its seconds and tokens, each wave's, and
+        for a draft engine its drafts and accepted tokens (the engine's counters)."""
         batch = _cycle(prompts, w.num_prompts)
         before = self._counters() if self.draft_dir else None
-        t, tokens, calls = time.perf_counter(), 0, []
+        t, seconds, tokens = time.perf_counter(), [], []
         for i in range(0, len(batch), w.batch_size):
             c = time.perf_counter()
             outs = self._generate(batch[i:i + w.batch_size], max_tokens=w.max_tokens, temperature=s.temperature,
-                                  top_p=s.top_p)
-            calls.append(time.perf_counter() - c)
-            tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+                                  top_p=s.top_p, ignore_eos=False)
+            seconds.append(time.perf_counter() - c)
+            tokens.append(sum(len(o.outputs[0].token_ids) for o in outs))
         run["seconds"].append(time.perf_counter() - t)
-        run["num_tokens"].append(tokens)
-        run["call_seconds"].append(calls)
+        run["num_tokens"].append(sum(tokens))
+        run["wave_seconds"].append(seconds)
+        run["wave_tokens"].append(tokens)
         if before is not None:
             after = self._counters()
             run["drafts"] += after["num_drafts"] - before["num_drafts"]
@@ -414,7 +346,7 @@ class SpecDecodeEngine:
 def merge_speed(parts: list[list[dict]]) -> list[dict]:
     """One engine's speed runs from several SpecDecodeEngine.speed calls (each a list of runs, one per
     (batch_size, mode) it timed; a later call may time fewer): each (batch_size, mode)'s seconds,
-    tokens and call_seconds in call order, its drafts and accepted tokens summed, then its tokens_per_s spread and
+    tokens and waves in call order, its drafts and accepted tokens summed, then its tokens_per_s spread and
     acceptance length; in the order the pairs first appear."""
     by_key: dict[tuple[int, str], list[dict]] = {}
     for part in parts:
@@ -425,7 +357,8 @@ def merge_speed(parts: list[list[dict]]) -> list[dict]:
         run = {k: v for k, v in runs[0].items() if k not in ("tokens_per_s", "acceptance_length")}
         run["seconds"] = [x for r in runs for x in r["seconds"]]
         run["num_tokens"] = [x for r in runs for x in r["num_tokens"]]
-        run["call_seconds"] = [x for r in runs for x in r.get("call_seconds", [])]
+        run["wave_seconds"] = [x for r in runs for x in r["wave_seconds"]]
+        run["wave_tokens"] = [x for r in runs for x in r["wave_tokens"]]
         run["drafts"], run["accepted"] = sum(r["drafts"] for r in runs), sum(r["accepted"] for r in runs)
         run["tokens_per_s"] = spread([n / s for n, s in zip(run["num_tokens"], run["seconds"])]) if run["seconds"] else None
         run["acceptance_length"] = 1.0 + run["accepted"] / run["drafts"] if run["drafts"] else None
@@ -435,12 +368,12 @@ def merge_speed(parts: list[list[dict]]) -> list[dict]:
 
 def measure(e: SpecDecodeEngine, *, prompts: list[list[int]], max_tokens: int, samplings: tuple[DecodeSampling, ...],
             windows: tuple[SpeedWindow, ...] = (), speed_prompts: list[list[int]] | None = None, seed: int = 0,
-            ignore_eos: bool = False, speed_precision: float = 0.0, speed_max_s: float = 0.0) -> dict:
+            ignore_eos: bool = False) -> dict:
     """The eval stage's measurements on a started engine: the acceptance of its draft (if any) at
     each sampling on `prompts`, then the tokens/s of `windows` (if any) at each sampling on
     `speed_prompts` (None: `prompts`). ignore_eos: of the acceptance runs (False: answers end at
-    the target's EOS, as served). speed_precision, speed_max_s: SpecDecodeEngine.speed's precision
-    and max_s. wall_s: the engine's start and these measurements."""
+    the target's EOS, as served; the timed windows always do). wall_s: the engine's start and these
+    measurements."""
     t = time.perf_counter()
     res = {"num_speculative_tokens": e.k, "draft": e.draft_dir, "enforce_eager": e.enforce_eager,
            "engine_start_s": e.startup_s, "engine_started_at": e.started_at, "dtype": e.dtype,
@@ -452,36 +385,29 @@ def measure(e: SpecDecodeEngine, *, prompts: list[list[int]], max_tokens: int, s
                                                   top_p=s.top_p, seed=seed, ignore_eos=ignore_eos)
                              for s in samplings}
     if windows:
-        res["speed"] = e.speed(prompts if speed_prompts is None else speed_prompts, windows, samplings,
-                               precision=speed_precision, max_s=speed_max_s)
+        res["speed"] = e.speed(prompts if speed_prompts is None else speed_prompts, windows, samplings)
     res["wall_s"] = e.startup_s + time.perf_counter() - t
     return res
 
 
-SPEED_METHOD = ("each window is timed `repeats` times on each engine (the draft's at num_speculative_tokens, the "
-                "target alone), repeats interleaved; tokens_per_s: generated tokens / wall seconds of a window, prefill "
-                "of its prompts included; speedup.ratio = mean tokens/s with the draft / without; ratio_min and "
-                "ratio_max: the slowest and fastest pairing of one window with and one without; exceeds_spread: "
-                "both on the same side of 1, i.e. the difference is larger than the spread of the windows. Engines "
-                "side by side (eval.engines_at_once) take turns instead, round r of every window on one engine and "
-                "then the other, the order reversed every other round (interleaved: true); paired: the ratios of "
-                "each round's two windows, and paired_exceeds_one: all of them on the same side of 1. ci95: the 95% "
-                "interval of the speedup (Student's t over the paired ratios; without pairing, the two means' "
-                "relative half-widths added in quadrature); rounds beyond `repeats` are timed while an interval is "
-                "wider than +-precision of its speedup, for at most eval.speed_max_s, and only "
-                "where it could reach that in the time left at its spread so far (beyond_repeats: those rounds, and "
-                "the windows given up on; for an engine timed alone, each window's own tokens/s to +-precision / "
-                "sqrt 2); precise: it is not. call_seconds: "
-                "for each timed window, the seconds of each generate call in it (batch_size prompts each), so that a "
-                "window slow throughout can be told from one slow call")
+SPEED_METHOD = ("each window decodes held-out prompts in waves of batch_size requests, every answer ending where the "
+                "target ends it (EOS or max_tokens), as served; each engine (the draft's at num_speculative_tokens, "
+                "the target alone) times it `repeats` rounds, a number fixed before timing. Engines side by side "
+                "take turns, round r of every window on one engine and then the other, the order reversed every "
+                "other round (interleaved: true); engines one at a time time all their rounds in turn "
+                "(interleaved: false). tokens_per_s: generated tokens / wall seconds of a window, prefill included. "
+                "speedup.ratio: (tokens / seconds with the draft) / (tokens / seconds without), every round and "
+                "wave pooled; ci95: the 2.5th-97.5th percentiles of that ratio over bootstrap draws of the waves "
+                "(batch 1: of the prompts), so it covers prompt-to-prompt variance; acceptance_length: vLLM's "
+                "over the same timed windows")
 
 
 def eval_report(engines: list[dict], *, samplings: tuple[DecodeSampling, ...], sampling_source: str,
                 windows: tuple[SpeedWindow, ...], speed_k: int | None, num_prompts: int, max_tokens: int,
-                ignore_eos: bool = False, precision: float = 0.0) -> dict:
+                ignore_eos: bool = False) -> dict:
     """eval.json from measure's results (one per engine: the draft's at each k, and the
     target alone's when speed is measured): acceptance per k and sampling, and the speedup of the
-    draft at speed_k over the target alone for each window and sampling."""
+    draft at speed_k over the target alone for each window and sampling (wave_speedup)."""
     drafts = sorted((e for e in engines if e["draft"] is not None), key=lambda e: e["num_speculative_tokens"])
     report = {
         "samplings": {s.mode: {"temperature": s.temperature, "top_p": s.top_p} for s in samplings},
@@ -504,31 +430,25 @@ def eval_report(engines: list[dict], *, samplings: tuple[DecodeSampling, ...], s
         results = []
         for r in with_draft["speed"]:
             b = base[r["batch_size"], r["mode"]]
-            if r["num_tokens"] != b["num_tokens"]:
-                raise RuntimeError(f"the engines timed different windows: {r['num_tokens']} tokens with the draft, "
-                                   f"{b['num_tokens']} without")
-            rates = [n / s for n, s in zip(r["num_tokens"], r["seconds"])]
-            base_rates = [n / s for n, s in zip(b["num_tokens"], b["seconds"])]
-            sp = speedup(rates, base_rates)
+            if len(r["wave_seconds"]) != len(b["wave_seconds"]) or r["num_prompts"] != b["num_prompts"]:
+                raise RuntimeError(f"the engines timed different windows at batch {r['batch_size']} {r['mode']}: "
+                                   f"{len(r['wave_seconds'])} rounds of {r['num_prompts']} prompts with the draft, "
+                                   f"{len(b['wave_seconds'])} of {b['num_prompts']} without")
+            sp = wave_speedup([list(zip(t, s)) for t, s in zip(r["wave_tokens"], r["wave_seconds"])],
+                              [list(zip(t, s)) for t, s in zip(b["wave_tokens"], b["wave_seconds"])])
             if interleaved:
-                paired = [x / y for x, y in zip(rates, base_rates)]
-                sp |= {"paired": spread(paired), "paired_exceeds_one": ranges_apart(paired, [1.0])}
-            sp |= speedup_interval(rates, base_rates, paired=interleaved, precision=precision)
-            results.append({k: r[k] for k in ("batch_size", "mode", "temperature", "top_p")}
-                           | {"with_draft": {k: r[k] for k in ("tokens_per_s", "seconds", "num_tokens",
-                                                                "acceptance_length")}
-                                            | {"call_seconds": r.get("call_seconds", [])}
-                                            | {k: r[k] for k in ("beyond_repeats",) if k in r},
-                              "without_draft": {k: b[k] for k in ("tokens_per_s", "seconds", "num_tokens")}
-                                               | {"call_seconds": b.get("call_seconds", [])}
-                                            | {k: b[k] for k in ("beyond_repeats",) if k in b},
+                paired = [(nw / sw) / (nb / sb) for nw, sw, nb, sb in zip(r["num_tokens"], r["seconds"],
+                                                                           b["num_tokens"], b["seconds"])]
+                sp["paired_rounds"] = spread(paired)
+            side = ("tokens_per_s", "seconds", "num_tokens", "wave_seconds", "wave_tokens")
+            results.append({k: r[k] for k in ("batch_size", "mode", "temperature", "top_p", "num_prompts",
+                                              "max_tokens")}
+                           | {"with_draft": {k: r[k] for k in side + ("acceptance_length",)},
+                              "without_draft": {k: b[k] for k in side},
                               "speedup": sp})
         report["speed"] = {"num_speculative_tokens": speed_k, "enforce_eager": with_draft["enforce_eager"],
-                           "interleaved": interleaved, "precision": precision,
-                           "windows": [asdict(w) | {"num_tokens": w.num_tokens} for w in windows],
-                           "method": SPEED_METHOD, "results": results}
-        if "speed_beyond_repeats" in with_draft:  # the rounds after the repeats (ray_jobs.evaluate._interleaved_speed)
-            report["speed"]["beyond_repeats"] = with_draft["speed_beyond_repeats"]
+                           "interleaved": interleaved, "ignore_eos": False,
+                           "windows": [asdict(w) for w in windows], "method": SPEED_METHOD, "results": results}
     return report
 
 

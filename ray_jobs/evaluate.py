@@ -59,16 +59,16 @@ def eval_plan(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[lis
     source = ("regenerate.temperature/top_p where set, else the target's generation_config.json, else 1.0 "
               "(eagle3.prepare.regenerate.resolve_sampling)")
     speed_k = ev.resolved_speed_k
-    windows = speed_windows(ev.speed_batch_sizes, gpu=gpu, max_tokens=ev.speed_window_tokens)
     serving_eager = resolve_enforce_eager(ev.enforce_eager, gpu=gpu)
-    longest = max([ev.max_tokens] + [w.max_tokens for w in windows])
-    room = longest + max(ev.num_speculative_tokens) + 8
+    room = ev.max_tokens + max(ev.num_speculative_tokens) + 8
     max_len = min(cfg.prepare.max_length, max(len(p) for p in prompts) + room)
-    # The windows decode more tokens than acceptance does: only prompts with room for them.
+    # Answers are timed where they are measured: only prompts with room for a whole answer.
     speed_prompts = [p for p in prompts if len(p) + room <= max_len]
-    if windows and not speed_prompts:
-        raise ValueError(f"no held-out prompt leaves room for {longest} generated tokens within prepare.max_length="
+    if ev.speed_batch_sizes and not speed_prompts:
+        raise ValueError(f"no held-out prompt leaves room for {ev.max_tokens} generated tokens within prepare.max_length="
                          f"{cfg.prepare.max_length}: raise it, or set eval.speed_batch_sizes: [] (no throughput)")
+    windows = speed_windows(ev.speed_batch_sizes, gpu=gpu, num_prompts=len(speed_prompts), max_tokens=ev.max_tokens,
+                            repeats=ev.speed_repeats)
     common = {"max_model_len": max_len, "dtype": cfg.target.dtype, "trust_remote_code": cfg.target.trust_remote_code}
     # vLLM sizes its CUDA graph captures by max_num_seqs (compat.vllm_engine.eagle3_engine_kwargs):
     # the timed engines never decode more than the largest batch at once.
@@ -91,8 +91,7 @@ def eval_plan(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[lis
             plan = [(k, d, {**e, "gpu_memory_utilization": cfg.extract.gpu_memory_utilization * device / len(plan),
                             "kv_cache_memory_bytes": given_kv_cache_bytes(cfg.extract)}, t) for k, d, e, t in plan]
     measure = {"prompts": prompts, "max_tokens": ev.max_tokens, "samplings": samplings, "speed_prompts": speed_prompts,
-               "seed": ev.seed, "ignore_eos": ev.ignore_eos, "speed_precision": ev.speed_precision,
-               "speed_max_s": ev.resolved_speed_max_s(gpu=gpu)}
+               "seed": ev.seed, "ignore_eos": ev.ignore_eos}
     return EvalPlan(plan, at_once, why, share, gpu, measure, windows, samplings, source, speed_k)
 
 
@@ -115,8 +114,7 @@ def evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[list
                                   windows=p.windows, started=started)
     out = {"target": target_dir, "draft": draft_dir} | eval_report(
         results, samplings=p.samplings, sampling_source=p.source, windows=p.windows, speed_k=p.speed_k,
-        num_prompts=len(prompts), max_tokens=cfg.eval.max_tokens, ignore_eos=cfg.eval.ignore_eos,
-        precision=cfg.eval.speed_precision)
+        num_prompts=len(prompts), max_tokens=cfg.eval.max_tokens, ignore_eos=cfg.eval.ignore_eos)
     if started is not None:
         out["started_during_training"] = started["record"]
     return out
@@ -155,8 +153,7 @@ def _measure_group(ray, cfg: JobConfig, target_dir: str, group: list, *, gpu: bo
         done = [by_engine[i] for i in range(len(group))]
         if interleave:
             _interleaved_speed(ray, [actors[i] for i in timed], [done[i] for i in timed], measure["speed_prompts"],
-                               windows, measure["samplings"], precision=measure["speed_precision"],
-                               max_s=measure["speed_max_s"])
+                               windows, measure["samplings"])
         ray.get([a.shutdown.remote() for a in actors])  # all at once: each engine takes seconds to stop
         for res, (_, draft, engine, _) in zip(done, group):
             # The wait before the engine (the actor's process start and imports, and its share of the
@@ -186,60 +183,25 @@ def _engine_line(res: dict, draft: str | None, engine: dict) -> str:
             f"{res['engine_start_s']:.0f} s, {res['before_engine_s']:.0f} s after its actor was placed{side}): {what}")
 
 
-def _interleaved_speed(ray, actors: list, results: list[dict], prompts, windows, samplings, *, precision: float,
-                       max_s: float) -> None:
+def _interleaved_speed(ray, actors: list, results: list[dict], prompts, windows, samplings) -> None:
     """The timed windows on engines that stand side by side (the draft's and the target alone's): their
-    untimed warm-up waves (all at once), then round r of every window on each engine in turn (the order
-    reversed every other round); after the windows' repeats, more rounds of the windows whose paired
-    speedup is not yet known to within +-precision (eagle3.evaluate.imprecise), for at most max_s
-    seconds. Merged per engine (eagle3.evaluate.merge_speed) into its result's "speed"; its wall_s
-    gains the time."""
-    from eagle3.evaluate import imprecise, merge_speed, reachable, rounds_to_precision
+    untimed warm-up waves (all at once), then round r of every window on each engine in turn, the order
+    reversed every other round, for the windows' fixed number of rounds. Merged per engine
+    (eagle3.evaluate.merge_speed) into its result's "speed"; its wall_s gains the time."""
+    from eagle3.evaluate import merge_speed
 
     t = time.perf_counter()  # the untimed warm-up waves, all engines at once
     ray.get([a.speed.remote(prompts, windows, samplings, rounds=[], warmup=True) for a in actors])
     spent = [time.perf_counter() - t] * len(actors)
     parts: list[list] = [[] for _ in actors]
-
-    def one_round(r: int, only=None) -> None:
+    for r in range(max(w.repeats for w in windows)):
         for i in (range(len(actors)) if r % 2 == 0 else reversed(range(len(actors)))):
             t = time.perf_counter()
-            parts[i].append(ray.get(actors[i].speed.remote(prompts, windows, samplings, rounds=[r], warmup=False,
-                                                           only=only)))
+            parts[i].append(ray.get(actors[i].speed.remote(prompts, windows, samplings, rounds=[r], warmup=False)))
             spent[i] += time.perf_counter() - t
-
-    rounds = max(w.repeats for w in windows)
-    t = time.perf_counter()
-    for r in range(rounds):
-        one_round(r)
-    # one window at one sampling on both engines, for as long as the repeats took
-    per_key_s = (time.perf_counter() - t) / (rounds * len(windows) * len(samplings))
-    draft = next(i for i, res in enumerate(results) if res["draft"] is not None)
-    alone = next(i for i, res in enumerate(results) if res["draft"] is None)
-    started, extra, unreachable = time.perf_counter(), 0, []
-    while precision > 0 and (left := max_s - (time.perf_counter() - started)) > 0:
-        rates = [{(r["batch_size"], r["mode"]): [n / s for n, s in zip(r["num_tokens"], r["seconds"])]
-                  for r in merge_speed(parts[i])} for i in (draft, alone)]
-        ratios = {key: [x / y for x, y in zip(rates[0][key], rates[1][key])] for key in rates[0]}
-        wide = imprecise(ratios, precision)
-        # Rounds that cannot bring an interval to +-precision in the time left, at the spread of its
-        # rounds so far, are not run: the machine's noise would only spend the stage's time.
-        only = reachable(ratios, precision, left / (per_key_s * max(1, len(wide))))
-        unreachable = [f"batch {b} {m}: ~{rounds_to_precision(ratios[b, m], precision):.0f} rounds needed"
-                       for b, m in wide if (b, m) not in only]
-        if not only:
-            break
-        one_round(rounds, only)
-        rounds += 1
-        extra += 1
-    if unreachable:
-        log.info("eval: %d round(s) beyond the repeats; not timed further, their intervals would not reach +-%g%% "
-                 "in eval.speed_max_s=%gs at their spread (~%.1f s a window pair): %s", extra, precision * 100, max_s,
-                 per_key_s, "; ".join(unreachable))
     for i, res in enumerate(results):
         res["speed"] = merge_speed(parts[i])
         res["speed_interleaved"] = True
-        res["speed_beyond_repeats"] = {"rounds": extra, "unreachable": unreachable, "window_pair_s": round(per_key_s, 2)}
         res["wall_s"] += spent[i]
 
 

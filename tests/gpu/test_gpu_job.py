@@ -47,7 +47,8 @@ def test_gpu_job_trains_and_vllm_accepts_draft_tokens(gpu_run):
     assert speed["num_speculative_tokens"] == 3 and speed["enforce_eager"] is False
     assert sorted({r["batch_size"] for r in speed["results"]}) == [1, 16]
     for r in speed["results"]:
-        assert r["speedup"]["ratio"] == pytest.approx(r["with_draft"]["tokens_per_s"]["mean"]
-                                                      / r["without_draft"]["tokens_per_s"]["mean"])
+        # both engines decoded the same held-out prompts for the same rounds, answers ending at EOS
+        assert len(r["with_draft"]["wave_tokens"]) == len(r["without_draft"]["wave_tokens"]) >= 3
+        assert r["speedup"]["waves"] >= 2 and r["speedup"]["ci95"][0] <= r["speedup"]["ratio"] <= r["speedup"]["ci95"][1]
     extract = report["stages"]["extract"]
     assert extract["num_rejected"] == 0 and extract["bytes_per_token"] >= 4 * 512 * 2
