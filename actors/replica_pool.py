@@ -131,9 +131,8 @@ class ReplicaPool:
 
     def shutdown(self, graceful: bool = True) -> None:
         """Release every live replica. graceful: each engine first ends its own processes (its
-        `shutdown`), all of them at once: an engine core takes seconds to stop, and the regenerate stage
-        spent 17 s between its last shard and its end with four replicas stopped one after the other
-        (an H200, session 22)."""
+        `shutdown`), all of them at once: an engine core takes seconds to stop, so stopping replicas one
+        after the other delays the stage's end by as many stops."""
         import ray
 
         live = self.live()

@@ -10,8 +10,7 @@ RunConfig(worker_runtime_env=...) before anything imports deepspeed.
 Each worker only does process setup and delegates to the plain eagle3.train.trainer.Eagle3Trainer:
 build the draft, take the engine, resume, train cfg.num_steps, export. Rank 0 logs every
 step; `ray.train.report` is called only with checkpoints and once at the end, because each
-call is a barrier across workers (~1.9 s per call measured with Ray 2.60 on 2 CPU workers,
-against ~0.1 s for a tiny-draft step).
+call is a barrier across workers that costs many times a small draft's step.
 
 Checkpoints: when due (cfg.checkpoint.checkpoint_every, and after the last step) every rank writes its
 DeepSpeed checkpoint files (model states on rank 0, its own ZeRO optimizer shard, and the
@@ -110,7 +109,7 @@ def train_loop_per_worker(config: dict) -> None:
             profiler.step()
         if rank == 0:
             if "heldout_full_acc_0" in metrics:
-                # DEBUG: the training log stays quiet (issue 28); metrics.jsonl, curves.png and the summary carry it
+                # DEBUG keeps the training log quiet; metrics.jsonl, curves.png and the summary carry it
                 accs = " ".join(f"{metrics[f'heldout_full_acc_{i}']:.3f}" for i in range(cfg.draft.ttt_steps))
                 logger.debug("step %d held-out full_acc per TTT step %s (%d positions, %d samples, %.1f s)",
                             metrics["step"], accs, metrics["heldout_positions"], metrics["heldout_samples"],

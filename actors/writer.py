@@ -21,10 +21,10 @@ def write_shard(table, path: str, compression: str | None, direct_io: bool = Tru
 
 class ShardWriter:
     """Every write of a run on one node, in one process, several at a time (threads: Arrow's writes,
-    the copies into DirectFile's buffers and pwrite release the GIL). A task per write ran in a new
-    worker process nearly every time on a small node, where Ray stops idle workers above its soft
-    limit (the node's CPUs) within a second, and the warm-up tasks started for them while the engines
-    loaded were gone by the first write (benchmarks/results/job/test-tiers.md, sessions 27 and 28)."""
+    the copies into DirectFile's buffers and pwrite release the GIL). A task per write would start a
+    new worker process nearly every time on a small node, where Ray stops idle workers above its soft
+    limit (the node's CPUs) within a second, so workers warmed while the engines load are gone by the
+    first write (benchmarks/results/job/test-tiers.md)."""
 
     def ready(self) -> None:
         """Imports what a write needs, called while the engines load: the first shards' writes then

@@ -4,9 +4,9 @@ DeepSpeed versions: 0.19 (`deepspeed.comm.torch.TorchBackend.__init__` calls `bu
 which returns None without building when `deepspeed.ops.__compatible_ops__` marks
 `ShareMemCommBuilder.NAME` ("deepspeed_shm_comm") incompatible; that dict is made once per process,
 on first access, and DeepSpeed keeps it so that edits to it persist).
-Why: on the CPU accelerator every DeepSpeed init builds that op (a C++ build of ~34 s on 2 cores,
-~70-90 CPU-s, the first time on a machine or whenever the build's paths change, e.g. another venv
-path) whether or not there is a second rank to reduce with; DeepSpeed 0.19 has no switch for it.
+Why: on the CPU accelerator every DeepSpeed init builds that op (a C++ build, the first time on a
+machine or whenever the build's paths change, e.g. another venv path) whether or not there is a
+second rank to reduce with; DeepSpeed 0.19 has no switch for it.
 It only speeds up all-reduce between ranks on one CPU host; without it DeepSpeed all-reduces
 through torch.distributed (gloo), as it does on any backend without the op. CPU training is the
 demo's and the tests' (a draft of a few million parameters): the build was a cost of every fresh

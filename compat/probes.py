@@ -112,8 +112,8 @@ def import_target_model(target_dir: str) -> str | None:
     MoE included); returns its module's name, or None where it cannot (probe_target_arch reports why).
     The doctor calls it in its task's main thread before its checks thread and its dry run start:
     two threads importing the same modules at once can hand one of them a partially initialized
-    module (vLLM 0.26.0 on an H200, a warm node: `cannot import name 'zero_experts_compute_triton'
-    from partially initialized module 'vllm.model_executor.layers.fused_moe.fused_moe'`)."""
+    module (vLLM 0.26.0: `cannot import name 'zero_experts_compute_triton' from partially
+    initialized module 'vllm.model_executor.layers.fused_moe.fused_moe'`)."""
     try:
         from vllm.model_executor.models import ModelRegistry
 

