@@ -13,7 +13,7 @@ Output layout:
     hidden_states/   data/shard-*.arrow, committed/, MANIFEST.json, rejects.jsonl
     train/           DeepSpeed checkpoints, metrics, loss plot
     draft/           the speculators-format EAGLE-3 draft (config.json, model.safetensors)
-    report.json      the run summary printed at the end
+    report.json      the run's record; ray_jobs/summary.py formats the summary printed at the end
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from eagle3.config import JobConfig, load_job_config
 from eagle3.provenance import write_provenance
 from ray_jobs.background import Background
 from ray_jobs.evaluate import EVAL_GPU_RESERVE, check_start_during_training, early_eval, evaluate
+from ray_jobs.summary import _bound_line, _eval_summary, _resumed, format_summary  # noqa: F401 - re-exported
 from ray_jobs.target import resolve_target
 
 log = logging.getLogger("eagle3")
@@ -222,177 +223,6 @@ def startup_record(stages: dict) -> dict:
     if t and t.get("setup_s") is not None:
         rec["train"] = {"setup_s": t["setup_s"], "first_step_s": t.get("first_step_s"), "precision": t.get("precision")}
     return rec
-
-
-def _startup_line(startup: dict) -> str | None:
-    """'doctor dry run 21s; extract engine 30s; eval engines 22s, 21s; trainer set-up 35s, first step 2.0s'."""
-    parts = []
-    for key, what in (("doctor_dry_run", "doctor dry run"), ("regenerate", "regenerate engine"),
-                      ("extract", "extract engine"), ("online", "online engine"), ("eval", "eval engine")):
-        starts = [s["startup_s"] for s in startup.get(key, []) if s.get("startup_s") is not None]
-        if starts:
-            side = any((s.get("engines_at_once") or 1) > 1 for s in startup.get(key, []))
-            during = any(s.get("during_training") for s in startup.get(key, []))
-            parts.append(f"{what}{'s' if len(starts) > 1 else ''} " + ", ".join(f"{v:.0f}s" for v in starts)
-                         + (" side by side" if side else "") + (" while the draft trained" if during else ""))
-    t = startup.get("train")
-    if t:
-        parts.append(f"trainer set-up {t['setup_s']:.0f}s"
-                     + (f", first step {t['first_step_s']:.1f}s" if t.get("first_step_s") is not None else ""))
-    return "; ".join(parts) or None
-
-
-def _dtype_line(startup: dict) -> str | None:
-    """The engines' compute dtypes (as resolved in their processes) and the trainer's precision."""
-    dtypes = sorted({s["dtype"] for key in ("regenerate", "extract", "online", "eval") for s in startup.get(key, [])
-                     if s.get("dtype")})
-    parts = [f"engines {', '.join(dtypes)}"] if dtypes else []
-    if startup.get("train", {}).get("precision"):
-        parts.append(f"trainer {startup['train']['precision']}")
-    return "; ".join(parts) or None
-
-
-def _resumed(stage: dict) -> str:
-    """What a resumed stage took from an earlier run, e.g. '; 6 of 19 shards already committed', and
-    from a smaller input, e.g. '(kept from an input of 12000)'."""
-    skipped = stage.get("shards_skipped", 0)
-    grown = f" (kept from an input of {stage['grown']['num_samples']})" if stage.get("grown") else ""
-    return f"; {skipped} of {stage['num_shards']} shards already committed{grown}" if skipped else ""
-
-
-def _accuracy_lines(st: dict) -> list[str]:
-    """The train/serve check, like with like: the draft's accuracy per draft position on the
-    held-out conversations (speculators' full_acc_i: positions 0..i all right) beside the training
-    accuracy (averaged over the steps before that evaluation) and vLLM's rate of drafts whose
-    first i+1 tokens were all accepted (the eval with the largest k), on held-out prompts."""
-    held = (st.get("train") or {}).get("heldout")
-    if not held:
-        return []
-
-    def fmt(values) -> str:
-        return "-" if values is None else " ".join(f"{v:.3f}" for v in values)
-
-    lines = [f"  accuracy         per draft position at step {held['step']}: held-out {fmt(held['full_acc'])} "
-             f"({held['num_positions']} positions, {held['num_samples']} samples"
-             + (f"; over the first {held['first_tokens']} tokens of each turn {fmt(held['first_full_acc'])}, "
-                f"{held['first_num_positions']} positions" if "first_tokens" in held else "")
-             + f"), training {fmt(held['train_full_acc'])}"]
-    # greedy: the trainer's accuracy is the draft's argmax against the target's
-    evals = [r for r in (st.get("eval") or {}).get("acceptance", [])
-             if (r.get("greedy") or {}).get("acceptance_rate_per_pos")]
-    if evals:
-        widest = max(evals, key=lambda r: r["num_speculative_tokens"])
-        lines[-1] += (f", vLLM accepted (k={widest['num_speculative_tokens']}, greedy) "
-                      f"{fmt(widest['greedy']['acceptance_rate_per_pos'])}")
-    if "rounds_al" in held:  # the same held-out predictions counted per round, as vLLM counts its drafts
-        lines.append(f"                   held-out in rounds of {len(held['rounds_acc'])}, as vLLM counts drafts: "
-                     f"{fmt(held['rounds_acc'])} (AL {held['rounds_al']:.2f}, {held['num_rounds']} rounds)")
-    if bound := _bound_line(st, held):
-        lines.append(f"                   {bound}")
-    return lines
-
-
-# How much more the draft may score at its first position on its training data than on held-out
-# conversations before the summary calls it short of data: above it, more data still raised AL on
-# SmolLM2; below it, held-out accuracy no longer moved (benchmarks/RESULTS.md).
-DATA_BOUND_GAP = 0.05
-
-
-def _bound_line(st: dict, held: dict) -> str | None:
-    """What more of, data or steps, would raise the draft's accuracy: the gap between its training
-    and held-out accuracy at the first draft position (whole turns), and its passes over the data."""
-    train, heldout = held.get("train_full_acc"), held.get("full_acc")
-    if not train or not heldout:
-        return None
-    gap = train[0] - heldout[0]
-    t, data = st.get("train") or {}, (st.get("extract") or {}).get("num_tokens")
-    passes = f", {t['tokens'] / data:.1f} passes over {data} tokens" if t.get("tokens") and data else ""
-    if gap >= DATA_BOUND_GAP:
-        return (f"short of data: the draft scores {gap:.3f} more at position 1 on its training data than held out"
-                f"{passes}; more conversations (prepare.max_samples, a larger source) should raise it")
-    return (f"not short of data: training and held-out accuracy meet at position 1 ({gap:+.3f}{passes}); more "
-            "data alone will not raise it, more steps (train.num_steps) may")
-
-
-def format_summary(report: dict) -> str:
-    st = report["stages"]
-    lines = [f"eagle3 job finished in {report['seconds']['total']:.0f}s; outputs under {report['output_dir']}"]
-    lines.append(f"  target           {report['target']}")
-    if "prepare" in st:
-        p = st["prepare"]
-        lines.append(f"  prepared/        {p['num_samples']} samples, {p['num_tokens']} tokens "
-                     f"({p['num_loss_tokens']} in the loss), {p['num_rejected']} rejected; "
-                     f"{p.get('num_heldout_conversations', 0)} conversations ({p.get('num_heldout_samples', 0)} "
-                     "samples) held out of training")
-    if "regenerate" in st:
-        g = st["regenerate"]
-        lines.append(f"  regenerated/     {g['num_samples']} conversations, {g['num_generated_tokens']} tokens generated, "
-                     f"{g['num_rejected']} rejected{_resumed(g)}")
-        if "num_turns_ended" in g:
-            lines.append(f"                   {g['num_turns']} turns: {g['num_turns_ended']} ended by the target, "
-                         f"{g['num_turns_cut']} cut ({g['num_turns_cut_at_max_tokens']} at regenerate.max_tokens)")
-        for msg in g.get("untrusted", []):
-            lines.append(f"                   WARNING {msg}")
-    if "extract" in st:
-        e = st["extract"]
-        lines.append(f"  hidden_states/   {e['num_samples']} samples, {e['num_tokens']} tokens, {e['bytes'] / 1e6:.1f} MB, "
-                     f"{e['bytes_per_token']:.0f} bytes/token, layers {e['layer_ids']}, {e['num_rejected']} rejected"
-                     f"{_resumed(e)}")
-    if "train" in st and "online" in st["train"]:
-        o = st["train"]["online"]
-        lines.append(f"  online           {o['num_extractions']} shard extractions ({o['num_reextracted']} redone, "
-                     f"{o['num_lost']} lost), peak {o['peak_bytes_in_flight'] / 1e6:.1f} MB in flight (bound "
-                     f"{o['max_inflight_bytes'] / 1e6:.1f} MB), engines waited {o['engine_idle_budget_s']:.0f}s "
-                     f"for the trainer, the trainer {sum(o['trainer_wait_s']):.0f}s for engines")
-    if "train" in st:
-        t = st["train"]
-        def loss(v):  # None: a checkpoint written before loss_last was kept in it
-            return "-" if v is None else f"{v:.4f}"
-        done = (f"{t.get('tokens_per_s', 0):.0f} tokens/s" if t.get("tokens_this_run", 1)
-                else f"all done at step {t.get('resumed_from_step')} already, nothing trained in this run")
-        if t.get("tokens_this_run", 1) and t.get("steady_tokens_per_s"):  # the first step compiles on CUDA
-            done += f" ({t['steady_tokens_per_s']:.0f} after a first step of {t['first_step_s']:.1f}s)"
-        lines.append(f"  train/           {t.get('steps')} steps, loss {loss(t.get('loss_first'))} -> "
-                     f"{loss(t.get('loss_last'))}, {done}")
-        lines.append(f"  draft/           speculators-format EAGLE-3 draft: {report.get('draft')}")
-    lines.extend(_accuracy_lines(st))
-    if "eval" in st:
-        lines += _eval_summary(st["eval"])
-    lines.append("  time per stage   " + ", ".join(f"{k} {v:.0f}s" for k, v in report["seconds"].items()))
-    if (startup := _startup_line(report.get("startup", {}))) is not None:
-        lines.append("  start-up         " + startup)
-    if (dtypes := _dtype_line(report.get("startup", {}))) is not None:
-        lines.append("  compute dtype    " + dtypes)
-    return "\n".join(lines)
-
-
-def _eval_summary(ev: dict) -> list[str]:
-    """The eval lines of the summary: acceptance length per k and sampling, and the decode speedup
-    per batch size and sampling, with the windows' range and whether it excludes 1."""
-    modes = list(ev["samplings"])
-    label = {m: "greedy" if m == "greedy" else f"T={s['temperature']:g} top_p={s['top_p']:g}"
-             for m, s in ev["samplings"].items()}
-    als = ", ".join(f"k={a['num_speculative_tokens']}: " + " / ".join(f"{a[m]['acceptance_length']:.2f}" for m in modes)
-                    for a in ev["acceptance"])
-    ending = "past EOS" if ev.get("ignore_eos") else "answers ending at EOS"
-    lines = [f"  eval.json        acceptance length in vLLM ({' / '.join(label[m] for m in modes)}; {ending}): {als}"]
-    sp = ev.get("speed")
-    if sp:
-        lines.append(f"  eval.json        decode speedup, draft at k={sp['num_speculative_tokens']} over the target "
-                     f"alone ({'eager' if sp['enforce_eager'] else 'CUDA graphs'}; output tokens/s on answers ending "
-                     f"at EOS, {sp['results'][0]['speedup']['rounds']} rounds, "
-                     f"{'the engines taking turns' if sp.get('interleaved') else 'one engine after the other'}; "
-                     "95% interval over prompts):")
-        for r in sp["results"]:
-            s = r["speedup"]
-            al = r["with_draft"].get("acceptance_length")
-            ci = f"{s['ci95'][0]:.2f}-{s['ci95'][1]:.2f}x" if s.get("ci95") else "no interval (one wave)"
-            slower = "  <- the draft slows this batch size" if s.get("ci95") and s["ci95"][1] < 1 else ""
-            lines.append(f"                   batch {r['batch_size']:>3} {label[r['mode']]:<22} {s['ratio']:.2f}x "
-                         f"({r['without_draft']['tokens_per_s']['mean']:.0f} -> {r['with_draft']['tokens_per_s']['mean']:.0f}"
-                         f" tokens/s; {ci}{f', AL {al:.2f}' if al else ''}; {r['num_prompts']} prompts, answers of "
-                         f"at most {r['max_tokens']} tokens){slower}")
-    return lines
 
 
 def overrides_from(items: list[str]) -> dict:

@@ -230,7 +230,7 @@ class _ClockedEngine:
     rounds and what they record, not vLLM (the slow tier's jobs time real engines)."""
 
     def __init__(self, durations, monkeypatch, answer_tokens=5):
-        import eagle3.evaluate as ev
+        import eagle3.evaluate.engine as ev
 
         self.durations, self.calls, self.now, self.draft_dir = durations, [], 0.0, None
         self.answer_tokens = answer_tokens
