@@ -2,7 +2,7 @@
 
 Each probe is cheap (imports and source inspection; no engine, no weights) and returns
 (name, ok, detail, fix). tests/test_compat.py runs them on the installed vLLM, and the
-same probes run on the GPU machine's vLLM 0.26 in tests/gpu/.
+same probes run on vLLM 0.26 on a GPU in tests/gpu/.
 """
 
 from __future__ import annotations

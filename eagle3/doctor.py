@@ -39,7 +39,7 @@ class Check:
 
 def check_versions(others: Sequence[Check] = ()) -> list[Check]:
     """One row per package of the tested matrix. A version outside the range is judged by its seams
-    (compat.versions.UNTESTED, issue 31): a warning naming the range when every probe tagged with
+    (compat.versions.UNTESTED): a warning naming the range when every probe tagged with
     the package (compat.probes.SEAMS) passed among `others` (this node's rows), and the dry run too
     where it ran here; a failure naming what failed otherwise, or when the package is a hard stop."""
     from compat.probes import SEAMS
@@ -94,8 +94,8 @@ def check_seams(target_dir: str | None, trust_remote_code: bool) -> list[Check]:
 def check_gpus(min_free_fraction: float = 0.9) -> list[Check]:
     """Memory in use on each GPU of the node and the processes holding it, each named (a vLLM
     engine core, a Ray worker, one of our actors; orphaned or not) with the command that stops
-    it: a crashed engine's zombie keeps its memory, and the next engine start fails 18 minutes
-    later. Every GPU of the node, not only those of CUDA_VISIBLE_DEVICES: the job's engines will
+    it: a crashed engine's zombie keeps its memory, and the next engine start fails only after a
+    long wait. Every GPU of the node, not only those of CUDA_VISIBLE_DEVICES: the job's engines will
     use them all (eagle3.gpu_processes)."""
     from eagle3 import gpu_processes as gp
 
@@ -231,8 +231,8 @@ def dry_run(target_dir: str, extract_cfg, *, dtype: str, trust_remote_code: bool
         # One step holds a whole prefill, up to the engine's max_model_len: max_length + 1
         # (compat.vllm_engine.prefill_max_model_len).
         max_length = max(256, num_tokens)
-        # Eager and a KV cache of a fixed 1 GiB (vLLM >= 0.11; a GPU engine then skips the memory
-        # profiling and a 0.3-of-the-GPU cache): the path's shapes are under test, not its speed.
+        # Eager and a KV cache of a fixed size (vLLM >= 0.11; a GPU engine then skips the memory
+        # profiling): the path's shapes are under test, not its speed.
         cfg = dataclasses.replace(extract_cfg, aux_hidden_state_layer_ids=cut_aux or (0,),
                                   load_format="dummy", num_replicas=1, gpu_memory_utilization=0.3,
                                   max_num_batched_tokens=max_length + 1, max_num_seqs=4, enforce_eager=True,

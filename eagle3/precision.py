@@ -7,10 +7,9 @@ trainer on a GPU or on the CPU. Does not own the storage dtype of hidden states
 (train.optimizer.bf16, resolved by eagle3.train.deepspeed_backend.resolve_bf16 with the same rule).
 Imports no torch: drivers call it.
 
-Why: on an x86 CPU without AVX512-BF16 or AMX, torch's bf16 matmul is emulated (a lead measured
-0.6-1.6 GFLOP/s against ~30 for float32 on one AVX2 EPYC thread; benchmarks/dtype_bench.py, results
-in benchmarks/results/dtype/dtype-*.md), and vLLM's CPU engine logs "Failed to create oneDNN linear,
-fallback to torch linear" for bf16 weights.
+Why: on an x86 CPU without AVX512-BF16 or AMX, torch's bf16 matmul is emulated, many times slower
+than float32 (benchmarks/results/dtype/), and vLLM's CPU engine logs "Failed to create
+oneDNN linear, fallback to torch linear" for bf16 weights.
 """
 
 from __future__ import annotations
@@ -45,8 +44,7 @@ def bf16_flags_of(cpuinfo: str) -> frozenset[str]:
 
 
 # oneDNN ISA caps (ONEDNN_MAX_CPU_ISA) under which bf16 matmuls are emulated even on a CPU that has
-# the flags: a user who caps oneDNN there gets float32 from "auto" (benchmarks/dtype_bench.py measured
-# bf16 at 0.18-0.32x of float32 on an AVX512-BF16 EPYC capped at AVX2).
+# the flags: a user who caps oneDNN there gets float32 from "auto" (benchmarks/results/dtype/).
 _ONEDNN_ISA_WITHOUT_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_CORE", "AVX512_CORE_VNNI"})
 
 

@@ -51,8 +51,8 @@ def replica_layout(ecfg: ExtractConfig, num_shards_to_do: int, *, engine: bool =
 
 
 # extract.replicas_per_gpu "auto": a target this small gets AUTO_REPLICAS_PER_GPU engines a GPU, each with
-# a KV cache of AUTO_KV_CACHE_BYTES unless kv_cache_memory_bytes is set (the settings measured in
-# benchmarks/results/extraction/replicas-h200-smol.md: 4 replicas of SmolLM2-135M's shape 1.89x one).
+# a KV cache of AUTO_KV_CACHE_BYTES unless kv_cache_memory_bytes is set (the settings chosen in
+# benchmarks/results/extraction/replicas-h200-smol.md).
 AUTO_REPLICAS_MAX_PARAMS = 500_000_000
 AUTO_REPLICAS_PER_GPU = 4
 AUTO_KV_CACHE_BYTES = 4 << 30
@@ -67,8 +67,8 @@ def given_kv_cache_bytes(ecfg: ExtractConfig) -> int:
 
 def small_target(ecfg: ExtractConfig, text_cfg: dict, *, gpu: bool) -> tuple[bool, str]:
     """(whether engines of this target share a GPU, why): a target of fewer than
-    AUTO_REPLICAS_MAX_PARAMS parameters whose vLLM engines take one GPU each leaves most of an
-    H200 idle (a 135M target's prefill engine: 80k-164k tokens/s), so the job starts several of its
+    AUTO_REPLICAS_MAX_PARAMS parameters whose vLLM engines take one GPU each leaves most of a GPU
+    idle, so the job starts several of its
     engines a GPU: extraction's and regeneration's replicas (replicas_per_gpu 'auto'), the eval
     stage's engines side by side (eval.engines_at_once 'auto')."""
     if not gpu or ecfg.backend != "vllm" or ecfg.tensor_parallel_size * ecfg.pipeline_parallel_size > 1:

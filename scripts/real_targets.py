@@ -306,7 +306,7 @@ def greedy_answer(model_dir: Path, question: str, max_new_tokens: int) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # 96 tokens of the 1.5B model: ~5 min on 2 busy cores
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the 1.5B model's answer takes minutes on a CPU
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
     ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,

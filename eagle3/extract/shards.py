@@ -1,12 +1,11 @@
 """Reading and writing hidden-states shard files, in either of the two formats.
 
 - "arrow" (default): Arrow IPC files (Feather v2). Written buffer by buffer with direct I/O
-  (DirectFile: the page cache's writeback, not the disk, bounds buffered writes: on this
-  project's CI disk dd wrote 0.35 GB/s buffered + fsync against 1.6 GB/s with O_DIRECT) and
+  (DirectFile: the page cache's writeback, not the disk, bounds buffered writes) and
   read through a memory map: a record batch's hidden states are views of the page cache, no
   decode and no copy. Optional lz4/zstd buffer compression.
 - "parquet": Parquet files; smaller with compression, but every value is copied into
-  Parquet pages on write (measured ~3x slower than IPC on the same disk) and decoded on read.
+  Parquet pages on write (slower than IPC) and decoded on read.
 A reader picks the format from the file suffix. "Batches" below are IPC record batches or
 Parquet row groups: the unit a reader holds in memory (~128 MB when we write them).
 """
@@ -234,8 +233,8 @@ def read_shards(paths, columns: list[str] | None = None) -> pa.Table:
     return pa.concat_tables([ShardFile(p).read(columns) for p in paths])
 
 
-# Linux caps one POSIX_FADV_WILLNEED at the readahead window: one call over a whole 1 GiB shard
-# read 8 MB of it (kernel 6.18, measured). Advised window by window, the whole file is read.
+# Linux caps one POSIX_FADV_WILLNEED at the readahead window, so one call over a whole shard
+# reads only its start. Advised window by window, the whole file is read.
 _WILLNEED_WINDOW = 8 << 20
 
 

@@ -118,7 +118,7 @@ def source_files(path: str | Path) -> list[tuple[Path, str]]:
 def source_bytes(path: str | Path, max_records: int | None = None) -> int:
     """Bytes of what prepare will read from `path`: its files' sizes, or, with max_records
     (prepare.max_samples), the JSON text of its first max_records records (each read as prepare
-    reads it, so a 125 MB ShareGPT file cut to 2,400 records counts ~17 MB, not 125). The doctor
+    reads it, so a large file cut short counts only what is read). The doctor
     estimates the hidden states' bytes from this before anything is prepared."""
     files = source_files(path)
     if max_records is None:

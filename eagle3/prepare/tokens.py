@@ -93,9 +93,8 @@ def load_tokenizer(tokenizer_dir: str):
     """The target's tokenizer, refused when it has no chat template. Where its tokenizer_config.json
     names the generic fast tokenizer (GENERIC_TOKENIZER_CLASS, and no auto_map of remote code), that
     class loads it directly: the tokenizer AutoTokenizer gives, without AutoTokenizer's resolution of
-    the model's config, which imports torch. On 2 cores: 1.0-1.6 s against ~5 s, paid by every
-    process that prepares (benchmarks/results/job/test-tiers.md, session 27;
-    tests/test_prepare.py checks both give the same tokens)."""
+    the model's config, which imports torch: seconds saved in every process that prepares
+    (benchmarks/results/job/test-tiers.md; tests/test_prepare.py checks both give the same tokens)."""
     tokenizer_cls = _generic_tokenizer_class(tokenizer_dir)
     if tokenizer_cls is None:
         from transformers import AutoTokenizer as tokenizer_cls
@@ -346,7 +345,7 @@ def prepare_dataset_ray(cfg: PrepareConfig, tokenizer_dir: str, out_dir: str, *,
     store's memory whatever the source's size.
     A source of one chunk (fewer than chunk_records records: the demo's 232 conversations) is
     tokenized in this process: a task would start a worker process and load the tokenizer there
-    for the same work, with nothing to run beside it (~3 CPU-s a prepare on 2 cores, session 29).
+    for the same work, with nothing to run beside it.
     """
     import itertools
 

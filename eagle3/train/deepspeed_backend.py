@@ -7,11 +7,11 @@ from a (possibly ZeRO-3 partitioned) engine. Nothing else reads the ZeRO stage.
 Does not own: the model (speculators' Eagle3DraftModel, built by eagle3.train.trainer), the
 training loop (eagle3.train.trainer), or multi-process launch (actors.trainer via Ray Train).
 
-CPU: DeepSpeed's "AdamW" config optimizer builds a compiled op (FusedAdam / DeepSpeedCPUAdam,
-~55 s) on the CPU accelerator, so on CPU the optimizer is a torch.optim.AdamW handed to
+CPU: DeepSpeed's "AdamW" config optimizer builds a compiled op (FusedAdam / DeepSpeedCPUAdam)
+on the CPU accelerator, so on CPU the optimizer is a torch.optim.AdamW handed to
 deepspeed.initialize as a client optimizer; the scheduler still comes from the config.
-DeepSpeed 0.19 builds its shared-memory all-reduce op (`deepspeed_shm_comm`, ~34 s on 2 cores,
-once per machine) at every init on the CPU accelerator, with no switch to skip it; on the CPU it
+DeepSpeed 0.19 builds its shared-memory all-reduce op (`deepspeed_shm_comm`, a C++ build once
+per machine) at every init on the CPU accelerator, with no switch to skip it; on the CPU it
 is marked incompatible first (compat/deepspeed_comm), so ranks all-reduce through gloo.
 """
 
@@ -38,10 +38,9 @@ def detect_gpu() -> bool:
 def resolve_bf16(cfg: TrainConfig, use_gpu: bool) -> bool:
     """cfg.optimizer.bf16, or (None) bf16 mixed precision on GPUs and on a CPU that computes bf16
     natively (eagle3.precision's rule, which decides the engines' "auto" too), fp32 on a CPU that would
-    emulate it. Called in the training worker's process, so the flags read are its host's. Measured on
-    the README demo (SmolLM2, 30 steps, 2 cores with AVX512-BF16; benchmarks/results/job/
-    demo-smollm2-cpu.md, session 21): 755 tokens/s in bf16 against 496 in fp32, held-out accuracy
-    0.541 / 0.226 / 0.062 against 0.551 / 0.243 / 0.089."""
+    emulate it. Called in the training worker's process, so the flags read are its host's. On a CPU
+    with native bf16 it trains faster than fp32 at a similar held-out accuracy
+    (benchmarks/results/job/demo-smollm2-cpu.md)."""
     if cfg.optimizer.bf16 is not None:
         return cfg.optimizer.bf16
     if use_gpu:

@@ -161,7 +161,7 @@ class Eagle3Trainer:
         attn = resolve_draft_attn_impl(cfg.draft.draft_attn_impl, cfg.data.micro_batch_tokens, torch.cuda.is_available())
         if attn == "simple_flex_attention" and cfg.data.micro_batch_tokens > FLEX_ATTN_MAX_TOKENS:
             logger.warning("train.draft.draft_attn_impl=simple_flex_attention with train.data.micro_batch_tokens=%d: "
-                           "flex attention's first-step compile was not seen to end past %d tokens on an H200 "
+                           "flex attention's first-step compile was not seen to end past %d tokens "
                            "(eagle3.train.config.FLEX_ATTN_MAX_TOKENS); sdpa trained up to 49,152",
                            cfg.data.micro_batch_tokens, FLEX_ATTN_MAX_TOKENS)
         self.model = Eagle3DraftModel.from_training_args(
@@ -187,7 +187,7 @@ class Eagle3Trainer:
         self.run_tokens = 0
         self.run_seconds = 0.0
         # The first step of this run apart: on CUDA it compiles the draft's forward (speculators
-        # wraps it in torch.compile), 45 of the GPU demo's 62 s of training in its run 2 log.
+        # wraps it in torch.compile), most of a short run's training time.
         self.first_step_seconds: float | None = None
         self.first_step_tokens = 0
         self.last_heldout: dict | None = None
@@ -331,7 +331,7 @@ class Eagle3Trainer:
         first = self.cfg.heldout_first_tokens or 0  # also over the first `first` tokens of each turn
         first_names = [f"full_acc_{i}_{part}" for i in range(ttt) for part in ("sum", "total")] if first else []
         # (lm_head, draft-to-target ids) for the rounds, at the last evaluation only: one product with
-        # the whole vocabulary per batch (~3 s a 2,048-token batch of SmolLM2 on one CPU thread)
+        # the whole vocabulary per batch, seconds on a CPU
         head = self._full_vocab_head() if self.global_step >= self.cfg.num_steps else None
         num_means = len(names) + len(first_names)
         sums = torch.zeros(num_means + 1 + (1 + ttt if head else 0), dtype=torch.float64)

@@ -49,9 +49,8 @@ def _as_is(item):
 class WorkerPrefetcher:
     """Prefetcher's contract, with the batches built in `num_workers` torch DataLoader worker
     processes instead of a thread. A thread that reads and packs holds the GIL in bursts, and the
-    training loop, which launches the step's many small kernels from Python, stalls behind it: a
-    loop of 3,000 small CUDA ops took 65.8 ms alone on the H200 host, 111.1 ms next to a packing
-    thread, 51.3 ms next to a worker (`python -m benchmarks.batch_bench`). Batches come out in
+    training loop, which launches the step's many small kernels from Python, stalls behind it
+    (`python -m benchmarks.batch_bench`). Batches come out in
     order (_PackedStream), packed by the workers straight into a BatchRing (page-locked when
     `page_lock`). Workers are forked: they must not touch CUDA, so `batches` must not pin.
     `depth` batches are built ahead in all (at least one a worker).

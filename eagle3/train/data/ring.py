@@ -29,15 +29,11 @@ class BatchRing:
     slot number and a layout, and no memory is mapped, pinned or freed per batch.
 
     Why not DataLoader's own way: it moves each tensor through a new shared-memory segment, which
-    the receiving process unmaps when the tensor is dropped, holding the GIL: 16.2 ms for a 134 MB
-    batch on the H200 host, 11.5 ms on the CI machine (`batch_bench`'s drop probe), during which
-    the training loop launches no kernel. In a profile of 9 training steps on the H200, 7 had a
-    15-22 ms GPU-idle gap, each just after the pinning thread's last call
-    (benchmarks/results/training/train-h200-1b-prof-gaps.md), and steps 6..20 varied from 63 to 95 ms; read
-    from this ring they took 73-82 ms (train-h200-1b-run7). Its
-    pin_memory thread also copied every batch once more, serially: ~1.1 GB/s (batch-h200-1b-run4).
-    Here the file is page-locked once with cudaHostRegister (`page_lock`), so the copy to the
-    device reads the slot itself.
+    the receiving process unmaps when the tensor is dropped, holding the GIL, and meanwhile the
+    training loop launches no kernel: the GPU idles after each batch
+    (benchmarks/results/training/train-h200-1b-prof-gaps.md). Its pin_memory thread also copies
+    every batch once more, serially. Here the file is page-locked once with cudaHostRegister
+    (`page_lock`), so the copy to the device reads the slot itself.
     The file is unlinked at once: its memory goes when no process maps it any more.
     """
 

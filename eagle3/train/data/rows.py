@@ -24,8 +24,7 @@ rows still to come.
 Memory: Arrow IPC shards are memory-mapped and samples are views of them (page cache, not
 copies). From Parquet shards, at most `shuffle_buffer_size` decoded samples plus what Arrow
 holds while reading one row group: it reads a row group's hidden_states chunk whole whatever
-the batch size (measured: 1.3 GiB peak RSS streaming 4-row batches out of one 512 MiB row
-group), so the extract stage's row-group size bounds the transient read memory.
+the batch size, so the extract stage's row-group size bounds the transient read memory.
 """
 
 from __future__ import annotations
