@@ -3,8 +3,8 @@
 Owns: `check_types`, which every config's `__post_init__` calls first, so that a value of the
 wrong type is refused with the field's dotted name, the value and the fix before any range
 check compares it (`'>' not supported between 'str' and 'int'` named no field), whether the
-config came from a file, a `--set` override or Python code; and `choices`, the one place a
-`Literal` hint's allowed values are read from.
+config came from a file, a `--set` override or Python code; `choices`, the one place a
+`Literal` hint's allowed values are read from; and `fail`, the shape of every other refusal.
 Does not own: the range and cross-field checks (each config's `__post_init__`) or the
 cross-stage limits (`eagle3.config.JobConfig`). Imports neither torch nor vllm.
 
@@ -47,6 +47,13 @@ def choices(hint: Any) -> tuple:
     if _is_union(hint):
         return tuple(c for arg in get_args(hint) for c in (choices(arg) if arg is not type(None) else (None,)))
     raise TypeError(f"{hint!r} is not a Literal")
+
+
+def fail(section: str, name: str, value: Any, fix: str) -> None:
+    """Refuse a config value: ValueError `config section.name=value: fix`, the one shape of every
+    range and cross-field error (the stage configs' `__post_init__` and eagle3.config's limits
+    across stages)."""
+    raise ValueError(f"config {section}.{name}={value!r}: {fix}")
 
 
 def check_types(obj: Any, section: str) -> None:

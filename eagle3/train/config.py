@@ -56,9 +56,9 @@ class OptimizerConfig:
     (the default: the draft's frozen embeddings and lm_head stay replicated, trainable state
     is sharded); 3: shard parameters too (only worth it for very wide drafts; slower)."""
     bf16: bool | None = None
-    """bf16 mixed precision (fp32 master weights in the optimizer). None: on with GPUs and on a CPU
-    that computes bf16 natively (AVX512-BF16, AMX, Arm BF16: 1.5x fp32's tokens/s on the demo), off on
-    a CPU that would emulate it (3-5x slower than fp32 there; eagle3/precision.py)."""
+    """bf16 mixed precision (fp32 master weights in the optimizer). None: on with GPUs and on a CPU with
+    native bf16 (AVX512-BF16, AMX, Arm BF16), off on a CPU that would emulate it, much slower
+    (eagle3/precision.py)."""
 
     def __post_init__(self):
         check_types(self, "train.optimizer")
@@ -97,11 +97,9 @@ class DraftConfig:
     """EAGLE 3.1: feed post-norm hidden states across TTT steps. Needs a vLLM with
     vllm-project/vllm#46488, older ones ignore it silently (lower acceptance)."""
     draft_attn_impl: DraftAttnImpl | None = None
-    """Draft attention in training: sdpa, eager, or simple_flex_attention (speculators' default:
-    compiled flex attention with block masks). None: resolve_draft_attn_impl's choice, from the
-    measured lengths: flex attention on GPU up to FLEX_ATTN_MAX_TOKENS of
-    train.data.micro_batch_tokens, sdpa above it and on CPU. sdpa builds dense [T, ttt_steps * T]
-    masks, so its cost per token and its memory grow with micro_batch_tokens."""
+    """Draft attention in training: sdpa, eager, or simple_flex_attention (compiled, block masks). None:
+    flex attention on a GPU up to FLEX_ATTN_MAX_TOKENS of train.data.micro_batch_tokens, sdpa above it
+    and on the CPU (sdpa's dense masks grow with micro_batch_tokens)."""
 
     def __post_init__(self):
         check_types(self, "train.draft")
@@ -116,11 +114,8 @@ class DraftConfig:
 
 
 FLEX_ATTN_MAX_TOKENS = 8192
-"""The longest packed sequence flex attention was measured to train on one H200 (torch 2.11,
-speculators 0.9, the 8B shape): 8,192 tokens at 63,954 tokens/s. At 16,384 the first step's
-compile (inductor/Triton: one kernel's ptxas alone ran over a minute) did not end in 229 s, and in
-another run the process died of SIGSEGV there; sdpa trained 16,384, 32,768 and 49,152 tokens
-(benchmarks/results/training/long-context-train-h200-8b-*.md)."""
+"""The longest packed sequence flex attention was measured to train (benchmarks/RESULTS.md, long-context
+training): its compile failed to finish beyond it, while sdpa trained longer sequences."""
 
 
 DEFAULT_MAX_DRAFT_VOCAB = 32000
@@ -155,18 +150,13 @@ class DataConfig:
     """Samples held per rank for the streaming shuffle (memory: this many samples, as views of the
     memory-mapped shards: page cache, not copies)."""
     prefetch_batches: int | None = None
-    """Micro-batches built ahead (by data_workers, pinned on GPU), so that reading and packing
-    overlap the device's step; memory: this many packed batches, in /dev/shm and pinned. None: as
-    many as fit in 2 GiB (eagle3.train.data.pipeline.PREFETCH_AUTO_BYTES), from 2 to 16. 0: build each batch
-    when the step needs it."""
+    """Micro-batches built ahead, pinned, so reading and packing overlap the device's step; each costs a
+    packed batch of /dev/shm and pinned memory. None: as many as fit in 2 GiB, 2 to 16
+    (eagle3.train.data.pipeline.PREFETCH_AUTO_BYTES). 0: build each batch when the step needs it."""
     data_workers: int | None = None
-    """Processes per rank that read and pack the prefetched batches (torch DataLoader workers,
-    each packing every k-th batch straight into a shared page-locked ring; the order is
-    unchanged). None: min(4, this rank's share of the node's CPUs // 4), at least 1. On the H200
-    host 1, 2 and 4 workers built cold 1B batches at 0.93, 1.19 and 1.39 GB/s against the disk's
-    1.59 (benchmarks/results/training/batch-h200-1b-run5.md), and 4 of them cost the step's kernel launches
-    nothing measurable. 0: a thread of the trainer instead, whose GIL slows those launches (the
-    fallback, with a warning, where /dev/shm cannot hold the ring)."""
+    """Processes per rank that pack the prefetched batches into a shared ring (order unchanged): more
+    keep up with a faster step. None: min(4, this rank's CPUs // 4), at least 1. 0: a thread of the
+    trainer, whose GIL slows its kernel launches (the fallback where /dev/shm cannot hold the ring)."""
 
     def __post_init__(self):
         check_types(self, "train.data")
@@ -187,10 +177,8 @@ class CheckpointConfig:
     """DeepSpeed checkpoints in the run's storage (what a resume starts from)."""
 
     checkpoint_every: int = 200
-    """Save a DeepSpeed checkpoint every this many steps (and always after the last step). Each one
-    stops every rank for the write (a 135M target's 5M-parameter draft on an H200: ~0.7 s, 15 steps'
-    worth; a large target's draft, with its optimizer states, far more), and a failure loses the steps
-    since the last one."""
+    """Save a DeepSpeed checkpoint every this many steps (and after the last): each one stops every rank
+    for the write, and a failure loses the steps since the last one."""
     num_checkpoints_to_keep: int | None = 2
     """Checkpoints kept in the run's storage (oldest deleted first); None keeps all."""
     max_failures: int = 3
@@ -213,10 +201,9 @@ class ProfilingConfig:
     """What a slow step waits for, recorded with torch.profiler on rank 0."""
 
     profile_steps: list[int] | None = None
-    """[first, last]: rank 0 records optimizer steps first..last with torch.profiler (CPU, and
-    CUDA where there is one) and writes profile/trace.json (Perfetto, chrome://tracing) and
-    profile/top_ops.txt next to metrics.jsonl: what a slow step waits for. Off by default: the
-    profiler slows the steps it records. Last <= train.num_steps."""
+    """[first, last]: rank 0 records these optimizer steps with torch.profiler and writes profile/trace.json
+    and profile/top_ops.txt: what a slow step waits for. Off by default: the profiler slows the steps it
+    records. Last <= train.num_steps."""
 
     def __post_init__(self):
         check_types(self, "train.profiling")
@@ -232,57 +219,27 @@ class OnlineConfig:
     (ray_jobs/online.py, actors/online_feed.py, eagle3/train/online_feed.py). Ignored when source is offline."""
 
     max_inflight_bytes: int = 4 << 30
-    """Bound on hidden-state bytes waiting in the object store: tables being extracted or
-    extracted and not yet taken by their training rank, split evenly between the ranks (ranks
-    step together, so one rank's unread tables must not hold up another's). Engines get no new
-    shard while it is reached (they wait: the trainer is behind); a rank with nothing in flight
-    always gets its next shard, so a shard larger than its share still moves. Tables a rank has taken stay
-    alive while its shuffle window holds rows of them (train.data.shuffle_buffer_size bounds that)."""
+    """Bound on hidden-state bytes in the object store (extracting, or not yet taken by their rank), split
+    evenly between the ranks: engines wait while it is reached (the trainer is behind). Larger: more
+    slack between the two sides, more object-store memory."""
     epochs: OnlineEpochs = "reextract"
-    """After the first epoch: 'reextract' (default) asks the engines again for every epoch;
-    'keep' writes each extracted table as a committed shard under hidden_states/ in the background
-    (the offline layout: an offline run can train on it later) and serves later epochs (and resumes)
-    from those files. Default reextract: online mode exists to keep hidden states off the disk
-    (several TB for a real data set, and the disk was the bound for small targets), and EAGLE-3
-    drafts are usually trained for few epochs, so an engine pass per epoch costs less than the
-    writes; 'keep' pays off when the engines are the slower side and epochs are many."""
+    """After the first epoch: 'reextract' (default: hidden states stay off the disk, and few epochs cost
+    less in engine passes than in writes) asks the engines again; 'keep' writes each table as a committed
+    shard and serves later epochs from disk: for many epochs with slow engines."""
     record_sample_ids: bool = False
-    """Each rank appends, per optimizer step, the sample ids it trained (and those extraction
-    rejected) to train/sample_ids/rank-<r>.jsonl: an audit that every sample was trained once per
-    epoch (but the held-out split, prepare.heldout_fraction), across restarts (a step
-    redone after a restart is written again; the last line of a step counts). Offline training
-    reads this field too."""
+    """Each rank appends the sample ids of every optimizer step to train/sample_ids/rank-<r>.jsonl: an
+    audit that every sample was trained once per epoch, across restarts. Offline training reads it too."""
     log_every_s: float = 10.0
     """How often the job log gets a line of who waits for whom (bytes in flight, engine idle
     time and why, trainer ranks' wait for engines); the same figures are Ray gauges."""
     gpu_split: GpuSplit = "auto"
-    """How engines and trainer divide a GPU cluster's GPUs (ray_jobs.online.split_gpus).
-    'separate': whole GPUs each: every training worker one, every engine replica
-    extract.tensor_parallel_size * pipeline_parallel_size, extract.num_replicas or as many as the GPUs
-    training leaves. 'shared': every GPU holds one engine replica (Ray resource 1 -
-    trainer_gpu_fraction, vLLM memory extract.gpu_memory_utilization) and room for one training worker
-    (trainer_gpu_fraction), as TorchSpec colocates them; needs one-GPU replicas and at most one
-    training worker per GPU. 'auto' (default): 'separate' when the cluster has GPUs for
-    train.num_workers and at least one replica, else 'shared'. Why: with whole GPUs neither side
-    waits on the other's memory or kernels, and the feed's log says which side to grow; sharing is
-    the only way online mode runs where GPUs are too few (one GPU), and its memory check (see
-    trainer_gpu_fraction) still stops the job before any model loads when
-    extract.gpu_memory_utilization leaves the trainer no room. Ignored (with a warning for
-    'shared') where the engines use no GPU: a CPU cluster, extract.backend hf."""
+    """'separate': whole GPUs for engines and training workers (neither waits on the other's memory or
+    kernels); 'shared': an engine replica and a training worker on every GPU, for too few GPUs.
+    'auto': separate where the GPUs suffice for both, else shared (ray_jobs.online.split_gpus)."""
     trainer_gpu_fraction: float = 0.3
-    """gpu_split shared: the share of one GPU each training worker takes, in (0, 0.5): its Ray GPU
-    resource (Ray Train resources_per_worker) and the cap on its memory (torch's
-    set_per_process_memory_fraction: beyond it the trainer fails with an out-of-memory error of its
-    own instead of starving the engine). The engine replica beside it takes the rest of the GPU in
-    Ray's accounting, and extract.gpu_memory_utilization + this must be <= 1 (checked at load for
-    'shared', before the engines start for 'auto'). Below 0.5 so that an engine replica (more than
-    half a GPU) sits on every GPU and Ray's accounting leaves room for one training worker per GPU,
-    never two (NCCL refuses two ranks on one GPU). Default 0.3, an estimate not measured on a GPU
-    yet: an 8B target's EAGLE-3 draft (one layer, 32K draft vocabulary, ~0.4B trainable parameters)
-    holds ~7 GB of weights, gradients and fp32 AdamW state plus the activations of 8K-token
-    micro-batches, under 0.3 of an 80 GB GPU; the 0.7 left holds vLLM's copy of the target's
-    weights (16 GB) and a KV cache for prefill-only extraction. Each process's CUDA context and
-    NCCL buffers are outside both shares: on a full GPU, leave vLLM a little less than the rest."""
+    """gpu_split shared: each training worker's share of its GPU (Ray resource and memory cap), in (0, 0.5) so no
+    GPU gets two ranks; the engine takes the rest (extract.gpu_memory_utilization + this <= 1). An estimate:
+    an 8B target's draft with 8K-token micro-batches fits 0.3 of an 80 GB GPU."""
 
     def __post_init__(self):
         check_types(self, "train.online")
@@ -311,31 +268,20 @@ class TrainConfig:
     line in its worker log, and the driver's progress bar line (at most 100 of those in a run,
     actors.train_progress). Every step is in train/metrics.jsonl and the Ray gauges whatever this is."""
     source: Source = "offline"
-    """Where training reads hidden states. 'offline' (default): the committed shards of the
-    extract stage, on disk. 'online': the engines extract while training runs and each table
-    reaches a training rank through the Ray object store, nothing written unless
-    train.online.epochs is 'keep' (settings: train.online). Same order and same draft vocabulary
-    as offline for the same data (tests/test_online.py)."""
+    """Where training reads hidden states: 'offline' (default): the extract stage's shards on disk; 'online':
+    engines extract while training runs, tables reach the ranks through the object store, nothing written
+    (settings: train.online). Same order and draft vocabulary either way."""
     eval_every_steps: int = 100
-    """Every this many optimizer steps, and after the last one, the draft's accuracy per TTT
-    position (speculators' full_acc_i, as in training, without gradients) on the held-out split
-    (prepare.heldout_fraction) goes into metrics.jsonl, the curves and the summary, beside the
-    training accuracy. Each evaluation costs forwards over up to eval_max_tokens tokens (SmolLM2's
-    draft on an H200: 0.4-0.7 s, ~10 steps' worth; the first one also compiles the no-grad forward:
-    25 s cold)."""
+    """Every this many optimizer steps, and after the last, the draft's accuracy per TTT position on the
+    held-out split (prepare.heldout_fraction) goes into metrics.jsonl: more often, finer curves, each
+    costing forwards over up to eval_max_tokens tokens."""
     heldout_first_tokens: int | None = None
-    """Also count the held-out accuracy over only the first this many tokens of each assistant turn
-    (heldout_first_full_acc_i beside heldout_full_acc_i; one more forward per held-out batch), to set
-    beside vLLM's acceptance over answers of at most eval.max_tokens: a small target's long answers
-    end in loops a draft predicts almost always (SmolLM2 at T 0.2: 72.5% of the tokens after position
-    128 close an 8-gram seen earlier in the answer, 14.8% before; benchmarks/results/quality/
-    answer-repeats-cpu-smollm2.md), so accuracy over whole answers overstates acceptance on short
-    ones. None: the job sets eval.max_tokens (eagle3.config.JobConfig.train_config); 0: off."""
+    """Also count held-out accuracy over only the first this many tokens of each answer, to compare with
+    vLLM's acceptance over eval.max_tokens (a small target's long answers end in loops that overstate
+    accuracy; benchmarks/answer_repeats.py). None: eval.max_tokens; 0: off."""
     eval_max_tokens: int = 65536
-    """Held-out tokens (packed, all ranks together) an evaluation reads at most: the first
-    micro-batches of the held-out samples in a fixed order, so every evaluation of a run, and of
-    runs with another num_workers, measures the same samples. The batches are divided among the
-    ranks (results all-reduced), so a rank does about eval_max_tokens / num_workers of them."""
+    """Held-out tokens (packed, all ranks together) an evaluation reads at most, in a fixed order, so every
+    evaluation, with any num_workers, measures the same samples; the ranks share them."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     data: DataConfig = field(default_factory=DataConfig)
