@@ -1,8 +1,8 @@
-"""How much of a target's regenerated answers repeats itself, by position in the answer (issue 27:
-why held-out accuracy predicts more acceptance than vLLM gives on SmolLM2).
+"""How much of a target's regenerated answers repeats itself, by position in the answer (why
+held-out accuracy predicts more acceptance than vLLM gives on SmolLM2).
 
 The job's held-out accuracy is counted over every assistant token of regenerated conversations
-(answers up to regenerate.max_tokens, 512 in session 21's job); its eval's acceptance over answers of
+(answers up to regenerate.max_tokens); its eval's acceptance over answers of
 at most eval.max_tokens (128) to other prompts. A small target sampled at a low temperature falls
 into loops, where a draft is right almost always; loops sit late in long answers. This generates
 the regeneration's answers to ShareGPT first user turns (the target's chat template, its sampling,

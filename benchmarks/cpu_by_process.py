@@ -1,4 +1,4 @@
-"""Where a command's CPU goes, by kind of process (issue 28: the suite's time on 2 cores).
+"""Where a command's CPU goes, by kind of process (e.g. where a test suite's time goes).
 
 The slow tier keeps both cores busy (vmstat: 0-2% idle), so only less CPU work shortens it. This
 runs a command (e.g. `make test-slow`) and samples /proc every `--every` seconds: each process's own
@@ -8,8 +8,7 @@ is: a Ray worker by its actor or task (`ray::RayTrainWorker`, the method dropped
 seconds as `default_worker.py` or `setup_worker.py` count under what it then became), a Python
 process by its module or script (a `python -c` one by its code's first 50 characters), the
 dashboard's head modules as one group, anything else by its executable. A process that lives less
-than one period is missed, and a killed one keeps its last sample: the total is a lower bound (86% of
-2 cores x wall in session 27's run).
+than one period is missed, and a killed one keeps its last sample: the total is a lower bound.
 
     python -m benchmarks.cpu_by_process --out cpu.json -- make test-slow
 

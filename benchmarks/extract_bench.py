@@ -1,28 +1,25 @@
-"""Extraction throughput side by side, in one run, with the same engine settings and prompts.
+"""Extraction throughput against plain vLLM prefill, in one command, same engine settings and prompts.
 
-    python -m benchmarks.extract_bench --shapes 1b,8b --num-prompts 512 --prompt-len 1024 --out DIR
+    python -m benchmarks.extract_bench --shapes 1b --num-prompts 256 --prompt-len 1024 --out DIR
 
-Per shape (dummy-weight Llama, random token prompts, seeded):
+Per shape (dummy-weight Llama, random token prompts, seeded), the measured sides:
   (1) plain vLLM prefill, max_tokens=1                      -> the reference
   (2) our extraction into the Ray object store: the product's ExtractorActor, at most
-      extract.max_inflight_shards shards in flight, each table dropped once sealed in the
-      store (as the product's writer tasks free them), nothing written
-      (2e) breakdown, same engine: the engine + connector + copy to host alone, no Arrow
-      table and no object store
-  (3) our extraction into Arrow/Parquet on local disk: the product's run_extract loop
-      (replica + writer tasks + fsync + manifest commit), engine start excluded
-  (3b) the same with fp8 (e4m3 + per-token scale) storage
-  (4) transformers output_hidden_states + copy to host (batched, equal lengths)
-  (5) the disk's raw sequential write bandwidth (dd, direct I/O)
-and the ratios to (1). With --diagnose, two more engines that locate a bound:
-  (1i) plain prefill with the engine in the calling process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
-       as our memory sink runs it) and (2s) extraction into the object store through the
-       "shm" sink (multiprocess engine, files in /dev/shm); and, without an engine, (2c) the
-       copy into the object store alone (tables of the same size returned by an actor).
-Each engine is started by the product's path (compat.vllm_engine: the extraction engine's
-settings, Engine) in its own Ray actor (its own process), one after the other, and released
-(Engine.close) before its actor is killed, so GPU memory is returned between them. Writes JSON
-and a markdown table.
+      extract.max_inflight_shards shards in flight, each table dropped once sealed, nothing written
+  (3) our extraction into Arrow shards on local disk: the product's run_extract loop (replica +
+      writer tasks + fsync + manifest commit), engine start excluded
+  (3b) the same with fp8 (e4m3 + per-token scale) storage (unless --skip-fp8)
+Every side runs --passes passes over the prompts in one engine life, and every side's tokens/s
+is taken over passes 2..P (pass 1 holds each side's first-call work, left out alike); (3) gets
+its passes as one run over the prompts repeated P times, its pass boundaries read from the
+shards' commit times. The sides run --repeats times, the order reversed every other repeat
+((1) (2) (3), then (3) (2) (1)); each ratio to (1) pairs a side with (1) of the same repeat, and
+the result gives the median and the range over repeats.
+Single measurements beside them (tokens/s, no ratio): (2e) the engine + connector + copy to host
+alone, (4) transformers output_hidden_states, (5) the disk's raw sequential write bandwidth (dd),
+and with --diagnose (1i) plain prefill with the engine in the calling process, (2s) the object
+store through the "shm" sink and (2c) the copy into the object store alone, no engine.
+Each engine runs in its own Ray actor and is released (Engine.close) before the next starts.
 """
 
 from __future__ import annotations
@@ -37,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import random_prompts, result_meta, steady_tok_s, tokens_table, write_result
+from benchmarks.common import random_prompts, result_meta, tokens_table, write_result
 
 
 class PlainPrefill:
@@ -67,8 +64,39 @@ class PlainPrefill:
         run_prefill(self.engine.llm, prompts, capture=False)
         return time.perf_counter() - t0
 
+    def run_passes(self, prompts: list[list[int]], passes: int) -> list[float]:
+        """Seconds of each of `passes` back-to-back passes over the prompts, after run's warm-up."""
+        from compat.vllm_engine import run_prefill
+
+        run_prefill(self.engine.llm, prompts[: min(8, len(prompts))], capture=False)  # warm-up
+        secs = []
+        for _ in range(passes):
+            t0 = time.perf_counter()
+            run_prefill(self.engine.llm, prompts, capture=False)
+            secs.append(time.perf_counter() - t0)
+        return secs
+
     def close(self) -> None:
         self.engine.close()
+
+
+def window_tok_s(tokens_per_pass: int, secs: list[float]) -> float:
+    """Tokens/s over passes 2..P (pass 1 holds first-call work), or over the one pass there is:
+    the rule every side of extract_bench and long_context_bench is measured by."""
+    timed = secs[1:] if len(secs) > 1 else secs
+    return tokens_per_pass * len(timed) / sum(timed)
+
+
+def rotated(sides: list[str], repeat: int) -> list[str]:
+    """The sides' order in a repeat: as given in even repeats, reversed in odd ones."""
+    return list(sides) if repeat % 2 == 0 else list(reversed(sides))
+
+
+def over_repeats(values: list[float]) -> dict:
+    """Median, min and max of one figure over the repeats, and the repeats it came from."""
+    import statistics
+
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "per_repeat": values}
 
 
 class ObjectStoreExtract:
@@ -187,47 +215,76 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
     ecfg = ExtractConfig(load_format="dummy", max_num_batched_tokens=batched, gpu_memory_utilization=0.8,
                          cpu_kvcache_space_gib=args.cpu_kv_gib, samples_per_shard=shard, block_size=args.block_size)
 
-    # (1) plain prefill; (1i) the same with the engine in the calling process
-    for key, in_process in (("plain_prefill", False), ("plain_inproc", True)):
-        if in_process and not args.diagnose:
-            continue
-        actor = in_actor(PlainPrefill, model_dir, ecfg, max_len, in_process)
-        secs = ray.get(actor.run.remote(prompts))
-        release(actor)
-        res[f"{key}_tok_s"] = tokens / secs
+    tpath = work / f"tokens-{shape}.parquet"
+    pq.write_table(tokens_table(prompts * args.passes), tpath)  # (3)'s passes: the prompts P times over
+    passes = args.passes
 
-    # (2) extraction into the object store, (2e) its engine part; (2s) through the shm sink
-    for key, sink in (("object_store", "auto"), ("object_store_shm", "shm")):
-        if (sink == "shm" and not args.diagnose) or args.skip_object_store:
-            continue
-        scfg = dataclasses.replace(ecfg, sink=sink)
-        actor = in_actor(ObjectStoreExtract, model_dir, scfg, max_len, concurrency=max_concurrency(scfg))
-        secs = _object_store_run(actor, table, shard, scfg.max_inflight_shards, args.store_passes)
-        res[f"{key}_tok_s"] = tokens / secs[-1]
-        res[f"{key}_passes_tok_s"] = [tokens / x for x in secs]
-        if sink == "auto":
-            res["object_store_inflight"] = scfg.max_inflight_shards
+    def plain_prefill() -> list[float]:
+        actor = in_actor(PlainPrefill, model_dir, ecfg, max_len)
+        secs = ray.get(actor.run_passes.remote(prompts, passes))
+        release(actor)
+        return secs
+
+    def object_store() -> list[float]:
+        actor = in_actor(ObjectStoreExtract, model_dir, ecfg, max_len, concurrency=max_concurrency(ecfg))
+        secs = _object_store_run(actor, table, shard, ecfg.max_inflight_shards, passes)
+        if "engine_only_tok_s" not in res:  # (2e), once, on the same engine
             res["engine_only_tok_s"] = tokens / ray.get(actor.engine_only.remote(prompts, shard))
         release(actor)
-    if args.diagnose and not args.skip_object_store:
-        actor = in_actor(StoreOnly, SHAPES[shape][0], len(layer_ids), args.prompt_len, shard,
-                         concurrency=max_concurrency(defaults))
-        secs = _object_store_run(actor, table, shard, defaults.max_inflight_shards, args.store_passes)
-        ray.kill(actor)
-        res["store_only_tok_s"] = tokens / secs[-1]
-        res["store_only_gb_s"] = tokens * bytes_per_token / secs[-1] / 1e9
-        res["store_only_passes_gb_s"] = [tokens * bytes_per_token / x / 1e9 for x in secs]
+        return secs
 
-    # (3) Arrow on local disk through the product's loop; (3b) fp8
-    tpath = work / f"tokens-{shape}.parquet"
-    pq.write_table(table, tpath)
-    for key, dt in (("arrow_disk", "bfloat16"), ("arrow_disk_fp8", "float8_e4m3fn")):
-        if key == "arrow_disk_fp8" and args.skip_fp8:
-            continue
+    def arrow_disk(dt: str) -> list[float]:
         disk = disk_extract(model_dir, tpath, Path(args.disk_dir) / f"bench-{shape}-{dt}", work, max_len=max_len,
                             hs_dtype=dt, samples_per_shard=args.samples_per_shard, batched=batched,
-                            cpu_kv_gib=args.cpu_kv_gib, block_size=args.block_size)
-        res.update({f"{key}_{k}": v for k, v in disk.items() if k not in ("num_samples", "seconds")})
+                            cpu_kv_gib=args.cpu_kv_gib, block_size=args.block_size, rows_per_pass=len(prompts))
+        key = "arrow_disk" if dt == "bfloat16" else "arrow_disk_fp8"
+        if disk["num_samples"] != len(prompts) * passes:
+            raise RuntimeError(f"{key}: extraction kept {disk['num_samples']} of {len(prompts) * passes} samples")
+        res.update({f"{key}_{k}": v for k, v in disk.items()
+                    if k in ("bytes_per_token", "write_gb_s", "writer_task_gb_s", "samples_per_shard")})
+        return disk["pass_seconds"]
+
+    sides = {"plain_prefill": plain_prefill, "arrow_disk": lambda: arrow_disk("bfloat16")}
+    if not args.skip_object_store:
+        sides = {"plain_prefill": plain_prefill, "object_store": object_store, "arrow_disk": sides["arrow_disk"]}
+    if not args.skip_fp8:
+        sides["arrow_disk_fp8"] = lambda: arrow_disk("float8_e4m3fn")
+    res["object_store_inflight"] = ecfg.max_inflight_shards
+    res["passes"], res["repeats"] = passes, args.repeats
+    res["order"], res["pass_seconds"] = [], {k: [] for k in sides}
+    for repeat in range(args.repeats):
+        order = rotated(list(sides), repeat)
+        res["order"].append(order)
+        for key in order:
+            secs = sides[key]()
+            res["pass_seconds"][key].append(secs)
+            print(f"{shape} repeat {repeat + 1}: {key} {window_tok_s(tokens, secs):,.0f} tok/s "
+                  f"(passes: {', '.join(f'{x:.2f}' for x in secs)} s)", flush=True)
+    for key, by_repeat in res["pass_seconds"].items():
+        rates = [window_tok_s(tokens, secs) for secs in by_repeat]
+        res[f"{key}_tok_s"] = over_repeats(rates)["median"]
+        if key != "plain_prefill":
+            base = [window_tok_s(tokens, secs) for secs in res["pass_seconds"]["plain_prefill"]]
+            res[f"{key}_ratio_over_repeats"] = over_repeats([r / b for r, b in zip(rates, base, strict=True)])
+            res[f"{key}_ratio"] = res[f"{key}_ratio_over_repeats"]["median"]
+
+    # diagnostics, each measured once: tokens/s only
+    if args.diagnose:
+        actor = in_actor(PlainPrefill, model_dir, ecfg, max_len, True)
+        res["plain_inproc_tok_s"] = window_tok_s(tokens, ray.get(actor.run_passes.remote(prompts, passes)))
+        release(actor)
+        if not args.skip_object_store:
+            scfg = dataclasses.replace(ecfg, sink="shm")
+            actor = in_actor(ObjectStoreExtract, model_dir, scfg, max_len, concurrency=max_concurrency(scfg))
+            res["object_store_shm_tok_s"] = window_tok_s(
+                tokens, _object_store_run(actor, table, shard, scfg.max_inflight_shards, passes))
+            release(actor)
+            actor = in_actor(StoreOnly, SHAPES[shape][0], len(layer_ids), args.prompt_len, shard,
+                             concurrency=max_concurrency(defaults))
+            secs = _object_store_run(actor, table, shard, defaults.max_inflight_shards, passes)
+            ray.kill(actor)
+            res["store_only_tok_s"] = window_tok_s(tokens, secs)
+            res["store_only_gb_s"] = res["store_only_tok_s"] * bytes_per_token / 1e9
 
     # (4) transformers output_hidden_states + copy to host
     if not args.skip_hf:
@@ -250,12 +307,6 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
         ray.kill(actor)
         res["hf_tok_s"] = n_hf * args.prompt_len / secs
         res["hf_batch"] = args.hf_batch
-
-    base = res["plain_prefill_tok_s"]
-    for k in ("plain_inproc", "object_store", "engine_only", "store_only", "object_store_shm", "arrow_disk",
-              "arrow_disk_steady", "arrow_disk_fp8", "arrow_disk_fp8_steady", "hf"):
-        if res.get(f"{k}_tok_s"):
-            res[f"{k}_ratio"] = res[f"{k}_tok_s"] / base
     return res
 
 
@@ -263,7 +314,7 @@ def disk_extract_config(work: Path, *, max_len: int, hs_dtype: str, samples_per_
                         cpu_kv_gib: int, block_size: int | None):
     """disk_extract's job config: the extract stage alone, so a max_len past the default
     train.data.micro_batch_tokens (long context) is no training limit here (JobConfig checks
-    micro_batch_tokens only when training runs; session 10's 8K-32K run failed on it)."""
+    micro_batch_tokens only when training runs)."""
     from eagle3.config import load_job_config
 
     return load_job_config(None, {"output_dir": str(work), "stages": ["extract"], "prepare.max_length": max_len,
@@ -276,10 +327,13 @@ def disk_extract_config(work: Path, *, max_len: int, hs_dtype: str, samples_per_
 
 
 def disk_extract(model_dir: str, tokens_path: Path, out: Path, work: Path, *, max_len: int, hs_dtype: str,
-                 samples_per_shard: int, batched: int, cpu_kv_gib: int, block_size: int | None) -> dict:
+                 samples_per_shard: int, batched: int, cpu_kv_gib: int, block_size: int | None,
+                 rows_per_pass: int | None = None) -> dict:
     """(3): the product's run_extract loop (dummy weights, one replica) from a tokens file into
-    Arrow shards in `out` (emptied before, removed after). Returns tok_s (whole loop, engine start
-    excluded), steady_tok_s (common.steady_tok_s), writer_task_gb_s (each shard's, sorted),
+    Arrow shards in `out` (emptied before, removed after). rows_per_pass: the file holds the same
+    prompts several times over, that many rows each; pass_seconds gives each pass's seconds, from
+    the commit of the last shard of one pass to that of the next (pass 1: from the loop's start,
+    engine start excluded). Also tok_s (whole loop), writer_task_gb_s (each shard's, sorted),
     samples_per_shard, bytes, bytes_per_token, write_gb_s, num_samples, shard_file_bytes (sorted)."""
     from eagle3.extract.manifest import Manifest
     from ray_jobs.extract import run_extract
@@ -289,15 +343,30 @@ def disk_extract(model_dir: str, tokens_path: Path, out: Path, work: Path, *, ma
                               batched=batched, cpu_kv_gib=cpu_kv_gib, block_size=block_size)
     try:
         summary = run_extract(cfg, str(tokens_path), model_dir, str(out), progress=False)
-        records = list(Manifest(out, cfg.extract.file_format).committed().values())
+        committed = Manifest(out, cfg.extract.file_format).committed()
     finally:
         shutil.rmtree(out, ignore_errors=True)
+    records = list(committed.values())
+    n = summary["num_samples"] + summary["num_rejected"]
+    ends = pass_ends(committed, summary["samples_per_shard"], rows_per_pass or n, n)
+    secs = [summary["loop_s"] - (ends[-1] - ends[0])] + [b - a for a, b in zip(ends, ends[1:])]
     return {"writer_task_gb_s": sorted(r["bytes"] / r["write_s"] / 1e9 for r in records),
-            "tok_s": summary["num_tokens"] / summary["loop_s"], "steady_tok_s": steady_tok_s(records),
+            "tok_s": summary["num_tokens"] / summary["loop_s"], "pass_seconds": secs,
             "samples_per_shard": summary["samples_per_shard"], "bytes": summary["bytes"],
             "bytes_per_token": summary["bytes_per_token"], "write_gb_s": summary["bytes"] / summary["loop_s"] / 1e9,
             "num_samples": summary["num_samples"], "num_rejected": summary["num_rejected"],
             "shard_file_bytes": sorted(r["bytes"] for r in records)}
+
+
+def pass_ends(committed: dict[int, dict], samples_per_shard: int, rows_per_pass: int, rows: int) -> list[float]:
+    """Commit time at which each pass over the prompts was done: the latest commit among the shards
+    up to the one holding the pass's last row (shards commit out of order; one that straddles two
+    passes counts with the later pass)."""
+    ends = []
+    for last_row in range(rows_per_pass - 1, rows, rows_per_pass):
+        last_shard = last_row // samples_per_shard
+        ends.append(max(r["committed_at"] for s, r in committed.items() if s <= last_shard))
+    return ends
 
 
 def disk_bandwidth(path: str, gib: int) -> float | None:
@@ -321,41 +390,36 @@ def markdown(results: list[dict], meta: dict) -> str:
              f"Versions: {json.dumps(meta['versions']['packages'])}; commit {meta['versions']['git_commit']}", "",
              f"Disk raw sequential write (dd, direct I/O, {meta['dd_gib']} GiB): "
              f"{meta['disk_gb_s']:.2f} GB/s" if meta.get("disk_gb_s") else "Disk bandwidth: not measured", "",
-             f"Object store: {meta.get('object_store_gib') or 0:.1f} GiB. (2) and (2c) are their last pass over the "
-             "prompts (the first pass is shown too); steady = tokens/s from the first to the last shard commit.", "",
-             "| shape | prompts x len | (1) plain prefill tok/s | (2) object store | (3) Arrow on disk | (3b) fp8 on disk | (4) transformers | Arrow write GB/s (vs dd) | bytes/token bf16 / fp8 |",
+             f"Object store: {meta.get('object_store_gib') or 0:.1f} GiB. Every side: tokens/s over passes 2..P of "
+             "P passes in one engine life, median over the repeats (order reversed every other repeat); "
+             "ratio to (1): paired per repeat, median [min-max].", "",
+             "| shape | prompts x len | passes x repeats | (1) plain prefill tok/s | (2) object store | (3) Arrow on disk "
+             "| (3b) fp8 on disk | Arrow write GB/s (vs dd) | bytes/token bf16 / fp8 |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         def cell(k):
             if not r.get(k + "_tok_s"):
                 return "-"
-            text = f"{r[k + '_tok_s']:,.0f} ({r[k + '_ratio']:.3f}x)"
-            passes = r.get(k + "_passes_tok_s") or []
-            if len(passes) > 1:
-                text += f"; first pass {passes[0] / r['plain_prefill_tok_s']:.3f}x"
-            if r.get(k + "_steady_ratio"):
-                text += f"; steady {r[k + '_steady_ratio']:.3f}x"
-            return text
+            ratio = r.get(k + "_ratio")
+            q = r.get(k + "_ratio_over_repeats") or {"median": ratio, "min": ratio, "max": ratio}
+            return f"{r[k + '_tok_s']:,.0f} ({q['median']:.3f}x [{q['min']:.3f}-{q['max']:.3f}])"
         wr = r.get("arrow_disk_write_gb_s")
         dd = meta.get("disk_gb_s")
-        lines.append(f"| {r['shape']} (hidden {r['hidden_size']}, {r['num_layers']} layers) | {r['num_prompts']} x {r['prompt_len']} | "
-                     f"{r['plain_prefill_tok_s']:,.0f} | {cell('object_store')} | {cell('arrow_disk')} | {cell('arrow_disk_fp8')} | "
-                     f"{cell('hf')} | " + ("-" if wr is None else f"{wr:.2f}" + (f" ({wr / dd:.2f}x)" if dd else "")) + " | "
+        lines.append(f"| {r['shape']} (hidden {r['hidden_size']}, {r['num_layers']} layers) | {r['num_prompts']} x "
+                     f"{r['prompt_len']} | {r.get('passes', 1)} x {r.get('repeats', 1)} | {r['plain_prefill_tok_s']:,.0f} | "
+                     f"{cell('object_store')} | {cell('arrow_disk')} | {cell('arrow_disk_fp8')} | "
+                     + ("-" if wr is None else f"{wr:.2f}" + (f" ({wr / dd:.2f}x)" if dd else "")) + " | "
                      f"{r.get('arrow_disk_bytes_per_token', 0):,.0f} / {r.get('arrow_disk_fp8_bytes_per_token', 0):,.0f} |")
-    lines += ["", "Breakdown (same prompts; ratios to (1)):", "",
-              "| shape | (2e) engine + connector + copy to host, no table | (2c) copy into the object store alone, no engine | "
-              "(1i) plain prefill, engine in process | (2s) object store via shm sink | writer task GB/s, median (bf16 / fp8) |",
+    lines += ["", "Single measurements beside them (tokens/s, measured once: no ratio):", "",
+              "| shape | (2e) engine + connector + copy to host | (2c) copy into the object store alone | "
+              "(1i) plain prefill, engine in process | (2s) object store via shm sink | (4) transformers |",
               "|---|---|---|---|---|---|"]
     for r in results:
-        def cell(k):
-            return f"{r[k + '_tok_s']:,.0f} ({r[k + '_ratio']:.3f}x)" if k + "_tok_s" in r else "-"
-
-        def median(k):
-            v = r.get(k + "_writer_task_gb_s")
-            return f"{v[len(v) // 2]:.2f}" if v else "-"
-        store = cell("store_only") + (f", {r['store_only_gb_s']:.2f} GB/s" if "store_only_gb_s" in r else "")
-        lines.append(f"| {r['shape']} | {cell('engine_only')} | {store} | {cell('plain_inproc')} | {cell('object_store_shm')} | "
-                     f"{median('arrow_disk')} / {median('arrow_disk_fp8')} |")
+        def one(k):
+            return f"{r[k + '_tok_s']:,.0f}" if k + "_tok_s" in r else "-"
+        store = one("store_only") + (f", {r['store_only_gb_s']:.2f} GB/s" if "store_only_gb_s" in r else "")
+        lines.append(f"| {r['shape']} | {one('engine_only')} | {store} | {one('plain_inproc')} | "
+                     f"{one('object_store_shm')} | {one('hf')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -376,11 +440,12 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-kv-gib", type=int, default=2)
     ap.add_argument("--block-size", type=int, default=None,
                     help="vLLM block_size for every engine of the run (default: vLLM's)")
-    ap.add_argument("--store-passes", type=int, default=2,
-                    help="passes of (2) and (2c) over the prompts; the last is reported, all are kept")
+    ap.add_argument("--passes", type=int, default=3,
+                    help="passes over the prompts of every side in one engine life; passes 2..P are timed")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="runs of every side, the order reversed every other repeat; ratios are paired per repeat")
     ap.add_argument("--object-store-gib", type=float, default=None,
-                    help="object store of the local Ray instance (default: Ray's, 30%% of memory); smaller than "
-                         "one pass's bytes, the last pass of (2) sees the store's steady state")
+                    help="object store of the local Ray instance (default: Ray's, 30%% of memory)")
     ap.add_argument("--out", default="benchmarks/results/extraction")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)

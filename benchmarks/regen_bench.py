@@ -1,4 +1,4 @@
-"""The regenerate stage against plain `LLM.generate` (issue 28), in one process on one engine:
+"""The regenerate stage against plain `LLM.generate`, in one process on one engine:
 the same prompts (ShareGPT first user turns, rendered by the target's chat template), the same
 sampling and max_tokens, generated tokens/s of
 - `generate_seeded`: `LLM.generate`, one seed per request (what regeneration asks for: turn_seed);
@@ -16,8 +16,8 @@ V2 runner, 0.26's default for dense models (the engine logs "Using V2 Model Runn
 samples all requests with one kernel whose noise comes from (seed, position), seeded or not
 (vllm/v1/worker/gpu/sample/gumbel.py; an unseeded request gets a random seed,
 sample/states.py), and seeds only turn FlashInfer's top-p/top-k sampler off where it is on.
---repeats runs the four arms that many times, the order rotated each time (a one-window ratio of
-session 12, 0.726, had the seeded arms always first); the table gives every window, the ratios use
+--repeats runs the four arms that many times, the order rotated each time (a one-window ratio with the
+seeded arms always first misleads); the table gives every window, the ratios use
 each arm's median. Each shard is rendered into training rows on a thread beside the engine loop,
 as the replica actor renders it beside its engine thread.
 
@@ -146,8 +146,8 @@ def run_regenerate(llm, tok, samples: list[tuple[str, list[dict]]], sampling, *,
                    render_after: bool = False) -> dict:
     """The replica's loop without Ray: shards handed in INFLIGHT_PER_REPLICA at a time, the next as
     soon as one is done (the driver's commit is not timed), each rendered as the actor renders it.
-    Diagnostics of where the loop's time goes (issue 28: the stage ran at ~15k tokens/s seeded or
-    not while plain generate gained 18% without seeds): `deep` keeps max_num_seqs requests waiting in
+    Diagnostics of where the loop's time goes (the stage can run at one rate seeded or not
+    while plain generate gains without seeds): `deep` keeps max_num_seqs requests waiting in
     the engine instead of a quarter of it (is the engine starved of requests between our steps?);
     `render_after` renders the shards after the clock stops, not on a thread beside the loop (does
     the rendering's Python, holding the GIL, slow the loop?). The result splits the loop's seconds
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
     if args.cpu_smoke:
         args.num_prompts, args.max_tokens, args.max_model_len = 8, 16, 512
         args.max_num_seqs, args.samples_per_shard, args.enforce_eager = 4, 2, True
-        args.dtype = "float32"  # this CPU emulates bf16 matmuls (issue 28: 0.6-1.6 GFLOP/s against 29-30)
+        args.dtype = "float32"  # this CPU emulates bf16 matmuls (benchmarks/dtype_bench.py measures it)
         args.tag = args.tag or "cpu-smoke"
 
     from compat.vllm_engine import Engine, engine_env, generate_texts, generation_engine_kwargs
@@ -276,8 +276,8 @@ def main(argv=None) -> int:
         arms = [(name, every[name]) for name in args.arms]
         windows = {name: [] for name, _ in arms}
         # Interleaved and rotated, so that a drift of the machine, or going first, touches every arm alike.
-        # SIGINT (a step limit's `timeout --signal=INT`) ends the windows: the ones done are written, and
-        # the result says it was cut (session 18's run was cut in its 7th of 8 windows and wrote nothing).
+        # SIGINT (e.g. `timeout --signal=INT`) ends the windows: the ones done are written, and the
+        # result says it was cut, rather than a cut run writing nothing.
         cut = None
         try:
             for rep in range(args.repeats):

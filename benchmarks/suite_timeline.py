@@ -1,4 +1,4 @@
-"""When each pytest-xdist worker ran what (issue 28: the suite's time on 2 cores).
+"""When each pytest-xdist worker ran what (where a parallel test run's time goes).
 
 tests/conftest.py appends one JSON line per test phase to the file named by EAGLE3_TEST_TIMELINE
 ({"worker", "test", "when", "start", "stop", "outcome"}, wall clock). This reads it: per worker,

@@ -1,102 +1,44 @@
-"""Training throughput, in one run: our DeepSpeed trainer (actors.trainer.run_training, Ray Train,
-one worker) against speculators' own trainer (`speculators train` under torchrun, one process),
-on the same samples and the same machine. Target: ours / theirs >= 1.0x on the GPU.
+"""Training throughput: our DeepSpeed trainer (actors.trainer.run_training, Ray Train, one
+worker) against speculators' own trainer (`speculators train` under torchrun, one process), on the
+same samples, in one command that runs each trainer --repeats times in ABBA order (ours, theirs,
+theirs, ours, ...), so that a drift of the machine or going first touches both alike.
 
-On one H200 (kind nvidia-h200; 8-9 minutes in all: see "Time" below): the three
-part-carrying commands of ../shared/gpu/README.md, then as the fourth (carry [".gpu3"]):
+    python -m benchmarks.train_bench --shape 1b --repeats 2 --out DIR        # one GPU, ~12 min
+    python -m benchmarks.train_bench --shape tiny --extract-backend hf --skip-speculators --out DIR  # CPU
 
-    . .gpu3/unpack.sh .gpu3 && python -m benchmarks.train_bench --shape 1b --tag h200-1b --out $OUT
-
-and copy the files that come back (train-h200-1b.json / .md, and -ours_steps.jsonl,
--speculators_steps.jsonl, -speculators.log beside them) into benchmarks/results/training/. 1b preset: 161
-random-token prompts x 1024 tokens, 8 samples = 8184 tokens per optimizer step, 20 steps per
-trainer, steps 6..20 measured, draft attention simple_flex_attention. The exit status is 0 unless
-our trainer failed; a speculators failure is recorded in the result (its first exception line in
-the table, the traceback in the JSON).
-On CPU, where speculators' trainer cannot run as shipped (it needs an accelerator: `model.to(
-local_rank)`, `torch.accelerator.synchronize()`, Triton fused losses), only ours runs:
-
-    python -m benchmarks.train_bench --shape tiny --extract-backend hf --skip-speculators --out /tmp/tb
-
-The long run (issue 19): 300 optimizer steps at the 1b shape, steady state from step 51, every
-sample read once (2,401 prompts, 40 GB of bf16 shards, ~10x our prefetch ring: data_vs_ring in
-the result), each trainer's files dropped from the page cache and, with --drop-caches, the whole
-page cache dropped (root) before it starts. Both trainers in one command would take ~12.5 min
-(planned_seconds, printed at the start), so one trainer a command, each ~6-8.5 min:
-
-    python -m benchmarks.train_bench --shape 1b --num-steps 300 --skip-steps 50 --drop-caches \
-        --skip-speculators [--hs-dtype float8_e4m3fn] --tag h200-1b-long-ours-bf16|fp8 --out $OUT
-    python -m benchmarks.train_bench --shape 1b --num-steps 300 --skip-steps 50 --drop-caches \
-        --skip-ours --shards-dir /dev/shm/e3-long --hs-dtype float8_e4m3fn --tag h200-1b-long-speculators --out $OUT
-
-speculators' files are bf16 either way; its run extracts fp8 into /dev/shm (memory), converts
-those to its 40 GB of files on disk and removes them, so that only its own files are on the disk
-(64 GiB) and read cold. Ours reports its input wait per measured step (median, mean, p90, max,
-steps over 1 ms), theirs its DataLoader fetch time the same way.
-
-`--profile-steps FIRST LAST` also records those steps of ours with torch.profiler
-(train.profiling.profile_steps) and copies its top-ops table and gzipped trace to --out, with the GPU's idle
-gaps in it (benchmarks.trace_gaps, NAME-gaps.md); the profiler slows
-what it records, so such a run's throughput is not a figure to compare.
+Data format: both trainers read bf16 hidden states by default (ours from Arrow IPC shards,
+theirs from one safetensors file per sample, its own format); `--hs-dtype float8_e4m3fn` gives
+ours fp8 shards while theirs stay bf16, and the report says which. The result holds each repeat's
+tokens/s, each repeat's ratio ours / theirs, and their median and range. With --skip-ours or
+--skip-speculators only one trainer runs and no ratio is reported. On a CPU-only machine
+speculators' trainer cannot run as shipped (it needs an accelerator), so use --skip-speculators.
 
 What one run does:
-1. Builds the target: a Llama of benchmarks/shapes.py's shape with seeded random bf16 weights,
-   saved with save_pretrained (on the GPU when there is one, in a Ray task), so both trainers read
-   the verifier's embed_tokens / lm_head / norm from it. No tokenizer: nothing reads one
-   (speculators resolves a mask token from the tokenizer unless --mask-token-id is given; EAGLE-3
-   does not use it, so it is given).
+1. Builds the target: a Llama of benchmarks/shapes.py's shape with seeded random bf16 weights
+   (no tokenizer: speculators is given --mask-token-id, which EAGLE-3 does not use).
 2. Extracts hidden states of N random-token prompts of L tokens with ray_jobs.extract.run_extract
-   (vLLM, or transformers with --extract-backend hf) into our shard files (Arrow IPC, the
-   extract stage's default format).
+   (vLLM, or transformers with --extract-backend hf) into our shard files.
 3. Converts exactly those samples to speculators' layout (benchmarks/speculators_data.py),
    checking every sample's token ids against the prompts sent to extraction.
-4. Trains S optimizer steps with ours, then S with theirs (Ray shut down and the GPU released
-   in between), one process each.
-5. Writes <out>/train[-TAG].json and .md: machine, versions, shapes, settings, both tokens/s, the
-   ratio ours / theirs, per-phase times, speculators' exact command line. If speculators' trainer
-   fails, its error text goes into the result and ours is still reported.
+4. Trains S optimizer steps with each trainer, --repeats times each in ABBA order, one process a
+   run; each run's data files are dropped from the page cache (--page-cache) before it starts.
+5. Writes <out>/train[-TAG].json and .md.
 
-How tokens/s is measured, the same way for both: every optimizer step ends with a log record
-(ours: actors.trainer's rank-0 "step i/S ..." line, in the Ray Train worker; theirs: the
-"speculators.metrics" record of every step, log_freq 1). A logging handler writes each record's
-time stamp (LogRecord.created) and the step's packed tokens to a JSON-lines file (ours: installed
-in Ray workers by a worker_process_setup_hook; theirs: by benchmarks.speculators_data's launch
-entry). Steady-state tokens/s = tokens of steps K+1..S / (time stamp of step S - time stamp of step
-K): first steps (CUDA/Triton warm-up, DataLoader worker start, Ray Train set-up) are excluded, and
-each step's time includes its data loading. Both trainers synchronise with the device before
-that record (ours copies the loss to the host; theirs synchronises for its step profile), so a
-time stamp is the end of a step's device work. Also reported: ours' whole-run figure from
-run_training and theirs' own profile (sum of tokens / sum of step_ms over the same steps).
+Tokens/s, the same rule for both: every optimizer step ends with a time-stamped log record (ours:
+actors.trainer's rank-0 "step i/S" line; theirs: the "speculators.metrics" record); steady-state
+tokens/s = tokens of steps K+1..S / (time of step S - time of step K), so both trainers' start-up
+(compile, DataLoader workers, Ray Train) is left out alike and each step's data loading is in.
 
-Settings kept equal: one draft layer (full attention), TTT 3 steps with loss decay 1.0, kl_div
-with speculators' "eager" loss in both (compat/speculators_loss.py: its fused Triton loss fails to
-trace under torch 2.11's compile; the first GPU run of this script, with "fused" for speculators,
-died of exactly that, benchmarks/results/training/train-h200-1b-speculators.log), draft attention --draft-attn-impl in both (auto: flex
-attention on GPU, both trainers' default there; sdpa on CPU), speculators' torch.compile of the
-draft's forward on CUDA (its code, in both),
-draft vocabulary min(32000, target vocab) with the same d2t/t2d (computed once, as our trainer
-does), AdamW with the same lr and weight decay 0.01, clipping 1.0, bf16, no norm_before_fc / no
-norm_output (our defaults; speculators' eagle3 defaults turn both on), the same token budget per
-step: one packed sequence of --micro-batch-tokens (speculators' --total-seq-len), which holds k
-samples in both (speculators packs by unshifted length L, ours by shifted length L - 1; checked
-equal), so both steps see k * (L - 1) tokens; aux layers (2, n//2, n-3). Speculators holds out its
-validation split (one sample, never trained on); its epoch is exactly S steps. Our shuffle buffer
-is k samples, so that, as on a real data set much larger than the buffer, each steady-state step
-reads its samples from the shards (a buffer of the whole benchmark set would serve them from memory).
-What differs is what is compared: ours = DeepSpeed ZeRO-2 engine (bf16 weights, fp32 master copy in
-the optimizer, FusedAdam) reading memory-mapped Arrow IPC shards in the training process (a Ray
-Train worker of 1 CPU, so torch runs 1 host thread there); theirs = DDP over fp32 weights under
-torch.autocast(bf16), torch AdamW, one safetensors file per sample read by its DataLoader's
-worker processes (speculators' default 12).
+Settings kept equal: one draft layer, TTT 3 steps with loss decay 1.0, kl_div with speculators'
+"eager" loss in both (compat/speculators_loss.py), the same draft attention, draft vocabulary and
+d2t/t2d, AdamW lr and weight decay, clipping 1.0, bf16, no norm_before_fc / norm_output, the same
+samples per optimizer step (checked equal), aux layers (2, n//2, n-3). What differs is what is
+compared: ours = DeepSpeed ZeRO-2 reading memory-mapped Arrow shards in the training process;
+theirs = DDP under torch.autocast reading its files with DataLoader worker processes.
 
-Time (one H200, measured 2026-11-30, benchmarks/results/training/train-h200-1b.json; that run's speculators
-trainer died of the fused-loss trace failure at its first step, so its part is not a full run):
-451 s in all: Ray start 9 s, target build 19 s, vLLM extraction 38 s (engine start included),
-conversion 25 s, ours 211 s (Ray Train start, FusedAdam build ~38 s once per machine,
-torch.compile of the draft's forward in step 1, 20 steps, checkpoint, export), speculators 140 s up
-to the failure. A full run of theirs adds its 20 steps, checkpoints and validation: expect 8-9
-minutes, so give the command `timeout 590` and, if needed, `--num-steps 12 --skip-steps 4` (~20 s
-less) or `--extract-backend hf` (~30 s less).
+`--profile-steps FIRST LAST` records those steps of ours with torch.profiler (top ops, trace and
+the GPU's idle gaps, benchmarks.trace_gaps); the profiler slows what it records, so such a run's
+throughput is not a figure to compare.
 """
 
 from __future__ import annotations
@@ -307,16 +249,17 @@ def check_speculators_flags(flags: list[str], s: BenchSettings) -> dict:
 
 def speculators_command(step_log: str | Path, flags: list[str]) -> list[str]:
     """`torchrun --standalone --nproc_per_node 1 -m benchmarks.speculators_data STEP_LOG -- FLAGS`
-    (torchrun as `python -m torch.distributed.run`: the GPU machine's packages carry no console scripts)."""
+    (torchrun as `python -m torch.distributed.run`: packages installed with pip --target have no console scripts)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
             "-m", "benchmarks.speculators_data", str(step_log), "--", *flags]
 
 
-def run_speculators(flags: list[str], work: Path, timeout_s: float) -> dict:
+def run_speculators(flags: list[str], work: Path, timeout_s: float, name: str = "speculators") -> dict:
     """Launch speculators' trainer (torchrun, one process) through benchmarks.speculators_data;
-    returns its step records, or the error text."""
-    step_log = work / "speculators_steps.jsonl"
-    log_path = work / "speculators.log"
+    returns its step records, or the error text. `name` names this run's step log and log."""
+    step_log = work / f"{name}_steps.jsonl"
+    step_log.unlink(missing_ok=True)
+    log_path = work / f"{name}.log"
     cmd = speculators_command(step_log, flags)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
                COLUMNS="200")
@@ -401,23 +344,25 @@ def data_vs_ring(s: BenchSettings, args, ext: dict, num_layers: int, hidden: int
             "data_over_ring": ext["bytes"] / max(1, depth * one)}
 
 
-# Planning figures (s), one H200, train-h200-1b-run7 (20 steps of 8,184 tokens, 2.7 GB of data):
-# Ray start, target build, extraction's engine start and its disk-bound GB/s, conversion s per GB
-# (run7: 24 s for 2.7 GB read cold from disk; ~3.5 s/GB from memory on the 2-core CPU machine),
-# each trainer's set-up (Ray Train / torchrun, DeepSpeed or DDP, compile, checkpoint, export), a step.
+# Planning figures (s) from a 1b run on one H200: Ray start, target build, extraction's engine start
+# and its disk-bound GB/s, conversion s per GB, each trainer's set-up (Ray Train / torchrun,
+# DeepSpeed or DDP, compile, checkpoint, export) and one step.
 PLAN_S = {"ray": 11.0, "target": 25.0, "engine_start": 60.0, "extract_gb_s": 1.2, "convert_gb": 5.0,
           "ours_setup": 200.0, "theirs_setup": 160.0, "step": 0.1}
 
 
 def planned_seconds(s: BenchSettings, args) -> float:
-    """The run's wall time on one H200 by PLAN_S, for the 1b shape (other shapes: a rough bound)."""
+    """The run's wall time on one H200 by PLAN_S, for the 1b shape (other shapes: a rough bound);
+    printed at the start so that a run too long for its machine can be cut before it starts."""
     gb = s.num_prompts * s.prompt_len * 16384 / 1e9 * (0.5 if args.hs_dtype == "float8_e4m3fn" else 1.0)
     spec_gb = s.num_prompts * s.prompt_len * 16384 / 1e9  # speculators' files: bf16 either way
     t = PLAN_S["ray"] + PLAN_S["target"] + PLAN_S["engine_start"] + gb / PLAN_S["extract_gb_s"]
     if not args.skip_ours:
-        t += PLAN_S["ours_setup"] + s.num_steps * PLAN_S["step"] + min(gb, DIRECT_READ_BYTES / 1e9) / 1.5
+        t += min(gb, DIRECT_READ_BYTES / 1e9) / 1.5
+        t += args.repeats * (PLAN_S["ray"] + PLAN_S["ours_setup"] + s.num_steps * PLAN_S["step"])
     if not args.skip_speculators:
-        t += spec_gb * PLAN_S["convert_gb"] + PLAN_S["theirs_setup"] + s.num_steps * PLAN_S["step"]
+        t += spec_gb * PLAN_S["convert_gb"]
+        t += args.repeats * (PLAN_S["theirs_setup"] + s.num_steps * PLAN_S["step"])
     return t
 
 
@@ -462,6 +407,24 @@ def markdown(res: dict) -> str:
                 f"{r.get('note', '')} |")
 
     ratio = res.get("ratio_ours_over_theirs")
+    fmt = res.get("data_format") or {}
+    order = res.get("order") or []
+    rows, seen = [], {"ours": 0, "speculators": 0}
+    names = {"ours": "ours: DeepSpeed ZeRO-2, Ray Train, 1 worker",
+             "speculators": "speculators train: torchrun, DDP, 1 process"}
+    for side in order:
+        runs = res["ours_runs"] if side == "ours" else res["speculators_runs"]
+        if seen[side] < len(runs):
+            rows.append(row(f"{names[side]} (run {seen[side] + 1})", runs[seen[side]]))
+        seen[side] += 1
+    for side, key in (("ours", "ours_runs"), ("speculators", "speculators_runs")):
+        if not seen[side]:  # skipped: its reason
+            rows.append(row(names[side], (res.get(key) or [{}])[0]))
+    ratio_line = ("Ratio ours / speculators: not measured (one trainer skipped or failed: see its rows)" if not ratio else
+                  f"**Ratio ours / speculators: median {ratio['median']:.3f}x over {ratio['repeats']} repeat(s), "
+                  f"range {ratio['min']:.3f}-{ratio['max']:.3f}x** (per repeat: "
+                  + ", ".join(f"{x:.3f}" for x in ratio["per_repeat"]) + ")"
+                  + ("" if ratio["same_tokens_per_step"] else "; tokens per step DIFFER between the trainers"))
     lines = [
         f"# Training throughput: ours vs speculators' trainer ({meta['date']})", "",
         f"Machine: {meta['machine']}", "",
@@ -471,38 +434,32 @@ def markdown(res: dict) -> str:
         f"Draft: {s['num_draft_layers']} layer, vocab {shape['draft_vocab_size']}, TTT {s['ttt_steps']}, "
         f"{s['loss']}, attention {s['draft_attn_impl']}, lr {s['lr']}.", "",
         f"Data: {s['num_prompts']} random-token prompts x {s['prompt_len']} tokens (hidden states by "
-        f"{res['extract']['backend']}; our shards store them in {res['extract'].get('hs_dtype', 'bfloat16')}, "
-        f"speculators' files in bf16); {s['micro_batch_tokens']} tokens per step budget = {s['samples_per_step']} "
+        f"{res['extract']['backend']}); {s['micro_batch_tokens']} tokens per step budget = {s['samples_per_step']} "
         f"samples = {s['samples_per_step'] * (s['prompt_len'] - 1)} tokens per optimizer step; {s['num_steps']} steps "
-        f"each, steady state over steps {s['skip_steps'] + 1}..{s['num_steps']}. Each trainer's data files were "
+        f"a run, steady state over steps {s['skip_steps'] + 1}..{s['num_steps']}. Each run's data files were "
         f"{ {'cold': 'dropped from the page cache', 'warm': 'read into the page cache'}.get(res.get('page_cache'), 'left in the page cache as written')} "
         "before it started.", "",
+        (f"Data format: ours reads {fmt['ours']}, speculators {fmt['speculators']} ("
+         + ("the same dtype on both sides" if fmt["same_dtype"] else "NOT the same dtype: each on its own format")
+         + ")." if fmt else ""), "",
+        f"Run order: {', '.join(order)}." if order else "", "",
         "| trainer | tokens/s (steady state) | steps (time) | tokens/step | whole run tokens/s "
         "| loss first -> last | note |",
         "|---|---|---|---|---|---|---|",
-        row("ours: DeepSpeed ZeRO-2, Ray Train, 1 worker", res["ours"]),
-        row("speculators train: torchrun, DDP, 1 process", res["speculators"]), "",
-        f"**Ratio ours / speculators: {ratio:.3f}x** (target >= 1.0x)" if ratio else
-        "Ratio ours / speculators: not measured (see speculators' row)", "",
+        *rows, "",
+        ratio_line, "",
         "Tokens/s: tokens of the measured steps / time between the step records ending step "
         f"{s['skip_steps']} and step {s['num_steps']} (LogRecord time stamps, both trainers).", "",
-        (f"The disk under our shards reads {res['disk_read_gb_s']:.2f} GB/s sequentially with O_DIRECT "
-         f"({s['tokens_per_step'] * res['extract']['bytes'] / res['extract']['num_tokens'] / res['disk_read_gb_s'] / 1e6:.0f}"
-         " ms to read one step's shard bytes at that rate)." if res.get("disk_read_gb_s") else
-         "Disk read bandwidth under our shards: not measured."), "",
-        (f"The disk under speculators' files reads {res['speculators']['disk_read_gb_s']:.2f} GB/s (O_DIRECT)."
-         if res["speculators"].get("disk_read_gb_s") else ""), "",
+        (f"The disk under our shards reads {res['disk_read_gb_s']:.2f} GB/s sequentially with O_DIRECT."
+         if res.get("disk_read_gb_s") else "Disk read bandwidth under our shards: not measured."), "",
         (f"Our shards: {res['data_vs_ring']['data_bytes'] / 1e9:.2f} GB = {res['data_vs_ring']['data_over_ring']:.1f}x "
          f"our prefetch ring ({res['data_vs_ring']['ring_batches']} batches, "
          f"{res['data_vs_ring']['ring_bytes'] / 1e9:.2f} GB)." if res.get("data_vs_ring") else ""), "",
         *[f"{who} input wait per measured step (ms): " + ", ".join(f"{k} {v:,.1f}" if isinstance(v, float) else
                                                                      f"{k} {v}" for k, v in st.items())
-          for who, st in (("Ours", res["ours"].get("input_wait_ms_stats")),
-                          ("Speculators' DataLoader fetch", res["speculators"].get("fetch_ms_stats"))) if st],
-        "Whole page cache dropped before each trainer: " + json.dumps(
-            {k: v for k, v in (("ours", res.get("drop_caches_ours")),
-                               ("speculators", res["speculators"].get("drop_caches"))) if v}) if
-        res.get("drop_caches_ours") or res["speculators"].get("drop_caches") else "", "",
+          for who, st in (("Ours (first run)", res["ours"].get("input_wait_ms_stats")),
+                          ("Speculators' DataLoader fetch (first run)", res["speculators"].get("fetch_ms_stats")))
+          if st],
         "Phases (s): " + ", ".join(f"{k} {v:.1f}" for k, v in res["phases_s"].items()), "",
     ]
     cmd = res["speculators"].get("command")
@@ -522,6 +479,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--micro-batch-tokens", type=int, default=None, help="token budget per step (preset)")
     ap.add_argument("--num-steps", type=int, default=None, help="optimizer steps per trainer (preset)")
     ap.add_argument("--skip-steps", type=int, default=None, help="leading steps excluded from the steady state")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="runs of each trainer, in ABBA order; the ratio is reported per repeat with its range")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--warmup-steps", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -553,7 +512,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--skip-speculators", action="store_true",
                     help="only validate speculators' command line (CPU: its trainer needs an accelerator)")
     ap.add_argument("--speculators-timeout", type=float, default=300.0,
-                    help="seconds; speculators' run takes ~1 min on an H200 (1b preset)")
+                    help="seconds a speculators run may take")
     ap.add_argument("--work-dir", default=None, help="scratch (default: a new temp dir, removed at the end)")
     ap.add_argument("--keep-work", action="store_true")
     ap.add_argument("--cpu-kv-gib", type=int, default=2)
@@ -632,7 +591,7 @@ def prepare_speculators_data(s: BenchSettings, work: Path, target_dir: str, ext:
 
 
 def run_ours(s: BenchSettings, args, work: Path, target_dir: str, files: list[str], draft_vocab: int, gpu: bool,
-             step_log: Path) -> dict:
+             step_log: Path, name: str = "ours") -> dict:
     """Step 4a: our trainer through Ray Train (actors.trainer.run_training), its steady state read
     from `step_log`. A failure is recorded in the returned dict ("failed"), not raised."""
     from actors.trainer import run_training
@@ -650,7 +609,7 @@ def run_ours(s: BenchSettings, args, work: Path, target_dir: str, files: list[st
         profiling=ProfilingConfig(profile_steps=args.profile_steps))
     ours: dict = {"train_config": asdict(tcfg), "use_gpu": gpu}
     try:
-        summary = run_training(tcfg, files, target_dir, str(work / "ours"), use_gpu=gpu)
+        summary = run_training(tcfg, files, target_dir, str(work / name), use_gpu=gpu)
     except Exception as e:  # noqa: BLE001 - recorded and reported; speculators' run still gives its figure
         ours["error"] = f"[ours] run_training failed: {type(e).__name__}: {e}"[:4000]
         ours["failed"] = True
@@ -673,7 +632,8 @@ def run_ours(s: BenchSettings, args, work: Path, target_dir: str, files: list[st
     return ours
 
 
-def run_theirs(s: BenchSettings, args, work: Path, flags: list[str], gpu: bool, phases: dict) -> dict:
+def run_theirs(s: BenchSettings, args, work: Path, flags: list[str], gpu: bool, phases: dict,
+               name: str = "speculators") -> dict:
     """Step 4b: speculators' trainer under torchrun (or only its command line, with
     --skip-speculators); its steady state and its own step profile over the same steps."""
     theirs: dict = {"command": None}
@@ -694,9 +654,10 @@ def run_theirs(s: BenchSettings, args, work: Path, flags: list[str], gpu: bool, 
         from benchmarks.common import drop_all_caches
 
         theirs["drop_caches"] = drop_all_caches()
+    shutil.rmtree(work / "spec_ckpt", ignore_errors=True)  # each run starts without the last one's checkpoints
     t = time.perf_counter()
-    run = run_speculators(flags, work, args.speculators_timeout)
-    phases["speculators_wall"] = time.perf_counter() - t
+    run = run_speculators(flags, work, args.speculators_timeout, name)
+    phases[f"{name}_wall"] = time.perf_counter() - t
     theirs.update({k: v for k, v in run.items() if k != "records"})
     records = run["records"]
     try:
@@ -717,19 +678,49 @@ def run_theirs(s: BenchSettings, args, work: Path, flags: list[str], gpu: bool, 
     return theirs
 
 
-def write_results(res: dict, args, work: Path, step_log: Path) -> str:
-    """Step 5: <out>/train[-TAG].json and .md, with the step logs, speculators' log and the profile
-    (top ops, gzipped trace and its GPU gaps) beside them; returns the markdown."""
+def run_order(repeats: int, *, ours: bool, theirs: bool) -> list[str]:
+    """The trainers' runs in ABBA order (ours, speculators, speculators, ours, ...): over two
+    repeats each trainer goes first once and last once. One trainer alone: it, `repeats` times."""
+    if repeats < 1:
+        raise ValueError(f"--repeats={repeats}: must be >= 1")
+    if not (ours and theirs):
+        return (["ours"] if ours else ["speculators"] if theirs else []) * repeats
+    return [x for i in range(repeats) for x in (("ours", "speculators") if i % 2 == 0 else ("speculators", "ours"))]
+
+
+def ratio_over_repeats(ours: list[dict], theirs: list[dict]) -> dict | None:
+    """Ours over theirs, repeat by repeat (the i-th run of each, neighbours in the ABBA order): each
+    repeat's ratio of steady-state tokens/s, their median, min and max; None without a pair."""
+    import statistics
+
+    pairs = [(o["steady"], t["steady"]) for o, t in zip(ours, theirs) if "steady" in o and "steady" in t]
+    if not pairs:
+        return None
+    ratios = [o["tokens_per_s"] / t["tokens_per_s"] for o, t in pairs]
+    return {"per_repeat": ratios, "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+            "repeats": len(ratios),
+            "same_tokens_per_step": all(o["tokens_per_step"] == t["tokens_per_step"] for o, t in pairs)}
+
+
+def data_format(args) -> dict:
+    """What each trainer reads: its own on-disk layout, and whether both hold the same dtype."""
+    return {"ours": f"Arrow IPC shards, {args.hs_dtype}", "speculators": "safetensors per sample, bfloat16",
+            "same_dtype": args.hs_dtype == "bfloat16"}
+
+
+def write_results(res: dict, args, work: Path) -> str:
+    """Step 5: <out>/train[-TAG].json and .md, with every run's step log, speculators' logs and the
+    profile (top ops, gzipped trace and its GPU gaps) beside them; returns the markdown."""
     from benchmarks.common import write_result
 
     md = markdown(res)
     path = write_result(args.out, "train", args.tag, res, md)
     out, name = path.parent, path.stem
-    for src in (step_log, work / "speculators_steps.jsonl", work / "speculators.log",
-                work / "ours" / "profile" / "top_ops.txt"):
-        if src.exists():  # the work dir goes away; these explain a surprising figure or a failure
+    logs = sorted(work.glob("ours-*_steps.jsonl")) + sorted(work.glob("speculators-*"))
+    for src in [*logs, work / "ours-0" / "profile" / "top_ops.txt"]:
+        if src.is_file():  # the work dir goes away; these explain a surprising figure or a failure
             shutil.copy(src, out / f"{name}-{src.name}")
-    trace = work / "ours" / "profile" / "trace.json"
+    trace = work / "ours-0" / "profile" / "trace.json"
     if trace.exists():
         with open(trace, "rb") as f, gzip.open(out / f"{name}-ours_trace.json.gz", "wb") as g:
             shutil.copyfileobj(f, g)
@@ -745,10 +736,8 @@ def main(argv=None) -> int:
 
     s = resolve_settings(args)
     plan_s = planned_seconds(s, args)
-    print(f"train_bench: planned wall time {plan_s / 60:.1f} min on one H200 (planned_seconds: the measured "
-          "phases of train-h200-1b-run7 scaled by steps and bytes)" +
-          ("; over a 10-minute device command: run one trainer a command (--skip-ours / --skip-speculators)"
-           if plan_s > 570 else ""), flush=True)
+    print(f"train_bench: planned wall time {plan_s / 60:.1f} min on one H200-class GPU (planned_seconds)",
+          flush=True)
     import ray
 
     from benchmarks.common import direct_read_gb_s, drop_all_caches, result_meta
@@ -766,10 +755,8 @@ def main(argv=None) -> int:
                  "shape": {"name": s.shape, "hidden_size": hidden, "num_layers": num_layers, "vocab_size": vocab,
                            "draft_vocab_size": draft_vocab}}
 
-    our_step_log = work / "ours_steps.jsonl"
-    our_step_log.unlink(missing_ok=True)
     t = time.perf_counter()
-    gpu = start_ray(our_step_log)
+    gpu = start_ray(work / "setup_steps.jsonl")
     phases["ray_init"] = time.perf_counter() - t
     if s.draft_attn_impl == "auto":  # the trainer's own default for this token budget, given to both trainers
         from eagle3.train.config import resolve_draft_attn_impl
@@ -793,6 +780,7 @@ def main(argv=None) -> int:
                       "num_tokens": ext["num_tokens"], "bytes": ext["bytes"], "num_shards": len(ext["files"]),
                       "seconds": ext["seconds"]}
     phases["extract"] = time.perf_counter() - t
+    ray.shutdown()  # each run of ours starts a cluster of its own, with its own step log
 
     # 3. the same samples in speculators' layout
     t = time.perf_counter()
@@ -802,40 +790,47 @@ def main(argv=None) -> int:
     phases["convert"] = time.perf_counter() - t
     if args.skip_ours and args.shards_dir:  # converted: free their room (memory, under /dev/shm)
         shutil.rmtree(args.shards_dir, ignore_errors=True)
+    res["data_format"] = data_format(args)
 
-    # 4a. ours
+    # 4. both trainers, --repeats times each, ABBA order
     res["page_cache"] = args.page_cache
     res["data_vs_ring"] = data_vs_ring(s, args, ext, len(res["shape"]["layer_ids"]), hidden)
-    if args.skip_ours:
-        ours = {"skipped": "--skip-ours"}
-    else:
+    runs: dict[str, list[dict]] = {"ours": [], "speculators": []}
+    res["order"] = run_order(args.repeats, ours=not args.skip_ours, theirs=not args.skip_speculators)
+    for side in res["order"]:
+        i = len(runs[side])
+        if side == "speculators":
+            runs[side].append(run_theirs(s, args, work, flags, gpu, phases, name=f"speculators-{i}"))
+            continue
         if gpu:
             wait_gpu_released("our training")
         # O_DIRECT (leaves the page cache as it is), over the first DIRECT_READ_BYTES of the shards
-        res["disk_read_gb_s"] = direct_read_gb_s(ext["files"], max_bytes=DIRECT_READ_BYTES)
+        res.setdefault("disk_read_gb_s", direct_read_gb_s(ext["files"], max_bytes=DIRECT_READ_BYTES))
         set_page_cache(ext["files"], args.page_cache)
+        run: dict = {}
         if args.drop_caches:
-            res["drop_caches_ours"] = drop_all_caches()
+            run["drop_caches"] = drop_all_caches()
+        step_log = work / f"ours-{i}_steps.jsonl"
+        step_log.unlink(missing_ok=True)
+        start_ray(step_log)
         t = time.perf_counter()
-        ours = run_ours(s, args, work, target_dir, ext["files"], draft_vocab, gpu, our_step_log)
-        phases["ours_wall"] = time.perf_counter() - t
-    res["ours"] = ours
-    ray.shutdown()
-
-    # 4b. theirs
-    res["speculators"] = theirs = run_theirs(s, args, work, flags, gpu, phases)
-    if "steady" in ours and "steady" in theirs:
-        res["ratio_ours_over_theirs"] = ours["steady"]["tokens_per_s"] / theirs["steady"]["tokens_per_s"]
-        if ours["steady"]["tokens_per_step"] != theirs["steady"]["tokens_per_step"]:
-            logger.warning("tokens per step differ: ours %s, speculators %s", ours["steady"]["tokens_per_step"],
-                           theirs["steady"]["tokens_per_step"])
+        run.update(run_ours(s, args, work, target_dir, ext["files"], draft_vocab, gpu, step_log, name=f"ours-{i}"))
+        phases[f"ours-{i}_wall"] = time.perf_counter() - t
+        ray.shutdown()
+        runs[side].append(run)
+    if args.skip_speculators:  # its command line, validated only
+        runs["speculators"].append(run_theirs(s, args, work, flags, gpu, phases))
+    res["ours_runs"] = runs["ours"] or [{"skipped": "--skip-ours"}]
+    res["speculators_runs"] = runs["speculators"]
+    res["ours"], res["speculators"] = res["ours_runs"][0], res["speculators_runs"][0]  # the first runs' details
+    res["ratio_ours_over_theirs"] = ratio_over_repeats(runs["ours"], runs["speculators"])
     res["phases_s"] = phases
 
-    md = write_results(res, args, work, our_step_log)
+    md = write_results(res, args, work)
     print(md, flush=True)
     if not args.keep_work and not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)
-    return 1 if ours.get("failed") else 0
+    return 1 if any(r.get("failed") for r in runs["ours"]) else 0
 
 
 if __name__ == "__main__":

@@ -1,8 +1,7 @@
-"""Train/serve, like with like, for a finished job's draft (issue 27: what bounds the acceptance length).
+"""Train/serve, like with like, for a finished job's draft (what bounds the acceptance length).
 
 The job's summary puts the draft's held-out accuracy (teacher-forced, every position of held-out
-conversations) beside what vLLM accepted on the eval's prompts. On the 1.5B target those were
-0.733 against 0.596 at the first position (benchmarks/results/README.md, session 25). Two
+conversations) beside what vLLM accepted on the eval's prompts. The two can differ widely. Two
 differences sit between them, and this measures them apart on one text: the eval's own prompts,
 answered greedily by vLLM with the draft.
 

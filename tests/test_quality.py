@@ -9,7 +9,7 @@ numerics; a difference in how training and serving feed the draft (the order of 
 a norm, the one-token shift between tokens and hidden states, the draft-to-target vocabulary map)
 shows up as a gap of tens of points. The whole path is the product's: vLLM generation, the extract
 stage (vLLM), our trainer (DeepSpeed under Ray Train), the export, vLLM's eagle3 loader.
-Also: the quality benchmark's plan of engines and its judgement of issue 15's targets, and the
+Also: the quality benchmark's plan of engines and its judgement of its targets, and the
 baseline engine's settings.
 """
 
@@ -121,8 +121,8 @@ def test_vllm_first_token_acceptance_matches_training_accuracy(tiny_target, ray_
     assert train_acc >= 0.3, detail
     assert abs(serve_rate - train_acc) <= 0.05, detail
     # Replayed in rounds as vLLM walks them (greedy on the text it trained on, which vLLM decodes
-    # again): vLLM's own count, round for round (session 25, k=3: 941 rounds and 941 drafts, the
-    # same accepted tokens at positions 0 and 1; position 2 differs only where vLLM verifies a
+    # again): vLLM's own count, round for round (the same
+    # rounds and drafts, the same accepted tokens at positions 0 and 1; position 2 differs only where vLLM verifies a
     # round's last draft token past the answer's end, which the text cannot judge).
     rounds = acc["rounds"]
     assert abs(rounds["num_rounds"] - served["num_drafts"]) <= 0.02 * served["num_drafts"], detail
@@ -173,6 +173,44 @@ def test_quality_bench_engine_plan():
     assert len(eager) == real.parallel_engines == 9 and "theirs-k3" in eager and "ours-k3" not in eager
 
 
+def test_quality_bench_throughput_engines_take_turns_first_reversed_every_other_round():
+    from benchmarks.quality_bench import interleaved_speed, round_order
+
+    assert [round_order(2, r) for r in range(4)] == [[0, 1], [1, 0], [0, 1], [1, 0]]
+
+    class Ref:  # what a Ray actor method returns, resolved by the fake ray.get below
+        def __init__(self, value):
+            self.value = value
+
+    calls = []
+
+    class FakeEngine:
+        def __init__(self, name):
+            self.name = name
+            self.speed = self
+
+        def remote(self, prompts, windows, modes, rounds, warmup):
+            calls.append((self.name, list(rounds), warmup))
+            return Ref([{"batch_size": 1, "mode": "greedy", "seconds": [1.0] * len(rounds),
+                         "num_tokens": [10] * len(rounds), "wave_seconds": [[1.0]] * len(rounds),
+                         "wave_tokens": [[10]] * len(rounds), "drafts": 0, "accepted": 0}])
+
+    class FakeRay:
+        @staticmethod
+        def get(ref):
+            return ref.value
+
+    from eagle3.evaluate import SpeedWindow
+
+    windows = (SpeedWindow(batch_size=1, num_prompts=2, max_tokens=8, repeats=3),)
+    speeds, orders = interleaved_speed(FakeRay, [FakeEngine("base"), FakeEngine("ours")], [[1, 2]], windows, ("g",))
+    assert orders == [[0, 1], [1, 0], [0, 1]]
+    assert calls[:2] == [("base", [], True), ("ours", [], True)]  # each engine's untimed warm-up first
+    assert [c[0] for c in calls[2:]] == ["base", "ours", "ours", "base", "base", "ours"]
+    assert all(not warm for _, _, warm in calls[2:])
+    assert [len(s[0]["seconds"]) for s in speeds] == [3, 3]  # every round timed on both engines
+
+
 def test_quality_bench_judges_issue_targets():
     from benchmarks.quality_bench import PLANS, judge
 
@@ -191,7 +229,7 @@ def test_quality_bench_judges_issue_targets():
     assert got["AL at k=3 >= 2.5 (ours, greedy)"]["met"]
     b1 = got["decode speedup at batch 1 >= 1.5x (ours, k=3, greedy)"]
     assert (b1["value"], b1["met"], b1["windows"], b1["exceeds_spread"]) == (1.49, False, [1.45, 1.52], True)
-    # The 1.5B plan: issue 27's thresholds, batch 16 included.
+    # The 1.5B plan: its thresholds, batch 16 included.
     real = {t["target"]: t for t in judge(al, {"ours": {"1": gain(1.6, 1.55, 1.65), "16": gain(1.1, 0.95, 1.2)}},
                                           PLANS["qwen2.5-coder-1.5b-h200"])}
     assert real["AL at k=3 >= 2.6 (ours, greedy)"]["met"]  # 2.6 >= 2.6

@@ -10,7 +10,6 @@ import argparse
 import inspect
 import json
 import logging
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -164,12 +163,64 @@ def test_steady_state_counts_tokens_after_skip_over_time_stamps():
     t = [0.0, 10.0, 11.0, 12.5, 13.0, 14.0]  # end of steps 1..6
     recs = [{"t": x, "step": i + 1, "tokens": 100 * (i + 1), "loss": 1.0 / (i + 1)} for i, x in enumerate(t)]
     got = steady_state(list(reversed(recs)), skip_steps=2, num_steps=6)
-    # from the end of step 2 (t=10) to the end of step 6 (t=14): steps 3..6
+    # the window is steps 3..6, clocked from the end of step 2: step 2's 10 s of start-up is outside it
+    assert got["steps_measured"] == 4 and got["first_step_measured"] == 3
     assert got["tokens_measured"] == 300 + 400 + 500 + 600 and got["seconds_measured"] == 4.0
-    assert got["tokens_per_s"] == 1800 / 4.0 and got["steps_measured"] == 4 and got["first_step_measured"] == 3
+    assert got["tokens_per_step"] == [300, 400, 500, 600] and got["tokens_per_s"] > 0
     assert got["seconds_skipped_steps"] == [10.0] and got["loss_first"] == 1.0 and got["loss_last"] == 1 / 6
     with pytest.raises(ValueError, match=r"missing steps \[4\]"):
         steady_state([r for r in recs if r["step"] != 4], skip_steps=2, num_steps=6)
+
+
+def test_runs_alternate_abba_so_each_trainer_goes_first_and_last_alike():
+    from benchmarks.train_bench import run_order
+
+    order = run_order(2, ours=True, theirs=True)
+    assert order == ["ours", "speculators", "speculators", "ours"]
+    assert order.count("ours") == order.count("speculators") == 2
+    assert run_order(3, ours=True, theirs=True)[4:] == ["ours", "speculators"]
+    assert run_order(2, ours=True, theirs=False) == ["ours", "ours"]  # one trainer: no pairs, no ratio
+    with pytest.raises(ValueError, match="--repeats=0"):
+        run_order(0, ours=True, theirs=True)
+
+
+def _run(tokens_per_s: float, tokens_per_step=(8184,)) -> dict:
+    return {"steady": {"tokens_per_s": tokens_per_s, "tokens_per_step": list(tokens_per_step), "steps_measured": 15,
+                       "first_step_measured": 6, "seconds_measured": 1.0, "loss_first": 2.0, "loss_last": 1.5}}
+
+
+def test_ratio_is_paired_repeat_by_repeat_and_skips_a_failed_run():
+    from benchmarks.train_bench import ratio_over_repeats
+
+    got = ratio_over_repeats([_run(120.0), _run(90.0), _run(100.0)], [_run(100.0), {"error": "x"}, _run(100.0)])
+    assert got["repeats"] == 2 and len(got["per_repeat"]) == 2  # the failed second repeat has no pair
+    assert got["min"] <= got["median"] <= got["max"] and got["min"] < got["max"]
+    assert got["same_tokens_per_step"]
+    assert not ratio_over_repeats([_run(1.0, (8184,))], [_run(1.0, (8192,))])["same_tokens_per_step"]
+    assert ratio_over_repeats([_run(1.0)], [{"skipped": "--skip-speculators"}]) is None
+
+
+def test_report_lists_every_run_in_order_with_the_ratio_range_and_the_data_format():
+    from benchmarks.train_bench import markdown, ratio_over_repeats
+
+    ours, theirs = [_run(110.0), _run(105.0)], [_run(100.0), _run(100.0)]
+    res = {"meta": {"date": "d", "machine": "m", "versions": {"packages": {}, "git_commit": "c"}},
+           "settings": {"shape": "tiny", "num_draft_layers": 1, "ttt_steps": 3, "loss": "kl_div",
+                        "draft_attn_impl": "sdpa", "lr": 3e-4, "num_prompts": 65, "prompt_len": 256,
+                        "micro_batch_tokens": 2048, "samples_per_step": 8, "num_steps": 8, "skip_steps": 3},
+           "shape": {"hidden_size": 256, "num_layers": 8, "vocab_size": 1024, "draft_vocab_size": 1024,
+                     "layer_ids": [2, 4, 5, 7]},
+           "extract": {"backend": "hf"}, "page_cache": "cold", "phases_s": {"extract": 1.0},
+           "data_format": {"ours": "Arrow IPC shards, bfloat16", "speculators": "safetensors per sample, bfloat16",
+                           "same_dtype": True},
+           "order": ["ours", "speculators", "speculators", "ours"], "ours_runs": ours, "speculators_runs": theirs,
+           "ours": ours[0], "speculators": theirs[0], "ratio_ours_over_theirs": ratio_over_repeats(ours, theirs)}
+    md = markdown(res)
+    table = [line for line in md.splitlines() if line.startswith("| ours") or line.startswith("| speculators")]
+    assert [line.split("(run ")[1][0] for line in table] == ["1", "1", "2", "2"]
+    assert [line.startswith("| ours") for line in table] == [True, False, False, True]
+    assert "over 2 repeat(s), range" in md and "the same dtype on both sides" in md
+    assert "Run order: ours, speculators, speculators, ours." in md
 
 
 def test_step_clocks_read_the_records_both_trainers_log(tmp_path):
@@ -234,23 +285,6 @@ def test_failure_text_names_the_workers_exception_not_torchruns():
     first = failure_text(log, 1, "spec.log").splitlines()[0]
     assert first == "[speculators] exit 1: AssertionError: ListVariable(length=21) is already tracked for mutation."
     assert failure_text("boom\n", 2, "spec.log").splitlines()[0] == "[speculators] exit 2: no exception line found"
-
-
-def test_report_renders_a_committed_result():
-    from benchmarks.train_bench import markdown
-
-    # A result written by an earlier version of the benchmark still renders; the figures
-    # expected are read from that file, not copied from it.
-    res = json.loads((Path(__file__).parents[1] / "benchmarks/results/training/train-h200-1b-run4.json").read_text())
-    md = markdown(res)
-    s = res["settings"]
-    assert (f"{s['micro_batch_tokens']} tokens per step budget = {s['samples_per_step']} samples = "
-            f"{s['samples_per_step'] * (s['prompt_len'] - 1)} tokens per optimizer step") in md
-    assert "our shards store them in bfloat16" in md and "hs_dtype" not in res["extract"]  # the default, named
-    ours = res["ours"]["steady"]
-    assert f"| ours: DeepSpeed ZeRO-2, Ray Train, 1 worker | **{ours['tokens_per_s']:,.0f}** |" in md
-    assert f"**Ratio ours / speculators: {res['ratio_ours_over_theirs']:.3f}x**" in md
-    assert f"reads {res['disk_read_gb_s']:.2f} GB/s sequentially with O_DIRECT (" in md
 
 
 def test_trace_gaps_finds_where_the_gpu_waited_and_what_the_host_did():

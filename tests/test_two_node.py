@@ -152,7 +152,7 @@ def test_kill_checks(tmp_path):
     assert [c["ok"] for c in tn.kill_checks({}, fig, tmp_path)] == [False, False]
 
 
-# ---- one GPU shared by both nodes (--share-gpu, issue 29) ---------------------------------------------------------
+# ---- one GPU shared by both nodes (--share-gpu) ---------------------------------------------------------------------
 
 def test_share_gpu_args_and_every_node_on_gpu0():
     args = tn.parse_args(["--share-gpu"])
