@@ -83,7 +83,7 @@ class Created:
     """The names created in a directory, as the kernel reports them (Linux inotify, IN_CREATE): a
     test waits for a file that lives for milliseconds without polling the directory, where a poll
     fine enough to catch it (every 0.5 ms) took 8% of a core on an idle machine for the whole job
-    (benchmarks/results/job/test-tiers.md, session 27)."""
+    (benchmarks/results/job/test-tiers.md)."""
 
     IN_CREATE = 0x100
 

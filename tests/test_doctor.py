@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,10 +18,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model_configs  # noqa: E402
 
-# Failing doctors must answer in seconds: a local Ray start (~8 s) plus imports and probes.
-FAIL_FAST_S = 45
-
-
 def _env() -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
     # An in-process engine earlier in this pytest process sets this; a child decides for itself.
@@ -30,16 +25,15 @@ def _env() -> dict:
     return env
 
 
-def _doctor(tmp_path: Path, target: str, address: str, *args: str) -> tuple[subprocess.CompletedProcess, float, Path]:
+def _doctor(tmp_path: Path, target: str, address: str, *args: str) -> tuple[subprocess.CompletedProcess, Path]:
     # ray.address: the session's shared cluster (conftest's shared_ray), one node.
     cfg = {"output_dir": str(tmp_path / "out"), "target": {"model": target}, "ray": {"address": address}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
     report = tmp_path / "doctor.json"
-    t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "ray_jobs.doctor", "--config", str(tmp_path / "job.yaml"),
                           "--json", str(report), *args], cwd=REPO, env=_env(), capture_output=True, text=True,
                          timeout=300)
-    return out, time.perf_counter() - t0, report
+    return out, report
 
 
 def _rows(report: Path) -> dict[str, dict]:
@@ -108,7 +102,7 @@ def test_dry_run_multimodal_wrapper_kimi_k25(tmp_path):
 
 @pytest.mark.slow
 def test_doctor_passes_on_tiny_target(tiny_target, tmp_path, shared_ray):
-    out, seconds, report = _doctor(tmp_path, tiny_target, shared_ray)
+    out, report = _doctor(tmp_path, tiny_target, shared_ray)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     table = out.stdout
     for name in ("version vllm", "version speculators", "version torch", "seam vllm hidden-states connector",
@@ -129,30 +123,32 @@ def test_doctor_passes_on_tiny_target(tiny_target, tmp_path, shared_ray):
 
 
 @pytest.mark.slow  # uses Ray
-def test_doctor_fails_fast_on_architecture_without_eagle3(tiny_target, tmp_path, shared_ray):
-    """Mixtral is served by vLLM but cannot give aux hidden states (no SupportsEagle3)."""
+def test_doctor_fails_on_architecture_without_eagle3_naming_the_row_and_why(tiny_target, tmp_path, shared_ray):
+    """Mixtral is served by vLLM but cannot give aux hidden states (no SupportsEagle3): the doctor exits 1,
+    its table and its JSON report fail that one row, with the reason under it."""
     target = model_configs.write_mixtral_target(tmp_path / "mixtral", tokenizer_from=tiny_target)
-    out, seconds, report = _doctor(tmp_path, target, shared_ray, "--no-dry-run")
+    out, report = _doctor(tmp_path, target, shared_ray, "--no-dry-run")
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     assert "  FAIL  target architecture" in out.stdout and "MixtralForCausalLM: does NOT implement SupportsEagle3" in out.stdout
     assert "        -> vLLM cannot capture aux hidden states of this architecture" in out.stdout
     assert "doctor: FAILED on 1 node(s)" in out.stdout
     rows = _rows(report)
     assert [n for n, r in rows.items() if not r["ok"]] == ["target architecture"]
-    assert seconds < FAIL_FAST_S, f"{seconds:.0f}s"
+    assert "dry run" not in rows  # --no-dry-run: the verdict comes from the checks alone, no engine started
 
 
 @pytest.mark.slow  # uses Ray
-def test_doctor_fails_fast_on_remote_code_without_trust(tiny_target, tmp_path, shared_ray):
-    """A target that ships its own code (auto_map) while target.trust_remote_code is off (the default)."""
+def test_doctor_fails_on_remote_code_without_trust_naming_the_fix(tiny_target, tmp_path, shared_ray):
+    """A target that ships its own code (auto_map) while target.trust_remote_code is off (the default): the
+    doctor exits 1 with that one row failed and the setting that lets it run."""
     target = model_configs.write_remote_code_target(tmp_path / "remote", tiny_target)
-    out, seconds, report = _doctor(tmp_path, target, shared_ray, "--no-dry-run")
+    out, report = _doctor(tmp_path, target, shared_ray, "--no-dry-run")
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     assert "  FAIL  trust_remote_code" in out.stdout
     assert "        -> read that code, then set target.trust_remote_code: true" in out.stdout
     rows = _rows(report)
     assert [n for n, r in rows.items() if not r["ok"]] == ["trust_remote_code"]
-    assert seconds < FAIL_FAST_S, f"{seconds:.0f}s"
+    assert "doctor: FAILED on 1 node(s)" in out.stdout and "dry run" not in rows
 
 
 def test_disk_check_fails_when_the_dataset_does_not_fit(tmp_path):
@@ -174,7 +170,7 @@ def test_disk_check_fails_when_the_dataset_does_not_fit(tmp_path):
 def test_a_rough_disk_estimate_warns_and_extraction_checks_the_exact_size(tmp_path):
     """The doctor runs beside prepare, so its disk estimate is rough: ~4 bytes of the source a token
     (1.5x prepare's count on 2,400 ShareGPT records), or prepared answers that regeneration rewrites.
-    On an H200 (session 23) 12,000 ShareGPT records estimated ~95 GB of SmolLM2 hidden states against
+    On an H200, 12,000 ShareGPT records estimated ~95 GB of SmolLM2 hidden states against
     63 GB free, and their regenerated tokens took 36.2 GB: such an estimate that does not fit warns;
     the extract stage then checks the tokens it reads, and stops before its engines where they do
     not fit."""
@@ -239,7 +235,7 @@ def test_disk_check_asks_no_room_when_training_online_writes_no_hidden_states(tm
     assert row.ok and "no hidden states are written" in row.detail and "GB free at" in row.detail
 
 
-# --- untested versions: judged by their seams (issue 31) -------------------------------------------
+# --- untested versions: judged by their seams ----------------------------------------------------
 # The version number is faked (compat.versions.installed); the probes are the real ones, run against
 # the installed packages, since the question is the policy: what the doctor does with what they find.
 
@@ -366,7 +362,7 @@ print(before, name, [m for m in ("vllm.model_executor.models.qwen3_moe",
 
 def test_the_target_model_class_is_imported_before_the_doctors_two_threads(tmp_path):
     """On an H200 with vLLM 0.26.0 the doctor's checks thread and its dry run imported the MoE layers
-    at once, and one got a partially initialized module (leases/session16-h200/). node_report now
+    at once, and one got a partially initialized module. node_report now
     imports the target's model class in its main thread first: here, in a fresh process, that import
     brings the MoE target's module and vLLM's fused-MoE module, which neither thread then imports
     half-done. A bad config gives None (the architecture row reports why)."""
@@ -402,7 +398,7 @@ def _moved_connector_module():
 
 
 @pytest.mark.parametrize("version", ["0.40.0", None])  # untested (faked), and the installed one
-def test_a_moved_seam_fails_in_seconds_naming_seam_version_and_fix(monkeypatch, version):
+def test_a_moved_seam_fails_naming_seam_version_and_fix(monkeypatch, version):
     import vllm.distributed.kv_transfer.kv_connector.v1 as v1
 
     from compat import versions
@@ -413,10 +409,8 @@ def test_a_moved_seam_fails_in_seconds_naming_seam_version_and_fix(monkeypatch, 
     monkeypatch.setattr(v1, "example_hidden_states_connector", moved)
     if version:
         _fake_versions(monkeypatch, vllm=version)
-    t0 = time.perf_counter()
     seams = check_seams(None, False)
     rows = _rows_by_name(check_versions(seams) + seams)
-    seconds = time.perf_counter() - t0
     seam = rows["seam vllm hidden-states connector"]
     assert not seam.ok
     assert seam.detail == f"[vllm {versions.installed('vllm')}] moved or gone: ['_submit_async_write']"
@@ -426,4 +420,3 @@ def test_a_moved_seam_fails_in_seconds_naming_seam_version_and_fix(monkeypatch, 
         assert rows["version vllm"].detail.endswith("its seams decide: failed: seam vllm hidden-states connector")
     else:  # a tested version: the seam row alone fails
         assert [n for n, r in rows.items() if not r.ok] == ["seam vllm hidden-states connector"]
-    assert seconds < FAIL_FAST_S, f"{seconds:.0f}s"

@@ -1,4 +1,4 @@
-"""The whole job on a target whose chat template rewrites earlier turns (issue 20): the tiny target
+"""The whole job on a target whose chat template rewrites earlier turns: the tiny target
 built with the Qwen3-like template (target.tiny_chat_template=qwen3), through prepare, extract,
 train, export and vLLM speculative decoding. Extraction uses the transformers backend here: the
 vLLM engine's capture is covered by tests/test_e2e.py, and what this test is about is that every

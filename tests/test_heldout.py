@@ -214,7 +214,7 @@ def test_summary_and_curves_show_heldout_beside_training_and_vllm(tmp_path):
     held.update(rounds_acc=[0.52, 0.31, 0.2], rounds_al=2.03, num_rounds=300)
     assert ("vLLM accepted (k=3, greedy) 0.580 0.350 0.200\n                   held-out in rounds of 3, as vLLM "
             "counts drafts: 0.520 0.310 0.200 (AL 2.03, 300 rounds)") in format_summary(report)
-    # Training 0.110 above held out at position 1: short of data (session 23: 0.089 on SmolLM2's 1x data,
+    # Training 0.110 above held out at position 1: short of data (a SmolLM2 draft measured 0.089 on its 1x data,
     # where 5x the data raised AL); level: more data alone will not help.
     assert ("short of data: the draft scores 0.110 more at position 1 on its training data than held out; more "
             "conversations (prepare.max_samples, a larger source) should raise it") in text

@@ -1,5 +1,5 @@
 """Imports run one way: drivers (ray_jobs/) -> actors (actors/) -> plain classes (eagle3/), and
-compat/ at the bottom, the seams with vLLM, speculators and Ray Train (shared/STYLE.md, issue 30).
+compat/ at the bottom, the seams with vLLM, speculators and Ray Train.
 Inside eagle3/, the stage folders run in pipeline order: prepare -> extract -> train -> evaluate.
 
 Read from the source with `ast`, so an import inside a function (the lazy ones this codebase uses

@@ -96,11 +96,8 @@ def test_whole_job_on_smollm2_and_sharegpt(tmp_path, smollm2_target, shared_ray)
     assert [e["num_speculative_tokens"] for e in ev["engines"]] == [2, 0]
     assert [e["engines_at_once"] for e in ev["engines"]] == [2, 2]
     assert "eval: 2 engine(s), started side by side, timed in turns (eval.engines_at_once)" in proc.stderr
-    # Both were up before either was measured: the second engine started before the first one's
-    # measurements ended (each engine's wall_s: its start and its measurements).
-    first, second = ev["engines"]
-    assert second["before_engine_s"] < first["before_engine_s"] + first["wall_s"]
-    # ... and each says how much of the wait before its engine was its actor's start (the rest: imports)
+    # Each engine says how much of the wait before its engine was its actor's start (the rest: imports),
+    # in the order these happen: the actor placed, created, its engine started ...
     assert all(0 < e["actor_start_s"] <= e["before_engine_s"] for e in ev["engines"])
     # ... and of that, how long it waited for its process (resources, or a worker already running: < 0)
     assert all(e["process_start_s"] <= e["actor_start_s"] for e in ev["engines"])

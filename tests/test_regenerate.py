@@ -461,7 +461,7 @@ def test_finalize_writes_tokens_in_shard_order_with_the_tokens_schema(tok, tmp_p
 
 
 def test_an_input_that_only_grew_keeps_its_full_shards(tmp_path):
-    """A larger max_samples resubmitted into the same output_dir (session 28 grew ShareGPT from 12,000 to
+    """A larger max_samples resubmitted into the same output_dir (a ShareGPT run grew from 12,000 to
     17,672 records and needed a script of its own, extend_regenerated.py, to keep 44 regenerated shards):
     where the old samples are the new input's first ones, in order, and nothing else changed, the
     shards full in the old plan hold the same samples in the new one and stay; the old last one, not

@@ -28,6 +28,8 @@ CHILD_ENV = "EAGLE3_GPU_TEST_OWN_PROCESS"
 CHILD_TIMEOUT_S = int(os.environ.get("GPU_TEST_TIMEOUT_S", "1800"))
 # A directory the tests' own processes share for one run of the tier (the `tier_dir` fixture).
 SHARED_ENV = "EAGLE3_GPU_TIER_DIR"
+# EAGLE3_TEST_LOG_DIR: where GPU tests write job logs and reports as they run (kept; a run cut short leaves them); default: a pytest temp dir.
+LOG_DIR_ENV = "EAGLE3_TEST_LOG_DIR"
 
 
 def pytest_configure(config):
@@ -47,6 +49,15 @@ def tier_dir(tmp_path_factory) -> Path:
     """Shared by the processes of one `pytest tests/gpu` run, so that what several tests build once
     (a target) is built once (take a file lock while building)."""
     return Path(os.environ.get(SHARED_ENV) or tmp_path_factory.mktemp("gpu-tier"))
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory) -> Path:
+    """The directory named by EAGLE3_TEST_LOG_DIR (made if missing), else one of pytest's temp dirs:
+    where a test streams its job's log, so that what a long run wrote survives a timeout."""
+    path = Path(os.environ.get(LOG_DIR_ENV) or tmp_path_factory.mktemp("logs"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 @pytest.fixture(scope="module")

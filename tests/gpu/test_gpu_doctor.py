@@ -1,5 +1,5 @@
 """On the GPU: the doctor's GPU hygiene names a process that holds GPU memory and says how to
-stop it (issue 18), and stops naming it once it is gone."""
+stop it, and stops naming it once it is gone."""
 
 from __future__ import annotations
 

@@ -3,8 +3,6 @@ compat probes on that vLLM, and the doctor's dry run."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from eagle3.config import ExtractConfig
@@ -21,7 +19,7 @@ def test_compat_probes_pass_on_this_vllm(gpu_target):
     assert not failed, f"vLLM {installed('vllm')}: {failed}"
 
 
-def test_hidden_states_match_transformers_bf16_on_gpu(gpu_target):
+def test_hidden_states_match_transformers_bf16_on_gpu(gpu_target, log_dir):
     import torch
 
     from eagle3.extract.extractor import Extractor, HFBackend
@@ -58,11 +56,9 @@ def test_hidden_states_match_transformers_bf16_on_gpu(gpu_target):
             # a few bf16 ulps of the largest value per layer.
             assert err <= 0.04 * scale, f"layer {layer_ids[j]}: {err:.4f} vs max {scale:.3f}"
     print(f"worst relative max-abs error over layers and samples: {worst:.4f}")
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "gpu_hs_error.txt"), "w") as f:
-            f.write(f"vLLM vs transformers, bf16 on GPU, lengths {lengths}: worst rel max-abs err {worst:.4f}\n"
-                    f"{release}\n")
+    with open(log_dir / "gpu_hs_error.txt", "w") as f:  # kept in EAGLE3_TEST_LOG_DIR
+        f.write(f"vLLM vs transformers, bf16 on GPU, lengths {lengths}: worst rel max-abs err {worst:.4f}\n"
+                f"{release}\n")
 
 
 def test_a_second_extraction_engine_starts_in_the_process_after_the_first_is_closed(gpu_target):

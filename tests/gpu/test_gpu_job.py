@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -18,10 +17,10 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
-def gpu_run(tmp_path_factory):
+def gpu_run(tmp_path_factory, log_dir):
     out = tmp_path_factory.mktemp("gpu-job")
-    # The log streams to $OUT (the device tool brings it back) so a run cut short still leaves it.
-    dest = Path(os.environ.get("OUT") or out)
+    # The log streams into the log directory (EAGLE3_TEST_LOG_DIR) so a run cut short still leaves it.
+    dest = log_dir
     with open(dest / "gpu_job.log", "w") as log:
         proc = subprocess.run([sys.executable, "-m", "ray_jobs.run", "--config", "configs/gpu_demo.yaml",
                                "--set", f"output_dir={out}"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,

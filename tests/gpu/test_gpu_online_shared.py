@@ -1,8 +1,8 @@
 """On the GPU: online mode with the engine and the trainer sharing each GPU (train.online.gpu_split:
-shared, issue 17): vLLM extraction and DeepSpeed bf16 training at once on one device, every sample
+shared): vLLM extraction and DeepSpeed bf16 training at once on one device, every sample
 trained once per epoch. The CPU tiers show the decision, its checks and Ray's placement on a
 declared GPU (tests/test_online.py); this is where vLLM's memory share and the trainer's cap meet
-on a real device. Its whole job log (and report) go to $OUT (else the test's temp dir):
+on a real device. Its whole job log (and report) go to the log directory (EAGLE3_TEST_LOG_DIR, else a temp dir):
 gpu_online_shared.log, gpu_online_shared-report.json."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
@@ -20,13 +19,13 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.gpu
 
 
-def test_gpu_online_job_shares_the_gpu_and_trains_every_sample_once(gpu_target, tmp_path):
+def test_gpu_online_job_shares_the_gpu_and_trains_every_sample_once(gpu_target, tmp_path, log_dir):
     from eagle3.gpu_processes import query
     from tests.fault_jobs import conversations
     from tests.test_online import _online_args, check_trained_once_per_epoch
 
     out = tmp_path / "out"
-    dest = Path(os.environ.get("OUT") or tmp_path)
+    dest = log_dir
     args = _online_args(out, conversations(tmp_path / "conversations.jsonl", 41), gpu_target,
                         "--set", "extract.backend=vllm", "--set", "train.online.gpu_split=shared",
                         "--set", "extract.gpu_memory_utilization=0.6", "--set", "train.optimizer.bf16=true")
@@ -45,7 +44,7 @@ def test_gpu_online_job_shares_the_gpu_and_trains_every_sample_once(gpu_target, 
     text = (dest / "gpu_online_shared.log").read_text()
     assert job.returncode == 0, text[-3000:]
     report = json.loads((out / "report.json").read_text())
-    # the whole log and the report beside it, under $OUT: what a GPU run brings back to be committed
+    # the whole log and the report beside it, in the log directory: kept after the run
     (dest / "gpu_online_shared-report.json").write_text(json.dumps(report, indent=1))
     split = report["stages"]["train"]["online"]["gpu_split"]
     assert split["mode"] == "shared" and split["engine_bundle"]["GPU"] == pytest.approx(0.7), split
