@@ -1,0 +1,130 @@
+"""A trained draft's decode speedup timed in plain vLLM, outside the job: the check that the job's eval
+(eagle3.evaluate) reports what a user who serves the draft gets.
+
+Two `vllm.LLM` engines in this process, the target with the draft as `vllm serve --speculative-config`
+runs it and the target alone, CUDA graphs on a GPU. Every round decodes the job's held-out eval prompts
+(prepared/eval_prompts.jsonl) on both engines, the order reversed every other round; at batch 1 one
+prompt at a time, at a larger batch in waves of that many; greedy answers ending at EOS or
+--max-tokens. The speedup pools every round and wave; its 95% interval is a bootstrap over the waves.
+
+    python -m benchmarks.served_speedup --target MODEL_DIR --draft JOB/draft \
+        --prompts JOB/prepared/eval_prompts.jsonl --out served.json
+
+Compare with the job's eval.json (`speed.results`): the same draft, prompts and batch sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+
+def _waves(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
+    n = max(1, len(prompts) // batch) * batch if batch > 1 else len(prompts)
+    cycled = [prompts[i % len(prompts)] for i in range(max(n, batch))]
+    return [cycled[i:i + batch] for i in range(0, len(cycled), batch)]
+
+
+def _time_waves(llm, waves, max_tokens: int) -> list[tuple[int, float]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    out = []
+    for wave in waves:
+        t = time.perf_counter()
+        res = llm.generate([{"prompt_token_ids": p} for p in wave], params, use_tqdm=False)
+        out.append((sum(len(r.outputs[0].token_ids) for r in res), time.perf_counter() - t))
+    return out
+
+
+def _accepted(llm) -> tuple[int, int]:
+    drafts = accepted = 0
+    for m in llm.get_metrics():
+        if m.name == "vllm:spec_decode_num_drafts":
+            drafts += int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens":
+            accepted += int(m.value)
+    return drafts, accepted
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", required=True, help="the target model directory")
+    ap.add_argument("--draft", required=True, help="the exported speculators-format draft directory")
+    ap.add_argument("--prompts", required=True, help="JSONL with prompt_token_ids per line (the job's prepared/eval_prompts.jsonl)")
+    ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--rounds", type=int, default=3, help="rounds each engine decodes every batch size")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.35, help="each engine's share")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the CPU has none)")
+    ap.add_argument("--out", help="write the result JSON here")
+    args = ap.parse_args(argv)
+
+    from vllm import LLM
+
+    from eagle3.evaluate import wave_speedup
+
+    prompts = [json.loads(line)["prompt_token_ids"] for line in open(args.prompts) if line.strip()]
+    if not prompts:
+        raise SystemExit(f"no prompts in {args.prompts}")
+    max_len = max(len(p) for p in prompts) + args.max_tokens + args.k + 8
+    common = dict(model=args.target, max_model_len=max_len, enable_prefix_caching=False, skip_tokenizer_init=True,
+                  enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
+                  max_num_seqs=max(args.batch_sizes), disable_log_stats=False)
+    spec = {"method": "eagle3", "model": args.draft, "num_speculative_tokens": args.k}
+    t = time.perf_counter()
+    engines = {"with_draft": LLM(**common, speculative_config=spec), "without_draft": LLM(**common)}
+    start_s = time.perf_counter() - t
+    waves = {b: _waves(prompts, b) for b in args.batch_sizes}
+    for llm in engines.values():  # untimed: first-call work
+        for b in args.batch_sizes:
+            _time_waves(llm, waves[b][:1], args.max_tokens)
+    timed = {(b, side): [] for b in args.batch_sizes for side in engines}
+    drafts0, acc0 = _accepted(engines["with_draft"])
+    for r in range(args.rounds):
+        order = list(engines) if r % 2 == 0 else list(reversed(engines))
+        for side in order:
+            for b in args.batch_sizes:
+                timed[b, side].append(_time_waves(engines[side], waves[b], args.max_tokens))
+    drafts1, acc1 = _accepted(engines["with_draft"])
+    results = []
+    for b in args.batch_sizes:
+        w, wo = timed[b, "with_draft"], timed[b, "without_draft"]
+        rate = {side: sum(n for rnd in timed[b, side] for n, _ in rnd) / sum(s for rnd in timed[b, side] for _, s in rnd)
+                for side in engines}
+        results.append({"batch_size": b, "num_prompts": sum(len(x) for x in waves[b]),
+                        "tokens_per_s": rate, "speedup": wave_speedup(w, wo),
+                        "with_draft": w, "without_draft": wo})
+    import torch
+    import vllm
+
+    report = {
+        "what": "decode speedup of an EAGLE-3 draft in plain vLLM (two engines in one process, rounds alternating, "
+                "greedy answers ending at EOS)",
+        "target": args.target, "draft": args.draft, "prompts": args.prompts, "num_speculative_tokens": args.k,
+        "rounds": args.rounds, "max_tokens": args.max_tokens, "enforce_eager": args.enforce_eager,
+        "acceptance_length_in_windows": 1 + (acc1 - acc0) / (drafts1 - drafts0) if drafts1 > drafts0 else None,
+        "engines_start_s": start_s,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor(),
+        "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
+        "date": time.strftime("%Y-%m-%d"),
+        "results": results,
+    }
+    for r in results:
+        s = r["speedup"]
+        ci = f"{s['ci95'][0]:.2f}-{s['ci95'][1]:.2f}x" if s["ci95"] else "no interval"
+        print(f"batch {r['batch_size']:>3}: {s['ratio']:.2f}x ({ci}; {r['tokens_per_s']['without_draft']:.0f} -> "
+              f"{r['tokens_per_s']['with_draft']:.0f} tokens/s, {r['num_prompts']} prompts x {args.rounds} rounds)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()
+    os._exit(0)  # vLLM's engine processes do not always let the interpreter exit
