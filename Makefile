@@ -22,7 +22,7 @@ demo: install
 # demo job, runs once; xdist hands out files with more tests first): much of a slow test is
 # single-threaded start-up (imports, Ray and engine starts; a CPU vLLM engine decodes on one
 # thread), so two workers fill two cores better than one. Three workers, and the heaviest files
-# first (two whole jobs side by side), were slower: benchmarks/results/job/test-tiers.md. The files
+# first (two whole jobs side by side), were slower. The files
 # go out in tests/conftest.py's SLOW_FILE_ORDER (--no-loadscope-reorder): the costliest first, the
 # short ones last so that both workers end together, and the second worker's first two need no tiny
 # target, so it works while the first builds it on a fresh machine.

@@ -27,8 +27,7 @@ class ShardReader:
     """Reads committed shard files back into the object store (train.online.epochs: keep): one
     process, a few reads at a time (threads; Arrow's reads release the GIL), for every read of the
     run. A task per read would start a new worker process nearly every time on a small node, where
-    Ray stops idle workers above its soft limit (the node's CPUs) within a second
-    (benchmarks/results/job/test-tiers.md)."""
+    Ray stops idle workers above its soft limit (the node's CPUs) within a second."""
 
     def read(self, path: str):
         from eagle3.extract.shards import read_shards

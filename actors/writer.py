@@ -24,7 +24,7 @@ class ShardWriter:
     the copies into DirectFile's buffers and pwrite release the GIL). A task per write would start a
     new worker process nearly every time on a small node, where Ray stops idle workers above its soft
     limit (the node's CPUs) within a second, so workers warmed while the engines load are gone by the
-    first write (benchmarks/results/job/test-tiers.md)."""
+    first write."""
 
     def ready(self) -> None:
         """Imports what a write needs, called while the engines load: the first shards' writes then

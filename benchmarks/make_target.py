@@ -103,7 +103,7 @@ class TargetSpec:
     on top (~30 s on the H200)."""
     compile: bool = False
     """torch.compile the model for training: on the H200 the gpu size compiles in ~45 s, then
-    steps run ~1.4x faster (benchmarks/results/quality/target-h200-gpu.md): worth it for budgets over
+    steps run ~1.4x faster (benchmarks/results/quality/toy-target-sharegpt-h200-2026-12-02.md): worth it for budgets over
     ~150 s."""
 
     def __post_init__(self):
@@ -150,7 +150,7 @@ SIZES = {
     # head_dim 64: a size every vLLM CPU attention backend supports), 8 layers deep like the
     # demo's tiny target, many small steps, short exchanges only: of the recipes tried at this
     # cost it was the one whose greedy answers hold words and end turns
-    # (benchmarks/results/quality/target-h200-gpu.md, "The cpu size").
+    # (benchmarks/results/quality/toy-target-sharegpt-h200-2026-12-02.md, "The cpu size").
     "cpu": TargetSpec(vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden_layers=8,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048, seq_len=128,
                       micro_batch=8, grad_accum=1, max_steps=1000, lr=5e-3, warmup_steps=20,
@@ -158,7 +158,7 @@ SIZES = {
     # One H200, 5 minutes in all (220 s of training; reading, tokenizer, packing, imports and
     # saving take the rest): ~175M parameters, 20 layers, so a 1-layer draft costs ~5% of a
     # target forward. 32k-token steps: with ~50M tokens to spend, more steps beat bigger ones
-    # (benchmarks/results/quality/target-h200-gpu.md). max_steps is a ceiling; the budget sets the count.
+    # (benchmarks/results/quality/toy-target-sharegpt-h200-2026-12-02.md). max_steps is a ceiling; the budget sets the count.
     "gpu": TargetSpec(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=20,
                       num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048, seq_len=2048,
                       micro_batch=16, grad_accum=1, max_steps=50_000, lr=1.5e-3, warmup_steps=60,

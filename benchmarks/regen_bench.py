@@ -25,7 +25,7 @@ The engine is the stage's (compat.vllm_engine.generation_engine_kwargs: prefix c
 multiprocess engine core as in the replica actor), started once; the prefix cache is reset
 before each measurement, and a short warm-up runs first. Prompts longer than max_model_len -
 max_tokens are left out, so every request gets the same max_tokens on both paths.
-The targets of eagle3/real_targets.py are dequantized from 4-bit GGUF weights: real models,
+The targets of scripts/real_targets.py are dequantized from 4-bit GGUF weights: real models,
 not the upstream bf16 ones.
 
 GPU (one H200, about 4 minutes per target including the engine's start):
@@ -198,7 +198,7 @@ def run_regenerate(llm, tok, samples: list[tuple[str, list[dict]]], sampling, *,
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.regen_bench")
-    ap.add_argument("--target", required=True, help="HF model directory (e.g. built by eagle3.real_targets)")
+    ap.add_argument("--target", required=True, help="HF model directory (e.g. built by scripts.real_targets)")
     ap.add_argument("--num-prompts", type=int, default=1024)
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -331,7 +331,7 @@ def main(argv=None) -> int:
                          f"{w['tokens_per_s']:,.0f} | {detail} |")
         lines.append(f"| {name} | median | | | {r['tokens_per_s']:,.0f} | |")
     lines += ["", *[f"- {k}: {v:.3f}" if v is not None else f"- {k}: no window" for k, v in ratios.items()], "",
-              "Targets built by eagle3/real_targets.py are dequantized from 4-bit GGUF weights.", ""]
+              "Targets built by scripts/real_targets.py are dequantized from 4-bit GGUF weights.", ""]
     path = write_result(args.out, "regen", args.tag, result, "\n".join(lines))
     print("\n".join(lines))
     print(f"wrote {path}")

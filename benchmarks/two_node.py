@@ -72,7 +72,7 @@ run: there the killed node may hold the training worker, which Ray Train then re
 Outputs: <out>/two-node-<cpu|gpu|gpu-shared>.json and .md (machine, mode, commit, per-run wall times, shards
 per node, sample-id counts, each check's pass/fail), the jobs' logs beside them. Exit status 1
 when a check fails. Both nodes are stopped at the end, whatever happened. The CPU mode takes
-minutes on 2 cores (benchmarks/results/job/two-node-cpu.md has a run's figures); the GPU mode has
+minutes on 2 cores (benchmarks/results/job/two-ray-nodes-cpu-2026-12-01.md has a run's figures); the GPU mode has
 defaults for 2 x H200 and has not run on them yet.
 """
 
@@ -259,7 +259,7 @@ def steps_past_one_epoch(num_tokens: int, micro_batch_tokens: int, margin: float
 def submit_command(ray_bin: str, dashboard: str, submission_id: str, config_path: str) -> list[str]:
     return [ray_bin, "job", "submit", "--address", dashboard, "--submission-id", submission_id,
             "--working-dir", str(REPO),
-            "--runtime-env-json", json.dumps({"excludes": [".venv", "runs", ".gpu*", ".git", ".whl"]}),
+            "--runtime-env-json", json.dumps({"excludes": [".venv", "runs", ".git"]}),
             "--", sys.executable, "-m", "ray_jobs.run", "--config", config_path]
 
 

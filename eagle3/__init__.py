@@ -10,11 +10,12 @@ One folder a stage, in the order data flows through them:
                commit protocol, the shard files and their encoding)
 - train/       shards -> a trained draft, exported for vLLM (the input pipeline in train/data/,
                DeepSpeed, online mode's feed)
-- evaluate.py  the exported draft inside vLLM: acceptance, speedup, and its accuracy on stored
-               hidden states (one module, so no folder)
+- evaluate/    the exported draft inside vLLM: acceptance, speedup (windows, engine, statistics,
+               eval.json), and its accuracy on stored hidden states
 At the top, what every stage or no single stage uses:
-- config, typed_config, config_reference: the job's config file (each stage's dataclass composed
-  into one; train/config.py holds train's), its type checks and the generated reference page
+- config, eval_config, typed_config, config_reference: the job's config file (each stage's
+  dataclass, in its folder's config.py, composed into one), its type checks and the generated
+  reference page
 - schema: the Arrow contracts between stages (prepare -> extract -> train), versioned
 - precision, provenance: the compute dtype behind `auto`; what is written next to every output
 - doctor, gpu_processes: the pre-flight checks and who holds GPU memory

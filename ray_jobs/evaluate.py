@@ -208,8 +208,7 @@ def _interleaved_speed(ray, actors: list, results: list[dict], prompts, windows,
 def engines_at_once(cfg: JobConfig, target_dir: str, num_engines: int, *, gpu: bool) -> tuple[bool, str]:
     """(whether the eval stage starts its engines side by side, why): eval.engines_at_once, where
     'auto' is true for several engines of a small target on a GPU (ray_jobs.extract.small_target:
-    each engine start, ~70 s with CUDA graphs on an H200 for a 135M target, overlaps the others',
-    and the memory of a few such engines is a small part of the device's)."""
+    their starts overlap, and a few such engines take a small part of the device's memory)."""
     setting = cfg.eval.engines_at_once
     if num_engines < 2:
         return False, "one engine"

@@ -52,7 +52,7 @@ def replica_layout(ecfg: ExtractConfig, num_shards_to_do: int, *, engine: bool =
 
 # extract.replicas_per_gpu "auto": a target this small gets AUTO_REPLICAS_PER_GPU engines a GPU, each with
 # a KV cache of AUTO_KV_CACHE_BYTES unless kv_cache_memory_bytes is set (the settings chosen in
-# benchmarks/results/extraction/replicas-h200-smol.md).
+# benchmarks/results/extraction/replicas-one-gpu-smollm2-shape-h200-2026-12-02.md).
 AUTO_REPLICAS_MAX_PARAMS = 500_000_000
 AUTO_REPLICAS_PER_GPU = 4
 AUTO_KV_CACHE_BYTES = 4 << 30

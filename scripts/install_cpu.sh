@@ -11,7 +11,7 @@ if [ -f "$STAMP" ]; then exit 0; fi
 python3 -m venv "$VENV"
 PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
 $PIP install --upgrade pip
-# uv installs the same versions much faster than pip (benchmarks/results/job/test-tiers.md). It reads
+# uv installs the same versions much faster than pip. It reads
 # none of pip's configuration, so scripts/uv_env.py hands it pip's indexes, wheel folders, constraints
 # and CA file. --compile-bytecode: uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE is set
 # every process would compile what it imports. Where uv cannot be had or fails, pip installs.

@@ -32,7 +32,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # trainers: spinning threads then take the cores from whatever the other worker runs. Read when torch
 # loads libgomp, so set here (before any test imports torch) and inherited by every job, Ray node and
 # engine the tests start. Beside a vLLM engine test, test_train's slow tests: 73-81 s with it against
-# 110-113 s without (benchmarks/results/job/test-tiers.md). The product leaves it alone.
+# 110-113 s without. The product leaves it alone.
 # Torch may be loaded already only where the policy was set before it: a test module's `from tests.conftest
 # import ...` loads this file a second time, under that name, after what pytest imported first.
 assert "torch" not in sys.modules or "OMP_WAIT_POLICY" in os.environ, \
@@ -40,7 +40,7 @@ assert "torch" not in sys.modules or "OMP_WAIT_POLICY" in os.environ, \
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Ray Train's preemption watcher (an actor per training run that polls the nodes for a spot
 # instance's notice every 5 s) has nothing to watch on one machine: 27.7 CPU-s of the suite's 2,360, in
-# 15 runs, each its own process (benchmarks/results/job/test-tiers.md). No test covers
+# 15 runs, each its own process. No test covers
 # preemption; the product leaves the watcher on. Inherited by every job and Ray node the tests start.
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 # Ray's log monitor (one a cluster, forwarding workers' output to the driver) reads its open files every
@@ -65,8 +65,7 @@ _PRETRAINED_NEEDED = True
 # The slow tier's files in the order its two xdist workers take them (`make test` runs it with
 # --dist loadfile --no-loadscope-reorder: whole files, in collection order, the first four two to a
 # worker, then each to the first worker free). After the first four, heaviest first by worker-seconds
-# in a full run (benchmarks/results/job/test-tiers.md: its run c ended its workers 47 s
-# apart in the order before; this one, simulated on that run's file times, ~20 s sooner), so that the
+# in a full run, so that the
 # last files are short ones and the workers end together. The second worker's first two files (2nd
 # and 4th here) need no tiny target: on a fresh machine the first worker builds it (70-100 s, its
 # pretraining) while the second works instead of waiting on the build's lock. A file not listed goes

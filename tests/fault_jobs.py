@@ -82,8 +82,7 @@ def wait_for_committed(job: subprocess.Popen, out: Path, n: int) -> dict[int, di
 class Created:
     """The names created in a directory, as the kernel reports them (Linux inotify, IN_CREATE): a
     test waits for a file that lives for milliseconds without polling the directory, where a poll
-    fine enough to catch it (every 0.5 ms) took 8% of a core on an idle machine for the whole job
-    (benchmarks/results/job/test-tiers.md)."""
+    fine enough to catch it (every 0.5 ms) took 8% of a core on an idle machine for the whole job."""
 
     IN_CREATE = 0x100
 

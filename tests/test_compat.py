@@ -106,7 +106,7 @@ def test_stock_connector_still_pins_host_memory():
     assert "pin_memory=True" in src
     if not torch.cuda.is_available():
         # A CPU-only torch names pin_memory; a CUDA build on a machine without a driver (upstream
-        # vLLM 0.33 imported on the CPU: benchmarks/results/versions/vllm-0.33-seams.md) names the driver.
+        # vLLM 0.33 imported on the CPU: benchmarks/results/versions/vllm-0.33-seams-cpu-2026-12-02.md) names the driver.
         with pytest.raises(RuntimeError, match="pin_memory|Found no NVIDIA driver"):
             torch.empty(4, pin_memory=True)
 

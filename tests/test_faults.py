@@ -292,7 +292,7 @@ def test_max_failures_is_checked():
 TRAIN_STEPS, CKPT_EVERY = 10, 4
 # How often the waits below read metrics.jsonl and Ray Train's record: a tiny target's step takes
 # ~0.5-1.5 s on 2 cores, and each look parses both files (every 0.02 s: 3.8% of a core, every 0.1 s: 0.9%,
-# on an idle machine; benchmarks/results/job/test-tiers.md).
+# on an idle machine).
 STEP_POLL_S = 0.1
 
 

@@ -12,7 +12,7 @@ from tests.conftest import REPO
 def test_drivers_import_no_heavy_packages():
     code = (
         "import sys\n"
-        "import ray_jobs.run, ray_jobs.evaluate, ray_jobs.background, ray_jobs.extract, ray_jobs.regenerate, ray_jobs.target, ray_jobs.cluster, ray_jobs.doctor, eagle3.config, eagle3.schema, compat\n"
+        "import ray_jobs.run, ray_jobs.evaluate, ray_jobs.summary, eagle3.evaluate, ray_jobs.background, ray_jobs.extract, ray_jobs.regenerate, ray_jobs.target, ray_jobs.cluster, ray_jobs.doctor, eagle3.config, eagle3.schema, compat\n"
         "heavy = sorted(m for m in ('vllm', 'torch', 'deepspeed', 'transformers') if m in sys.modules)\n"
         "print(','.join(heavy))\n"
     )

@@ -57,7 +57,7 @@ def _engine(ray, target_dir: str, draft_dir: str | None, k: int, max_model_len: 
 @pytest.mark.slow
 def test_vllm_first_token_acceptance_matches_training_accuracy(tiny_target, ray_local, tmp_path):
     """EAGLE3_TRAIN_SERVE_TARGET=DIR runs the same check on another target (an HF directory, e.g. a
-    real one from eagle3/real_targets.py: results/quality/train-serve-smollm2-cpu.md); the suite uses
+    real one from eagle3/real_targets.py: benchmarks/results/quality/train-serve-smollm2-135m-cpu-2026-12-04.md); the suite uses
     the tiny one. EAGLE3_TRAIN_SERVE_K=3 (and EAGLE3_TRAIN_SERVE_STEPS) serves the draft at k=3 and
     prints, per draft position i, the trainer's full_acc_i beside vLLM's rate of drafts whose first
     i+1 tokens were all accepted (the same event: positions 0..i all right); the assertion stays on

@@ -138,7 +138,7 @@ QWEN25_1_5B = {"hidden_size": 1536, "num_hidden_layers": 28, "num_attention_head
 def test_replicas_per_gpu_auto_gives_a_small_target_four_engines_a_gpu():
     """'auto' (the default) resolves in the extract stage: 4 replicas a GPU, each with a 4 GiB KV
     cache unless one is set, for a target under 0.5B parameters on a GPU cluster (measured:
-    benchmarks/results/extraction/replicas-h200-smol.md); 1 for a larger target, without GPUs, for
+    benchmarks/results/extraction/replicas-one-gpu-smollm2-shape-h200-2026-12-02.md); 1 for a larger target, without GPUs, for
     engines of several GPUs; a number stays as given. Until resolved, 'auto' counts as 1."""
     from ray_jobs.extract import approx_num_params, resolve_replicas_per_gpu
 

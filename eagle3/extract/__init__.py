@@ -1,5 +1,6 @@
 """Extract stage: the tokens table -> committed hidden-states shards, the training data.
 
+- config: the extract section of the job's config
 - extractor: one shard of prepared samples through the target (a vLLM engine, or transformers as the
   reference) -> a hidden-states table, with rejects
 - schedule: which shard goes to which engine replica, and what happens when one is lost

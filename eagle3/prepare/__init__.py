@@ -5,6 +5,7 @@
 - heldout: which conversations are held out of training (chosen here, read again by training)
 - tokens: the stage itself: records -> samples -> tokens.parquet, rejects, eval prompts, in one
   process or over Ray tasks
+- config: the prepare and regenerate sections of the job's config
 - regenerate: the optional stage after it: the target rewrites every assistant turn, and the result
   is tokenized again into the same table
 """

@@ -94,7 +94,7 @@ def load_tokenizer(tokenizer_dir: str):
     names the generic fast tokenizer (GENERIC_TOKENIZER_CLASS, and no auto_map of remote code), that
     class loads it directly: the tokenizer AutoTokenizer gives, without AutoTokenizer's resolution of
     the model's config, which imports torch: seconds saved in every process that prepares
-    (benchmarks/results/job/test-tiers.md; tests/test_prepare.py checks both give the same tokens)."""
+    (tests/test_prepare.py checks both give the same tokens)."""
     tokenizer_cls = _generic_tokenizer_class(tokenizer_dir)
     if tokenizer_cls is None:
         from transformers import AutoTokenizer as tokenizer_cls

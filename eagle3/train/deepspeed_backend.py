@@ -40,7 +40,7 @@ def resolve_bf16(cfg: TrainConfig, use_gpu: bool) -> bool:
     natively (eagle3.precision's rule, which decides the engines' "auto" too), fp32 on a CPU that would
     emulate it. Called in the training worker's process, so the flags read are its host's. On a CPU
     with native bf16 it trains faster than fp32 at a similar held-out accuracy
-    (benchmarks/results/job/demo-smollm2-cpu.md)."""
+    (benchmarks/results/job/cpu-demo-smollm2-135m-2-cores-2026-12-05.md)."""
     if cfg.optimizer.bf16 is not None:
         return cfg.optimizer.bf16
     if use_gpu:

@@ -13,7 +13,7 @@ Why not CollateFn itself: it takes per-sample tensors (a reshape and a clone per
 shard's memory), zero-fills fresh buffers and copies into them, and the trainer then copied
 every batch once more into pinned memory. `pack` copies each value once, from the
 (memory-mapped) shard into the (pinned or shared) batch, and zero-fills only the padding
-(figures: `python -m benchmarks.batch_bench`, benchmarks/results/training/batch-h200-1b.md).
+(measured by `python -m benchmarks.batch_bench`).
 fp8 shards: `pack(dequantize=False)` keeps the e4m3 bytes and their scales (half the bytes to copy
 and to send) and `dequantize_batch` turns them into the same batch on the GPU (host
 dequantisation cost: benchmarks/results/training/batch-h200-1b-fp8.md).

@@ -94,7 +94,7 @@ def input_pipeline(dataset: HiddenStatesDataset, cfg: DataConfig, dtype: torch.d
     """A rank's batches with their model inputs staged on `device` in `dtype`, and a description of
     how they are built (for the log). On GPU, batches are page-locked (each copy to the device is
     asynchronous) and fp8 shards go to the device as stored, to be dequantised there: the host's
-    dequantisation is slower than packing bf16 (benchmarks/results/training/batch-h200-1b-fp8.md)."""
+    dequantisation is slower than packing bf16 (`python -m benchmarks.batch_bench --hs-dtype fp8`)."""
     on_gpu = device.type == "cuda"
     depth = prefetch_depth(cfg, len(dataset.layer_ids), dataset.hidden_size, dtype)
     # An online dataset (eagle3.train.data.online) asks the coordinator for its tables: forked workers

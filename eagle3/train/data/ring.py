@@ -30,8 +30,7 @@ class BatchRing:
 
     Why not DataLoader's own way: it moves each tensor through a new shared-memory segment, which
     the receiving process unmaps when the tensor is dropped, holding the GIL, and meanwhile the
-    training loop launches no kernel: the GPU idles after each batch
-    (benchmarks/results/training/train-h200-1b-prof-gaps.md). Its pin_memory thread also copies
+    training loop launches no kernel: the GPU idles after each batch. Its pin_memory thread also copies
     every batch once more, serially. Here the file is page-locked once with cudaHostRegister
     (`page_lock`), so the copy to the device reads the slot itself.
     The file is unlinked at once: its memory goes when no process maps it any more.
