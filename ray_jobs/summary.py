@@ -4,6 +4,11 @@ accuracy against vLLM's acceptance, speedup, start-up and dtypes), so that a run
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
 
 def _startup_line(startup: dict) -> str | None:
     """Each engine's start and the trainer's set-up, in the form 'doctor dry run Ns; extract engine Ns;
@@ -141,6 +146,7 @@ def format_summary(report: dict) -> str:
     lines.extend(_accuracy_lines(st))
     if "eval" in st:
         lines += _eval_summary(st["eval"])
+    lines += _serve_lines(report)
     lines.append("  time per stage   " + ", ".join(f"{k} {v:.0f}s" for k, v in report["seconds"].items()))
     if (startup := _startup_line(report.get("startup", {}))) is not None:
         lines.append("  start-up         " + startup)
@@ -175,4 +181,31 @@ def _eval_summary(ev: dict) -> list[str]:
                          f"({r['without_draft']['tokens_per_s']['mean']:.0f} -> {r['with_draft']['tokens_per_s']['mean']:.0f}"
                          f" tokens/s; {ci}{f', AL {al:.2f}' if al else ''}; {r['num_prompts']} prompts, answers of "
                          f"at most {r['max_tokens']} tokens){slower}")
+    return lines
+
+
+def _serve_lines(report: dict) -> list[str]:
+    """The `vllm serve` command for the job's draft at the k the eval found best, and whether the
+    draft pays at each batch size timed (eagle3.serve). With an eval, the draft's serving.json gets
+    the same record: the summary is the one step after eval.json that knows the draft and the eval."""
+    from eagle3.serve import SERVING_FILE, serving_record, write_serving_file
+
+    ev = report["stages"].get("eval")
+    draft = report.get("draft") or (ev or {}).get("draft")
+    target = report.get("target") or (ev or {}).get("target")
+    if not draft or not target:
+        return []
+    rec = serving_record(target, draft, ev)
+    where = ""
+    if ev and (Path(draft) / "config.json").exists():
+        try:
+            where = f"; in {write_serving_file(draft, target, ev)}"
+        except OSError as e:  # a read-only draft directory keeps export's record; the summary still prints
+            logger.warning("could not write %s: %s", Path(draft) / SERVING_FILE, e)
+    elif (Path(draft) / SERVING_FILE).exists():
+        where = f"; in {Path(draft) / SERVING_FILE}"
+    lines = [f"  serve            {rec['vllm_serve']}",
+             f"                   k={rec['num_speculative_tokens']}: {rec['k_chosen_by']}{where}"]
+    if ev:
+        lines += [f"  {'verdict' if i == 0 else '':<16} {v}" for i, v in enumerate(rec["verdict"])]
     return lines

@@ -153,6 +153,14 @@ def test_eval_report_pairs_each_window_with_the_baseline_and_the_summary_says_it
     assert any("batch   1 greedy" in x and "(100 -> 150 tokens/s; 1.4" in x and "AL 2.30; 4 prompts" in x
                and "slows" not in x for x in lines)
     assert any("batch   1 T=0.7 top_p=0.9" in x and "the draft slows this batch size" in x for x in lines)
+    from ray_jobs.summary import format_summary
+
+    text = format_summary({"seconds": {"total": 1}, "output_dir": "/o", "target": "/t", "draft": "/o/draft",
+                           "stages": {"eval": ev}})
+    assert ("\n  serve            vllm serve /t --speculative-config "
+            """'{"method": "eagle3", "model": "/o/draft", "num_speculative_tokens": 3}'\n""") in text
+    assert ("\n  verdict          the draft slows batch 1 (0.91x T=0.7 top_p=0.9); batch 16 (0.91x T=0.7 top_p=0.9): "
+            "T=0.7 top_p=0.9: serve the target without it; greedy: no batch size slower\n") in text
     # Engines that timed different windows cannot be compared.
     engines[2]["speed"][0] = _run(1, "greedy", [100.0] * 4, 20, rounds=1)
     with pytest.raises(RuntimeError, match="different windows"):

@@ -8,6 +8,8 @@ Owns: the export directory's contents -
                        input_norm (if any), embed_tokens, lm_head, d2t/t2d (if the draft vocab
                        is smaller); verifier_lm_head / verifier_norm are left out by speculators
     provenance.json    eagle3.provenance: train config, git commit, package versions, schema version
+    serving.json       eagle3.serve: the `vllm serve` command for this draft at its default k,
+                       unmeasured until the job's eval fills in its speedups
 Weights are saved in the dtype they were trained in (fp32, or bf16 with bf16 training);
 vLLM casts them to its own dtype.
 Does not own: starting vLLM (the eval stage does), gathering ZeRO-3 shards
@@ -70,5 +72,8 @@ def export_draft(model_or_engine, out_dir: str | Path, target_dir: str | Path, *
 
     write_provenance(out, {"train": dataclasses.asdict(train_config)} if train_config is not None else {},
                      "export", {"verifier": str(target), **(extra_provenance or {})})
+    from eagle3.serve import write_serving_file
+
+    write_serving_file(out.resolve(), target)
     logger.info("exported draft to %s (verifier %s)", out, target)
     return out

