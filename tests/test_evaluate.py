@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3.config import load_job_config
+from tests.helpers import job_config
 from eagle3.evaluate import (DecodeSampling, SpeedWindow, eval_report, eval_samplings, ranges_apart,
                              resolve_enforce_eager, speed_windows, speedup, spread)
 
@@ -43,12 +43,12 @@ def test_windows_decode_every_held_out_prompt_at_batch_1_on_a_gpu_in_whole_waves
     assert [(w.num_prompts, w.max_tokens, w.repeats) for w in cpu] == [(4, 24, 2), (64, 24, 2)]
     assert speed_windows((1,), gpu=True, num_prompts=8, max_tokens=8, repeats=5)[0].repeats == 5
     assert speed_windows((), gpu=True, num_prompts=8, max_tokens=8) == ()
-    assert load_job_config(None, {"eval.speed_repeats": 4}).eval.speed_repeats == 4
+    assert job_config({"eval.speed_repeats": 4}).eval.speed_repeats == 4
     with pytest.raises(ValueError, match=r"eval.speed_repeats=0: must be >= 1 rounds"):
-        load_job_config(None, {"eval.speed_repeats": 0})
+        job_config({"eval.speed_repeats": 0})
     for gone in ("speed_precision", "speed_max_s", "speed_window_tokens"):
         with pytest.raises(ValueError, match=gone):
-            load_job_config(None, {f"eval.{gone}": 1})
+            job_config({f"eval.{gone}": 1})
     with pytest.raises(ValueError, match="num_prompts a multiple of batch_size"):
         SpeedWindow(batch_size=16, num_prompts=20, max_tokens=8, repeats=3)
 
@@ -87,10 +87,10 @@ def test_enforce_eager_auto_is_graphs_on_gpu_only():
 
 
 def test_speed_k_is_derived_and_checked():
-    assert load_job_config(None).eval.resolved_speed_k == 3  # defaults: k in (1, 3)
-    assert load_job_config(None, {"eval.num_speculative_tokens": [1, 2]}).eval.resolved_speed_k == 2
-    assert load_job_config(None, {"eval.num_speculative_tokens": [1, 2], "eval.speed_k": 1}).eval.resolved_speed_k == 1
-    assert load_job_config(None, {"eval.speed_batch_sizes": []}).eval.resolved_speed_k is None
+    assert job_config().eval.resolved_speed_k == 3  # defaults: k in (1, 3)
+    assert job_config({"eval.num_speculative_tokens": [1, 2]}).eval.resolved_speed_k == 2
+    assert job_config({"eval.num_speculative_tokens": [1, 2], "eval.speed_k": 1}).eval.resolved_speed_k == 1
+    assert job_config({"eval.speed_batch_sizes": []}).eval.resolved_speed_k is None
 
 
 def _run(batch, mode, wave_rates, tokens_per_wave, al=None, rounds=2):

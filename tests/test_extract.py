@@ -15,7 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle3.extract.codec import decode_rows
-from eagle3.config import ExtractConfig, load_job_config
+from eagle3.config import ExtractConfig
+from tests.helpers import job_config
 from eagle3.schema import TOKENS_SCHEMA, hs_layout
 
 LENGTHS = (7, 41, 73)
@@ -182,7 +183,7 @@ def test_fp8_storage_halves_bytes_within_tolerance(tiny_target):
 
 
 def _job(tmp_path, **extract):
-    return load_job_config(None, {"output_dir": str(tmp_path), "prepare.max_length": 256,
+    return job_config({"output_dir": str(tmp_path), "prepare.max_length": 256,
                                   **{f"extract.{k}": v for k, v in extract.items()}})
 
 

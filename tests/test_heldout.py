@@ -15,7 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle3 import tiny
-from eagle3.config import PrepareConfig, load_job_config
+from eagle3.config import PrepareConfig
+from tests.helpers import job_config
 from eagle3.prepare.heldout import (HELDOUT_FILE, choose_split, conversation_id, heldout_rows, is_heldout, read_split,
                                    split_key)
 
@@ -76,18 +77,19 @@ def test_fraction_zero_disables_the_split():
 
 
 def test_config_fields_are_validated():
-    assert PrepareConfig().heldout_fraction == 0.02 and PrepareConfig().heldout_min_conversations == 8
+    src = str(DEMO)  # prepare.conversations has no default
+    assert PrepareConfig(src).heldout_fraction == 0.02 and PrepareConfig(src).heldout_min_conversations == 8
     with pytest.raises(ValueError, match=r"prepare\.heldout_fraction=0\.7: must be in \[0, 0\.5\]"):
-        PrepareConfig(heldout_fraction=0.7)
+        PrepareConfig(src, heldout_fraction=0.7)
     with pytest.raises(ValueError, match=r"prepare\.heldout_fraction=-0\.1"):
-        PrepareConfig(heldout_fraction=-0.1)
+        PrepareConfig(src, heldout_fraction=-0.1)
     with pytest.raises(ValueError, match=r"prepare\.heldout_min_conversations=-1: must be >= 0"):
-        PrepareConfig(heldout_min_conversations=-1)
+        PrepareConfig(src, heldout_min_conversations=-1)
     with pytest.raises(ValueError, match=r"train\.eval_every_steps=0: must be >= 1"):
-        load_job_config(None, {"train.eval_every_steps": 0})
+        job_config({"train.eval_every_steps": 0})
     with pytest.raises(ValueError, match=r"train\.eval_max_tokens=0"):
-        load_job_config(None, {"train.eval_max_tokens": 0})
-    cfg = load_job_config(None, {"prepare.heldout_fraction": 0, "train.eval_every_steps": 5})
+        job_config({"train.eval_max_tokens": 0})
+    cfg = job_config({"prepare.heldout_fraction": 0, "train.eval_every_steps": 5})
     assert cfg.prepare.heldout_fraction == 0.0 and cfg.train.eval_every_steps == 5
 
 
@@ -240,8 +242,8 @@ def test_summary_and_curves_show_heldout_beside_training_and_vllm(tmp_path):
 def test_the_job_counts_heldout_accuracy_over_answers_as_long_as_its_evals():
     """train.heldout_first_tokens null: the job trains with eval.max_tokens there (JobConfig.train_config),
     so the summary's held-out figure and vLLM's acceptance count answers of the same length."""
-    cfg = load_job_config(None, {"eval.max_tokens": 128})
+    cfg = job_config({"eval.max_tokens": 128})
     assert cfg.train.heldout_first_tokens is None and cfg.train_config.heldout_first_tokens == 128
-    assert load_job_config(None, {"train.heldout_first_tokens": 0}).train_config.heldout_first_tokens == 0
+    assert job_config({"train.heldout_first_tokens": 0}).train_config.heldout_first_tokens == 0
     with pytest.raises(ValueError, match=r"train\.heldout_first_tokens=-1"):
-        load_job_config(None, {"train.heldout_first_tokens": -1})
+        job_config({"train.heldout_first_tokens": -1})

@@ -225,37 +225,37 @@ def test_online_order_is_the_offline_order_of_the_same_shards(tmp_path):
 
 
 def test_online_config_switch_is_checked():
-    from eagle3.config import load_job_config
+    from tests.helpers import job_config
 
-    assert load_job_config(None).train.source == "offline"  # the default stays offline
-    cfg = load_job_config(None, {"train.source": "online", "train.online.max_inflight_bytes": 1 << 20})
+    assert job_config().train.source == "offline"  # the default stays offline
+    cfg = job_config({"train.source": "online", "train.online.max_inflight_bytes": 1 << 20})
     assert cfg.train.online.max_inflight_bytes == 1 << 20 and cfg.train.online.epochs == "reextract"
     with pytest.raises(ValueError, match=r"train.source.*'disk'"):
-        load_job_config(None, {"train.source": "disk"})
+        job_config({"train.source": "disk"})
     with pytest.raises(ValueError, match=r"train.online.max_inflight_bytes=0: must be >= 1"):
-        load_job_config(None, {"train.online.max_inflight_bytes": 0})
+        job_config({"train.online.max_inflight_bytes": 0})
 
 
 def test_online_replicas_leave_the_gpus_training_needs():
-    from eagle3.config import load_job_config
+    from tests.helpers import job_config
     from ray_jobs.online import GpuSplit, split_gpus
 
-    cfg = load_job_config(None, {"train.source": "online", "train.num_workers": 1})
+    cfg = job_config({"train.source": "online", "train.num_workers": 1})
     assert split_gpus(cfg, 0) == GpuSplit("none", 1, 0.0, 0.0)  # a CPU cluster: one replica on a CPU
     assert split_gpus(cfg, 2) == GpuSplit("separate", 1, 1.0, 1.0) and split_gpus(cfg, 8).num_replicas == 7
-    assert split_gpus(load_job_config(None, {"train.num_workers": 1, "extract.num_replicas": 3}), 8).num_replicas == 3
-    separate = load_job_config(None, {"train.source": "online", "train.online.gpu_split": "separate"})
+    assert split_gpus(job_config({"train.num_workers": 1, "extract.num_replicas": 3}), 8).num_replicas == 3
+    separate = job_config({"train.source": "online", "train.online.gpu_split": "separate"})
     with pytest.raises(ValueError, match=r"has 1 GPUs, train.num_workers=1"):
         split_gpus(separate, 1)
     # whole GPUs asked for beyond the cluster: refused before placement waits for them
     with pytest.raises(ValueError, match=r"has 3 GPUs, train.num_workers=1 take 1 and 3 engine replica\(s\) need 1"):
-        split_gpus(load_job_config(None, {"train.source": "online", "extract.num_replicas": 3}), 3)
+        split_gpus(job_config({"train.source": "online", "extract.num_replicas": 3}), 3)
 
 
 def _online(**overrides):
-    from eagle3.config import load_job_config
+    from tests.helpers import job_config
 
-    return load_job_config(None, {"train.source": "online", **overrides})
+    return job_config({"train.source": "online", **overrides})
 
 
 def test_gpu_split_auto_shares_each_gpu_only_where_engine_and_trainer_cannot_have_their_own():

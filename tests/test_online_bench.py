@@ -33,14 +33,14 @@ def test_one_gpu_args():
 
 
 def test_one_gpu_job_configs_differ_only_in_the_source(tmp_path):
-    from eagle3.config import load_job_config
+    from tests.helpers import job_config
     from ray_jobs.online import split_gpus
 
     a = _args("--gpu-memory-utilization", "0.6", "--trainer-gpu-fraction", "0.3")
     cfgs = {src: ob.one_gpu_job_config(a, source=src, output_dir=str(tmp_path / src), target_dir="/m",
                                        conversations="c.json", num_steps=120, bf16=True)
             for src in ("offline", "online")}
-    loaded = {src: load_job_config(None, ob._flat(c)) for src, c in cfgs.items()}
+    loaded = {src: job_config(ob._flat(c)) for src, c in cfgs.items()}
     off, on = loaded["offline"], loaded["online"]
     assert off.stages == ("extract", "train", "export", "eval") and on.stages == ("train", "export", "eval")
     assert (off.train.source, on.train.source) == ("offline", "online")

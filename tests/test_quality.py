@@ -64,7 +64,7 @@ def test_vllm_first_token_acceptance_matches_training_accuracy(tiny_target, ray_
     position 0."""
     from actors.trainer import run_training
     from benchmarks.train_serve import answers_table
-    from eagle3.config import load_job_config
+    from tests.helpers import job_config
     from eagle3.evaluate import draft_accuracy
     from eagle3.train.config import CheckpointConfig, DataConfig, DraftConfig, OptimizerConfig, TrainConfig
     from ray_jobs.extract import run_extract
@@ -82,7 +82,7 @@ def test_vllm_first_token_acceptance_matches_training_accuracy(tiny_target, ray_
     assert [len(r) for r in responses] == [MAX_TOKENS] * NUM_PROMPTS
     pq.write_table(answers_table(prompts, responses), tmp_path / "tokens.parquet")
 
-    cfg = load_job_config(None, {"output_dir": str(tmp_path), "prepare.max_length": max_model_len,
+    cfg = job_config({"output_dir": str(tmp_path), "prepare.max_length": max_model_len,
                                  "extract.samples_per_shard": 32})
     ext = run_extract(cfg, str(tmp_path / "tokens.parquet"), target, str(tmp_path / "hs"), progress=False)
     assert ext["num_samples"] == NUM_PROMPTS and ext["num_rejected"] == 0

@@ -206,10 +206,10 @@ def test_module_imports_only_the_standard_library():
 
 
 def test_a_job_naming_an_unknown_pypi_model_is_refused_before_any_work(tmp_path):
-    from eagle3.config import load_job_config
+    from tests.helpers import job_config
     from ray_jobs.target import resolve_target
 
-    cfg = load_job_config(None, {"output_dir": str(tmp_path), "target.model": "pypi:llama-70b"})
+    cfg = job_config({"output_dir": str(tmp_path), "target.model": "pypi:llama-70b"})
     with pytest.raises(ValueError, match=r"target.model=pypi:llama-70b: no such model; known: "
                                          r"\['pypi:qwen2.5-coder-1.5b', 'pypi:smollm2'\]"):
         resolve_target(cfg, tmp_path)

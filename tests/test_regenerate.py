@@ -13,7 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle3 import tiny
-from eagle3.config import RegenerateConfig, load_job_config
+from eagle3.config import RegenerateConfig
+from tests.helpers import job_config
 from eagle3.prepare.regenerate import (SHARD_SCHEMA, Generation, Sampling, TurnScheduler, cut_warning, fallback_warning,
                                finalize, regenerate_conversations, render_shard, resolve_sampling,
                                sampling_fallbacks, split_reasoning, turn_seed, write_shard_table)
@@ -133,7 +134,7 @@ def test_rounds_see_the_regenerated_history_and_masks_cover_the_new_text(tok):
     regenerate_conversations(unseeded, tok, samples[:1], Sampling(0.7, 0.9, 32, None), max_model_len=512,
                              max_length=512)
     assert unseeded.calls and all("seed" not in kw for _, params in unseeded.calls for kw in params)
-    assert load_job_config(None, {"regenerate.seed": None}).regenerate.seed is None
+    assert job_config({"regenerate.seed": None}).regenerate.seed is None
 
 
 def test_turns_of_different_conversations_overlap_without_rounds(tok):
@@ -415,8 +416,8 @@ def test_sampling_defaults_come_from_the_targets_generation_config(tmp_path):
 
 def test_regenerate_stage_needs_the_switch():
     with pytest.raises(ValueError, match="lists regenerate but regenerate.enabled is false"):
-        load_job_config(None, {"stages": ["prepare", "regenerate"]})
-    cfg = load_job_config(None, {"regenerate.enabled": True, "stages": ["prepare", "regenerate"]})
+        job_config({"stages": ["prepare", "regenerate"]})
+    cfg = job_config({"regenerate.enabled": True, "stages": ["prepare", "regenerate"]})
     assert cfg.regenerate.enabled and cfg.stages == ("prepare", "regenerate")
 
 
@@ -429,11 +430,11 @@ def test_the_job_stops_before_ray_when_regeneration_cannot_read_the_conversation
     out = tmp_path / "job"
     (out / "prepared").mkdir(parents=True)
     (out / "prepared" / "tokens.parquet").write_bytes(b"")
-    cfg = load_job_config(None, {"output_dir": str(out), "regenerate.enabled": True,
+    cfg = job_config({"output_dir": str(out), "regenerate.enabled": True,
                                  "stages": ["regenerate", "train"], "prepare.conversations": str(tmp_path / "gone.json")})
     with pytest.raises(SystemExit, match=r"regenerate will read the conversations, and cannot: .*gone.json.* does not exist"):
         run(cfg)
-    check_inputs(load_job_config(None, {"output_dir": str(out), "stages": ["train"],  # regeneration off: no reader
+    check_inputs(job_config({"output_dir": str(out), "stages": ["train"],  # regeneration off: no reader
                                         "prepare.conversations": str(tmp_path / "gone.json")}), out)
     (out / "regenerated").mkdir()
     (out / "regenerated" / "tokens.parquet").write_bytes(b"")
@@ -596,7 +597,7 @@ def test_scheduler_overlaps_turns_on_a_real_vllm_engine(tiny_target, monkeypatch
 # ----------------------------------------------------------------------- real Ray + real vLLM
 
 def _job(tmp_path, conversations, **regen):
-    return load_job_config(None, {
+    return job_config({
         "output_dir": str(tmp_path), "stages": ["prepare", "regenerate", "extract"],
         "prepare.conversations": str(conversations), "prepare.max_length": 512, "prepare.num_eval_prompts": 1,
         "extract.num_replicas": 1, "extract.placement_timeout_s": 60,
@@ -694,7 +695,7 @@ def test_vllm_regenerates_each_conversation_once_and_resumes(tiny_target, tmp_pa
     # Extraction reads the regenerated tokens (hf backend: the orchestration, no second engine).
     from ray_jobs.extract import run_extract
 
-    ecfg = load_job_config(None, {"output_dir": str(tmp_path), "prepare.max_length": 512, "extract.backend": "hf",
+    ecfg = job_config({"output_dir": str(tmp_path), "prepare.max_length": 512, "extract.backend": "hf",
                                   "stages": ["extract"]})
     ext = run_extract(ecfg, str(out / "tokens.parquet"), tiny_target, str(tmp_path / "hs"), progress=False,
                       tokens_source="regenerated")

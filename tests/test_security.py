@@ -80,11 +80,11 @@ def test_checkpoint_state_of_ours_loads_through_the_safe_reader(tmp_path):
 
 
 def test_dashboard_host_defaults_to_loopback_and_must_be_an_address():
-    from eagle3.config import JobConfig, load_job_config
+    from tests.helpers import job_config
 
-    assert JobConfig().ray.dashboard_host == "127.0.0.1"
+    assert job_config().ray.dashboard_host == "127.0.0.1"
     with pytest.raises(ValueError, match="ray.dashboard_host.*127.0.0.1"):
-        load_job_config(None, overrides={"ray.dashboard_host": " "})
+        job_config(overrides={"ray.dashboard_host": " "})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import pytest
 
 from actors.train_progress import MAX_LINES, ProgressLines
 from eagle3 import precision
-from eagle3.config import load_job_config
+from tests.helpers import job_config
 from ray_jobs.cluster import COMPILE_CACHES, compile_cache_env, job_runtime_env
 from ray_jobs.run import format_summary, startup_record
 from tests.helpers import gpu_probe_class
@@ -45,10 +45,10 @@ def test_auto_dtype_is_float32_where_the_cpu_would_emulate_bf16(monkeypatch):
 
 
 def test_target_dtype_defaults_to_auto_and_refuses_other_names():
-    assert load_job_config(None).target.dtype == "auto"
-    assert load_job_config(None, {"target.dtype": "float32"}).target.dtype == "float32"
+    assert job_config().target.dtype == "auto"
+    assert job_config({"target.dtype": "float32"}).target.dtype == "float32"
     with pytest.raises(ValueError, match=r"target.dtype.*'fp32'.*'auto'"):
-        load_job_config(None, {"target.dtype": "fp32"})
+        job_config({"target.dtype": "fp32"})
 
 
 def test_compile_caches_go_under_the_cache_dir_in_every_worker(tmp_path, monkeypatch):
@@ -58,7 +58,7 @@ def test_compile_caches_go_under_the_cache_dir_in_every_worker(tmp_path, monkeyp
     assert env == {var: str(tmp_path / "c" / sub) for var, sub in COMPILE_CACHES.items()}
     assert set(env) == {"VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"}
     assert job_runtime_env("~/c")["env_vars"].items() >= env.items()
-    assert load_job_config(None).cache_dir == "~/.cache/eagle3/compile"
+    assert job_config().cache_dir == "~/.cache/eagle3/compile"
 
 
 def _lines(num_steps: int, step_s: float, interval_s: float) -> list[str]:
@@ -118,15 +118,15 @@ def test_summary_shows_each_engine_start_the_trainers_setup_and_the_dtypes():
 def test_replicas_per_gpu_needs_one_gpu_replicas_and_divides_the_memory():
     from ray_jobs.extract import gpu_share
 
-    e = load_job_config(None, {"extract.replicas_per_gpu": 4, "extract.gpu_memory_utilization": 0.8}).extract
+    e = job_config({"extract.replicas_per_gpu": 4, "extract.gpu_memory_utilization": 0.8}).extract
     assert e.engine_gpu_memory_utilization == pytest.approx(0.2)
     assert [gpu_share(n) for n in (1, 2, 3, 4)] == [1.0, 0.5, 0.3333, 0.25]
     with pytest.raises(ValueError, match=r"extract.replicas_per_gpu=2: needs engine replicas of one GPU"):
-        load_job_config(None, {"extract.replicas_per_gpu": 2, "extract.tensor_parallel_size": 2})
+        job_config({"extract.replicas_per_gpu": 2, "extract.tensor_parallel_size": 2})
     with pytest.raises(ValueError, match=r"extract.replicas_per_gpu=0"):
-        load_job_config(None, {"extract.replicas_per_gpu": 0})
+        job_config({"extract.replicas_per_gpu": 0})
     with pytest.raises(ValueError, match=r"extract.replicas_per_gpu=2: is for the extract stage"):
-        load_job_config(None, {"extract.replicas_per_gpu": 2, "train.source": "online"})
+        job_config({"extract.replicas_per_gpu": 2, "train.source": "online"})
 
 
 SMOLLM2_135M = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
@@ -144,7 +144,7 @@ def test_replicas_per_gpu_auto_gives_a_small_target_four_engines_a_gpu():
 
     assert 130e6 < approx_num_params(SMOLLM2_135M) < 140e6
     assert 1.45e9 < approx_num_params(QWEN25_1_5B) < 1.6e9
-    e = load_job_config(None, {}).extract
+    e = job_config({}).extract
     assert e.replicas_per_gpu == "auto" and e.per_gpu == 1
     assert e.engine_gpu_memory_utilization == e.gpu_memory_utilization
     small, why = resolve_replicas_per_gpu(e, SMOLLM2_135M, cluster_gpus=1)
@@ -152,15 +152,15 @@ def test_replicas_per_gpu_auto_gives_a_small_target_four_engines_a_gpu():
     assert small.engine_gpu_memory_utilization == pytest.approx(e.gpu_memory_utilization / 4)
     assert resolve_replicas_per_gpu(e, QWEN25_1_5B, cluster_gpus=8)[0].replicas_per_gpu == 1
     assert resolve_replicas_per_gpu(e, SMOLLM2_135M, cluster_gpus=0)[0].replicas_per_gpu == 1
-    tp2 = load_job_config(None, {"extract.tensor_parallel_size": 2}).extract
+    tp2 = job_config({"extract.tensor_parallel_size": 2}).extract
     assert resolve_replicas_per_gpu(tp2, SMOLLM2_135M, cluster_gpus=8)[0].replicas_per_gpu == 1
-    kv = load_job_config(None, {"extract.kv_cache_memory_bytes": 2 << 30}).extract
+    kv = job_config({"extract.kv_cache_memory_bytes": 2 << 30}).extract
     assert resolve_replicas_per_gpu(kv, SMOLLM2_135M, cluster_gpus=1)[0].kv_cache_memory_bytes == 2 << 30
-    two = load_job_config(None, {"extract.replicas_per_gpu": 2}).extract
+    two = job_config({"extract.replicas_per_gpu": 2}).extract
     assert resolve_replicas_per_gpu(two, QWEN25_1_5B, cluster_gpus=1) == (two, "set")
-    assert load_job_config(None, {"train.source": "online"}).extract.per_gpu == 1  # online: auto is 1
+    assert job_config({"train.source": "online"}).extract.per_gpu == 1  # online: auto is 1
     with pytest.raises(ValueError, match=r"extract.replicas_per_gpu='four': expected an integer or one of 'auto'"):
-        load_job_config(None, {"extract.replicas_per_gpu": "four"})
+        job_config({"extract.replicas_per_gpu": "four"})
 
 
 def _small_and_large_targets(tmp_path: Path) -> tuple[Path, Path]:
@@ -179,20 +179,20 @@ def test_eval_engines_start_side_by_side_for_a_small_target_on_a_gpu(tmp_path):
     from ray_jobs.evaluate import engines_at_once
 
     small, large = _small_and_large_targets(tmp_path)
-    auto = load_job_config(None, {})
+    auto = job_config({})
     assert auto.eval.engines_at_once == "auto"
     at_once, why = engines_at_once(auto, str(small), 2, gpu=True)
     assert at_once and why.startswith("auto: a 0.13B-parameter target")
     assert engines_at_once(auto, str(large), 2, gpu=True) == (False, "auto: a 1.54B-parameter target keeps one engine busy")
     assert engines_at_once(auto, str(small), 2, gpu=False)[0] is False
     assert engines_at_once(auto, str(small), 1, gpu=True) == (False, "one engine")
-    tp2 = load_job_config(None, {"extract.tensor_parallel_size": 2})
+    tp2 = job_config({"extract.tensor_parallel_size": 2})
     assert engines_at_once(tp2, str(small), 2, gpu=True)[0] is False
-    forced = load_job_config(None, {"eval.engines_at_once": True})
+    forced = job_config({"eval.engines_at_once": True})
     assert engines_at_once(forced, str(large), 3, gpu=False) == (True, "eval.engines_at_once")
-    assert engines_at_once(load_job_config(None, {"eval.engines_at_once": False}), str(small), 2, gpu=True)[0] is False
+    assert engines_at_once(job_config({"eval.engines_at_once": False}), str(small), 2, gpu=True)[0] is False
     with pytest.raises(ValueError, match=r"eval.engines_at_once='yes'"):
-        load_job_config(None, {"eval.engines_at_once": "yes"})
+        job_config({"eval.engines_at_once": "yes"})
 
 
 def test_eval_engines_start_during_training_where_they_would_start_side_by_side(tmp_path):
@@ -203,39 +203,39 @@ def test_eval_engines_start_during_training_where_they_would_start_side_by_side(
     from ray_jobs.evaluate import eval_during_training
 
     small, large = _small_and_large_targets(tmp_path)
-    auto = load_job_config(None, {})
+    auto = job_config({})
     assert auto.eval.start_during_training == "auto"
     on, why = eval_during_training(auto, str(small), gpu=True)
     assert on and why.startswith("auto: a 0.13B-parameter target")
     assert eval_during_training(auto, str(large), gpu=True)[0] is False
     assert eval_during_training(auto, str(small), gpu=False) == (
         False, "auto: on the CPU (the engines would take the trainer's cores)")
-    only_train = load_job_config(None, {"stages": ["prepare", "extract", "train"]})
+    only_train = job_config({"stages": ["prepare", "extract", "train"]})
     assert eval_during_training(only_train, str(small), gpu=True) == (False, "the job does not both train and evaluate")
-    assert eval_during_training(load_job_config(None, {"train.source": "online"}), str(small), gpu=True)[0] is False
-    assert eval_during_training(load_job_config(None, {"train.num_workers": 2}), str(small), gpu=True)[0] is False
-    forced = load_job_config(None, {"eval.start_during_training": True})
+    assert eval_during_training(job_config({"train.source": "online"}), str(small), gpu=True)[0] is False
+    assert eval_during_training(job_config({"train.num_workers": 2}), str(small), gpu=True)[0] is False
+    forced = job_config({"eval.start_during_training": True})
     assert eval_during_training(forced, str(large), gpu=False) == (True, "eval.start_during_training: true")
     with pytest.raises(ValueError, match=r"start_during_training: true cannot work here: train.source is online"):
-        eval_during_training(load_job_config(None, {"eval.start_during_training": True, "train.source": "online"}),
+        eval_during_training(job_config({"eval.start_during_training": True, "train.source": "online"}),
                              str(small), gpu=True)
     with pytest.raises(ValueError, match=r"train.num_workers=2 on GPUs"):
-        eval_during_training(load_job_config(None, {"eval.start_during_training": True, "train.num_workers": 2}),
+        eval_during_training(job_config({"eval.start_during_training": True, "train.num_workers": 2}),
                              str(small), gpu=True)
-    off = load_job_config(None, {"eval.start_during_training": False})
+    off = job_config({"eval.start_during_training": False})
     assert eval_during_training(off, str(small), gpu=True) == (False, "eval.start_during_training: false")
     # The same refusals at the job's start (ray_jobs.run, before any model loads): online training never
     # reaches the eval's own decision, so a forced true was ignored there; several workers stop before extract.
     from ray_jobs.evaluate import check_start_during_training
 
     with pytest.raises(ValueError, match=r"true cannot work here: train.source is online"):
-        check_start_during_training(load_job_config(None, {"eval.start_during_training": True,
+        check_start_during_training(job_config({"eval.start_during_training": True,
                                                            "train.source": "online"}), gpu=False)
-    two = load_job_config(None, {"eval.start_during_training": True, "train.num_workers": 2})
+    two = job_config({"eval.start_during_training": True, "train.num_workers": 2})
     with pytest.raises(ValueError, match=r"train.num_workers=2 on GPUs"):
         check_start_during_training(two, gpu=True)
     check_start_during_training(two, gpu=False)  # CPU workers share no GPU
-    check_start_during_training(load_job_config(None, {"train.source": "online"}), gpu=True)  # auto: never refused
+    check_start_during_training(job_config({"train.source": "online"}), gpu=True)  # auto: never refused
 
 
 WAIT_S = 60  # how long a stand-in waits for the other's signal before failing the test (never in a passing run)
@@ -296,7 +296,7 @@ def test_prepare_runs_beside_the_doctor_whose_verdict_comes_first(tmp_path, monk
                         lambda cfg, target_dir: _FakeDoctor(doctor_ok, events, prepare_started, answered))
     src = tmp_path / "c.jsonl"
     src.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
-    cfg = load_job_config(None, {"output_dir": str(tmp_path / "out"), "prepare.conversations": str(src),
+    cfg = job_config({"output_dir": str(tmp_path / "out"), "prepare.conversations": str(src),
                                  "stages": ["prepare"], "doctor": True})
     if not doctor_ok:
         try:
@@ -334,7 +334,7 @@ def test_replicas_sharing_a_gpu_are_placed_on_fractional_bundles():
     ray.init(num_cpus=4, num_gpus=1, runtime_env=job_runtime_env())
     try:
         for per_gpu in (2, 4):
-            cfg = load_job_config(None, {"extract.replicas_per_gpu": per_gpu}).extract
+            cfg = job_config({"extract.replicas_per_gpu": per_gpu}).extract
             bundle, n = replica_layout(cfg, num_shards_to_do=100)
             pool = ReplicaPool(ShardScheduler(n, max_inflight_per_replica=1), _GpuProbe, lambda i: ((i,), {}),
                                bundle, max_concurrency=1, what="probe replica")

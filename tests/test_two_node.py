@@ -45,11 +45,11 @@ def test_ray_start_commands_give_every_port_and_own_resources():
 
 @pytest.mark.parametrize("mode", ["cpu", "gpu"])
 def test_job_config_loads_with_two_replicas_and_two_workers(mode, tmp_path):
-    from eagle3.config import load_job_config
+    from tests.helpers import job_config
 
     raw = tn.job_config(mode, output_dir=str(tmp_path / "o"), target_dir=str(tmp_path / "t"),
                         conversations="data/demo_conversations.jsonl")
-    cfg = load_job_config(None, {k: v for k, v in _flat(raw)})
+    cfg = job_config({k: v for k, v in _flat(raw)})
     assert cfg.extract.num_replicas == 2 and cfg.train.num_workers == 2 and not cfg.doctor
     assert cfg.stages == ("prepare", "extract", "train", "export", "eval")
     assert cfg.output_dir == str(tmp_path / "o") and cfg.target.model == str(tmp_path / "t")
@@ -176,18 +176,18 @@ def test_share_gpu_args_and_every_node_on_gpu0():
 
 
 def test_share_gpu_job_configs_fit_one_device(tmp_path):
-    from eagle3.config import load_job_config
+    from tests.helpers import job_config
     from ray_jobs.online import split_gpus
 
     raw = tn.job_config("gpu-shared", output_dir=str(tmp_path / "o"), target_dir=str(tmp_path / "t"),
                         conversations="c.jsonl", max_records=600)
-    cfg = load_job_config(None, dict(_flat(raw)))
+    cfg = job_config(dict(_flat(raw)))
     assert (cfg.extract.num_replicas, cfg.extract.gpu_memory_utilization, cfg.train.num_workers) == (2, 0.4, 1)
     assert cfg.train.source == "offline" and cfg.prepare.max_samples == 600 and cfg.eval.num_speculative_tokens == (3,)
     assert 2 * cfg.extract.gpu_memory_utilization <= 0.8 and cfg.extract.kv_cache_memory_bytes == 8 << 30
     online = tn.job_config("gpu-shared", output_dir=str(tmp_path / "o"), target_dir=str(tmp_path / "t"),
                            conversations="c.jsonl", online_steps=150)
-    ocfg = load_job_config(None, dict(_flat(online)))
+    ocfg = job_config(dict(_flat(online)))
     assert ocfg.train.source == "online" and ocfg.train.num_steps == 150 and ocfg.train.online.epochs == "keep"
     assert ocfg.stages == ("prepare", "train", "export", "eval") and ocfg.train.checkpoint.checkpoint_every == 150
     # two nodes declaring one GPU each: one engine on each (0.7), the one trainer 0.3 on one of them;

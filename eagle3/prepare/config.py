@@ -21,8 +21,8 @@ RegenerateCut = Literal["reject", "end"]
 class PrepareConfig:
     """Conversations -> chat template -> input_ids + loss_mask (Arrow)."""
 
-    conversations: str = "data/demo_conversations.jsonl"
-    """OpenAI `messages` or ShareGPT `conversations` records: a JSONL, JSON array, Parquet or Arrow file,
+    conversations: str
+    """Required. OpenAI `messages` or ShareGPT `conversations` records: a JSONL, JSON array, Parquet or Arrow file,
     a directory of those (name order), or a `datasets.save_to_disk` directory. Read where the driver runs."""
     max_length: int = 2048
     """Tokens per sample at most; over_length says what happens to a conversation that has more."""
@@ -38,9 +38,9 @@ class PrepareConfig:
     assistant_only_loss: bool = True
     """loss_mask = 1 on assistant tokens only (the draft predicts the target's answers); False trains
     on every token."""
-    num_eval_prompts: int = 16
+    num_eval_prompts: int = 64
     """The first N good records are held out of training: their prompts go to eval_prompts.jsonl for
-    vLLM's acceptance-length evaluation."""
+    vLLM's acceptance-length evaluation (eval.num_prompts of them)."""
     heldout_fraction: float = 0.02
     """Fraction of conversations held out of training, in [0, 0.5], for the trainer's held-out accuracy
     every train.eval_every_steps (a hash of the conversation id decides: stable across runs). 0: none."""
@@ -56,6 +56,8 @@ class PrepareConfig:
 
     def __post_init__(self):
         check_types(self, "prepare")
+        if not self.conversations.strip():
+            fail("prepare", "conversations", self.conversations, "must name a file or directory of conversations")
         if self.max_length < 8:
             fail("prepare", "max_length", self.max_length, "must be >= 8 tokens")
         if self.num_eval_prompts < 0:
@@ -79,9 +81,10 @@ class RegenerateConfig:
     pipeline_parallel_size, gpu_memory_utilization, cpu_kvcache_space_gib, placement_timeout_s).
     See eagle3/prepare/regenerate.py."""
 
-    enabled: bool = False
+    enabled: bool | None = None
     """Train on regenerated responses: the stage runs before extract whenever extract or regenerate runs.
-    A switch, not a stage name, so which data a draft learns never depends on which stages are rerun."""
+    A switch, not a stage name, so which data a draft learns never depends on which stages are rerun.
+    None: on, except for target.model: tiny (a test fixture whose sampled text teaches nothing)."""
     temperature: float | None = None
     """Sampling temperature; 0 = greedy (a draft for greedy serving). None: the target's
     generation_config.json, else 1.0 (the target's own distribution)."""

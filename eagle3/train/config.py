@@ -16,6 +16,8 @@ wrote) or the ZeRO/bf16 translation into DeepSpeed (eagle3.train.deepspeed_backe
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -44,9 +46,10 @@ class OptimizerConfig:
     """Peak AdamW learning rate, reached after warmup_steps."""
     min_lr: float = 0.0
     """Cosine decay floor reached at train.num_steps; must be <= lr."""
-    warmup_steps: int = 2
+    warmup_steps: int | None = None
     """Linear warmup: steps 1..W+1 run at lr * (0, 1, ..., W) / (W + 1), then cosine decay
-    (DeepSpeed WarmupCosineLR; its first step always runs at lr 0). Must be <= train.num_steps."""
+    (DeepSpeed WarmupCosineLR; its first step always runs at lr 0). Must be <= train.num_steps.
+    None: WARMUP_FRACTION of the run's steps."""
     weight_decay: float = 0.01
     """AdamW decoupled weight decay (speculators' default)."""
     grad_clip: float = 1.0
@@ -66,7 +69,7 @@ class OptimizerConfig:
             _fail("optimizer.lr", self.lr, "must be > 0")
         if not 0 <= self.min_lr <= self.lr:
             _fail("optimizer.min_lr", self.min_lr, f"must be in [0, lr={self.lr}]")
-        if self.warmup_steps < 0:
+        if self.warmup_steps is not None and self.warmup_steps < 0:
             _fail("optimizer.warmup_steps", self.warmup_steps, "must be >= 0")
         if self.weight_decay < 0:
             _fail("optimizer.weight_decay", self.weight_decay, "must be >= 0")
@@ -252,15 +255,32 @@ class OnlineConfig:
             _fail("online.log_every_s", self.log_every_s, "must be > 0 seconds")
 
 
+WARMUP_FRACTION = 0.03
+"""train.optimizer.warmup_steps when null: this fraction of the steps (the measured recipes warmed up
+over 50 of 1,500 steps and 50 of 7,200)."""
+
+EVALS_PER_RUN = 20
+"""train.eval_every_steps when null: about this many held-out evaluations in a run, so the curve has as
+many points whatever its length (each costs forwards over up to train.eval_max_tokens tokens), and
+never more often than every MIN_EVAL_EVERY steps."""
+MIN_EVAL_EVERY = 10
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """DeepSpeed EAGLE-3 draft training."""
 
     num_workers: int = 1
     """Ray Train workers (one DeepSpeed data-parallel rank each; one GPU each on a GPU cluster)."""
-    num_steps: int = 20
-    """Optimizer steps (each = data.gradient_accumulation_steps micro-batches per rank). Data is
-    cycled in epochs as needed: training length is set in steps, not epochs."""
+    num_epochs: float = 5.0
+    """Passes over the training data (the prepared or regenerated tokens less the held-out split), which
+    set num_steps once the data is known: ceil(num_epochs * tokens / tokens per step), tokens per step being
+    data.micro_batch_tokens * data.gradient_accumulation_steps * num_workers (packing fills a micro-batch
+    short of it, so a little fewer passes). The measured recipes trained 5 to 7 passes."""
+    num_steps: int | None = None
+    """Optimizer steps (each = data.gradient_accumulation_steps micro-batches per rank), set instead of
+    num_epochs; data is cycled in epochs as needed. None: from num_epochs. The job's report states the
+    passes either way (train.passes)."""
     seed: int = 0
     """Seeds the draft's initial weights and the data shuffle (order depends on seed and epoch)."""
     log_every_s: float = 30.0
@@ -271,10 +291,10 @@ class TrainConfig:
     """Where training reads hidden states: 'offline' (default): the extract stage's shards on disk; 'online':
     engines extract while training runs, tables reach the ranks through the object store, nothing written
     (settings: train.online). Same order and draft vocabulary either way."""
-    eval_every_steps: int = 100
+    eval_every_steps: int | None = None
     """Every this many optimizer steps, and after the last, the draft's accuracy per TTT position on the
     held-out split (prepare.heldout_fraction) goes into metrics.jsonl: more often, finer curves, each
-    costing forwards over up to eval_max_tokens tokens."""
+    costing forwards over up to eval_max_tokens tokens. None: EVALS_PER_RUN evaluations in a run."""
     heldout_first_tokens: int | None = None
     """Also count held-out accuracy over only the first this many tokens of each answer, to compare with
     vLLM's acceptance over eval.max_tokens (a small target's long answers end in loops that overstate
@@ -293,21 +313,52 @@ class TrainConfig:
         check_types(self, "train")  # types and Literal choices (each section checked its own); the ranges below
         if self.num_workers < 1:
             _fail("num_workers", self.num_workers, "must be >= 1")
-        if self.num_steps < 1:
-            _fail("num_steps", self.num_steps, "must be >= 1")
+        if not self.num_epochs > 0:
+            _fail("num_epochs", self.num_epochs, "must be > 0 passes over the training data")
+        if self.num_steps is not None and self.num_steps < 1:
+            _fail("num_steps", self.num_steps, "must be >= 1, or null (from train.num_epochs)")
         if not self.log_every_s > 0:
             _fail("log_every_s", self.log_every_s, "must be > 0 seconds")
-        if self.eval_every_steps < 1:
+        if self.eval_every_steps is not None and self.eval_every_steps < 1:
             _fail("eval_every_steps", self.eval_every_steps, "must be >= 1 step (prepare.heldout_fraction: 0 turns "
                   "the held-out evaluation off)")
         if self.heldout_first_tokens is not None and self.heldout_first_tokens < 0:
             _fail("heldout_first_tokens", self.heldout_first_tokens, "must be >= 1 token, 0 (off) or null")
         if self.eval_max_tokens < 1:
             _fail("eval_max_tokens", self.eval_max_tokens, "must be >= 1 token (at least one micro-batch is read)")
-        # Limits between a section and the stage's own length.
+        # Limits between a section and the stage's own length (once it is known: resolve_length).
+        if self.num_steps is None:
+            return
+        # Scaled with the length the moment it is known: a config whose num_steps is set is complete.
+        if self.optimizer.warmup_steps is None:
+            object.__setattr__(self, "optimizer", dataclasses.replace(
+                self.optimizer, warmup_steps=round(WARMUP_FRACTION * self.num_steps)))
+        if self.eval_every_steps is None:
+            object.__setattr__(self, "eval_every_steps", max(MIN_EVAL_EVERY, self.num_steps // EVALS_PER_RUN))
         if self.optimizer.warmup_steps > self.num_steps:
             _fail("optimizer.warmup_steps", self.optimizer.warmup_steps, f"must be in [0, num_steps={self.num_steps}]")
         steps = self.profiling.profile_steps
         if steps is not None and steps[1] > self.num_steps:
             _fail("profiling.profile_steps", steps, f"use [first, last] with 1 <= first <= last <= num_steps="
                   f"{self.num_steps}, or null")
+
+
+
+def tokens_per_step(cfg: TrainConfig) -> int:
+    """Tokens an optimizer step takes at most, all ranks together (packing leaves some room)."""
+    return cfg.data.micro_batch_tokens * cfg.data.gradient_accumulation_steps * cfg.num_workers
+
+
+def resolve_length(cfg: TrainConfig, train_tokens: int) -> tuple[TrainConfig, dict]:
+    """cfg with num_steps set from num_epochs and the training data's token count (a num_steps given is
+    kept), warmup and evaluation scaled with it; and a record of how. Checked again as a whole (a
+    profile_steps past the derived steps is refused)."""
+    per_step = tokens_per_step(cfg)
+    steps = cfg.num_steps if cfg.num_steps is not None else max(1, math.ceil(cfg.num_epochs * train_tokens / per_step))
+    resolved = dataclasses.replace(cfg, num_steps=steps)
+    record = {"num_steps": steps, "steps_from": "train.num_steps" if cfg.num_steps is not None else "train.num_epochs",
+              "num_epochs": cfg.num_epochs if cfg.num_steps is None else None, "train_tokens": train_tokens,
+              "tokens_per_step": per_step, "warmup_steps": resolved.optimizer.warmup_steps,
+              "eval_every_steps": resolved.eval_every_steps,
+              "planned_passes": round(steps * per_step / train_tokens, 2) if train_tokens else None}
+    return resolved, record
