@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from eagle3.config import JobConfig, load_job_config
@@ -40,6 +41,88 @@ def estimate_tokens(cfg: JobConfig) -> tuple[int, str]:
         return 0, f"{src} not found"
     of = f"the first {n} records of {src}" if n is not None else str(src)
     return source_bytes(src, n) // 4, f"~4 bytes of {of} a token"
+
+
+def count_tokens(cfg: JobConfig, target_dir: str, sample_records: int = 256) -> tuple[int, int | None, str]:
+    """(prepared tokens, records, how) for the cost estimate: the prepared tokens where an earlier run
+    left them, else the first sample_records records rendered with the target's own template (as
+    prepare renders them, truncation included), scaled by the bytes of the records prepare will read;
+    estimate_tokens' ~4 bytes a token where the tokenizer cannot load."""
+    num, how = estimate_tokens(cfg)
+    if how == PREPARED_ESTIMATE or not Path(cfg.prepare.conversations).exists():
+        return num, None, how
+    from eagle3.prepare.conversations import iter_records, source_bytes
+
+    try:
+        from eagle3.prepare.tokens import load_tokenizer, tokenize_chunk
+
+        records = list(iter_records(cfg.prepare.conversations, sample_records,
+                                    leading_assistant=cfg.prepare.leading_assistant))
+        sampled = tokenize_chunk(cfg.prepare, load_tokenizer(target_dir), records)
+        sample_bytes = source_bytes(cfg.prepare.conversations, len(records))
+    except Exception as e:  # noqa: BLE001 - the estimate falls back, it never stops the doctor
+        return num, cfg.prepare.max_samples, f"{how} (the tokenizer's sample failed: {type(e).__name__})"
+    if not records or sample_bytes <= 0:
+        return num, 0, how
+    n = cfg.prepare.max_samples
+    total_bytes = source_bytes(cfg.prepare.conversations, n)
+    tokens = sum(sampled.samples.column("num_tokens").to_pylist())
+    num_records = len(records) if total_bytes <= sample_bytes else round(len(records) * total_bytes / sample_bytes)
+    num_records = min(num_records, n) if n is not None else num_records
+    return round(tokens * total_bytes / sample_bytes), num_records, \
+        f"the first {len(records)} records rendered with the target's template, scaled by bytes"
+
+
+def compile_caches_filled(cache_dir: str | None) -> bool:
+    """Whether an earlier job left vLLM's compile cache under cache_dir: engines then start warm."""
+    if cache_dir is None:
+        return False
+    vllm_cache = Path(cache_dir).expanduser() / "vllm"
+    return vllm_cache.is_dir() and any(vllm_cache.iterdir())
+
+
+def cost_estimate(cfg: JobConfig, target_dir: str, num_gpus: int) -> dict:
+    """eagle3.cost.estimate for this job, from what the driver can read cheaply."""
+    from eagle3 import cost, doctor
+
+    num_tokens, num_records, how = count_tokens(cfg, target_dir)
+    config = json.loads((Path(target_dir) / "config.json").read_text())
+    return cost.estimate(cfg, config, num_tokens, num_gpus, doctor.free_bytes(cfg.output_dir),
+                         num_records=num_records, warm=compile_caches_filled(cfg.cache_dir), tokens_from=how)
+
+
+def estimate_rows(est: dict) -> list[dict]:
+    """The estimate as the doctor's rows: bytes, then each stage's seconds and the rate behind it."""
+    from eagle3.doctor import Check, size_text
+
+    if "error" in est:
+        return [Check("cost estimate", True, f"not estimated: {est['error']}", warn=True).to_dict()]
+    which = "warm" if est["warm"] else "cold"
+    rows = [Check("cost: tokens", True, f"{est['num_tokens']:,} prepared ({est['tokens_from']}); "
+                  f"{est['train_tokens_per_pass']:,} to train on, {est['generated_tokens']:,} to generate; "
+                  f"{est['train_steps']:,} steps on {est['num_gpus']} GPU(s), {est['mode']}")]
+    where = "the held-out split's shards (online)" if est["mode"] == "online" else "hidden states"
+    free = "unknown" if est["free_disk_bytes"] is None else size_text(est["free_disk_bytes"])
+    rows.append(Check("cost: disk", True, f"~{size_text(est['hidden_state_bytes'])} of {where} "
+                      f"({est['bytes_per_token']} bytes a token; bf16 {size_text(est['bytes_bf16'])}, fp8 "
+                      f"{size_text(est['bytes_fp8'])}); {free} free", "; or ".join(est["recommend"]),
+                      warn=not est["fits"]))
+    src = {"prepare": "prepare_s_per_record", "regenerate": "regen_s_per_token", "extract": "extract_s_per_token",
+           "train": "train_s_per_token_per_hidden"}
+    for stage, s in est["stages"].items():
+        rate = est["rates"].get(src.get(stage, ""), {}).get("source")
+        rows.append(Check(f"cost: {stage}", True, f"~{s:.0f}s (fixed {est['overheads']['seconds'][stage]:.0f}s "
+                          f"{which}" + (f"; rate from {rate.split(',')[0]}" if rate else "") + ")"))
+    rows.append(Check("cost: total", True, f"~{est['seconds']:.0f}s {which} (prepare beside the doctor; fixed "
+                      f"costs: {est['overheads']['source'].split(' (')[0]}); its error on measured jobs: "
+                      f"{cost_fit_file()}"))
+    return [r.to_dict() for r in rows]
+
+
+def cost_fit_file() -> str:
+    from eagle3 import cost
+
+    return f"benchmarks/results/{cost.FIT}"
 
 
 def writes_hidden_states(cfg: JobConfig) -> bool:
@@ -143,6 +226,7 @@ class DoctorRun:
         self.submitted_at = time.time()
         self.seconds: float | None = None  # from submission to the last task's end, once result() returned
         self.num_tokens, self.how = estimate_tokens(cfg)
+        self.estimate: dict | None = None  # eagle3.cost.estimate's dict, once the tasks are submitted
         task = ray.remote(max_calls=1, num_cpus=0)(node_report)
         nodes = [n for n in ray.nodes() if n["Alive"]]
         # One dry run per node type (GPU count), on a node that has CPUs to start an engine.
@@ -154,6 +238,11 @@ class DoctorRun:
             self.refs.append((n, task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False),
                                               num_gpus=min(1, kind) if do_dry and kind else 0)
                               .remote(cfg, target_dir, self.num_tokens, do_dry, rough=rough_estimate(cfg, self.how))))
+        # Estimated here, in the driver, while the tasks run; an estimate never stops the doctor.
+        try:
+            self.estimate = cost_estimate(cfg, target_dir, int(sum(n["Resources"].get("GPU", 0) for n in nodes)))
+        except Exception as e:  # noqa: BLE001
+            self.estimate = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
 
     def result(self) -> tuple[bool, str, list[dict]]:
         """(all ok, printable table, reports); `seconds`: from the tasks' submission to the last one's
@@ -165,7 +254,7 @@ class DoctorRun:
             rep = ray.get(ref)
             rep["node_ip"] = node["NodeManagerAddress"]
             reports.append(rep)
-        ok, table = format_reports(reports)
+        ok, table = format_reports(reports, estimate_rows(self.estimate) if self.estimate is not None else ())
         where = "; ".join(f"{r['node_ip']}: checks {r['seconds']['checks']:.0f}s"
                           + (f" beside the dry run {r['seconds']['dry_run']:.0f}s" if r["seconds"]["dry_run"] is not None
                              else "") + f", task {r['seconds']['total']:.0f}s" for r in reports if r.get("seconds"))
@@ -175,19 +264,30 @@ class DoctorRun:
                     f"{self.num_tokens} tokens)"), reports
 
 
-def format_reports(reports: list[dict]) -> tuple[bool, str]:
+def format_row(r: dict) -> list[str]:
+    mark = "FAIL" if not r["ok"] else "WARN" if r.get("warn") else "PASS"
+    lines = [f"  {mark}  {r['name']:<44} {r['detail']}"]
+    if mark != "PASS" and r["fix"]:
+        lines.append(f"        -> {r['fix'].splitlines()[0]}")
+    return lines
+
+
+def format_reports(reports: list[dict], estimate: Sequence[dict] = ()) -> tuple[bool, str]:
     """The printable table and whether every row passed: a WARN row (ok, worth reading: e.g. an
-    untested version whose seams passed) is counted in the summary and never fails the doctor."""
+    untested version whose seams passed) is counted in the summary and never fails the doctor.
+    estimate: the whole job's cost rows (estimate_rows), printed after the nodes'; they never fail it."""
     ok, warnings, lines = True, 0, []
     for rep in reports:
         lines.append(f"node {rep['node_ip']} ({rep['host']})")
         for r in rep["rows"]:
             ok &= r["ok"]
-            mark = "FAIL" if not r["ok"] else "WARN" if r.get("warn") else "PASS"
-            warnings += mark == "WARN"
-            lines.append(f"  {mark}  {r['name']:<44} {r['detail']}")
-            if mark != "PASS" and r["fix"]:
-                lines.append(f"        -> {r['fix'].splitlines()[0]}")
+            warnings += bool(r["ok"] and r.get("warn"))
+            lines += format_row(r)
+    if estimate:
+        lines.append("estimate (the whole job, before it starts)")
+        for r in estimate:
+            warnings += bool(r.get("warn"))
+            lines += format_row(r)
     lines.append(f"doctor: {'all checks passed' if ok else 'FAILED'} on {len(reports)} node(s)"
                  + (f", {warnings} warning(s) (WARN rows)" if warnings else ""))
     return ok, "\n".join(lines)

@@ -176,7 +176,7 @@ def test_a_rough_disk_estimate_warns_and_extraction_checks_the_exact_size(tmp_pa
     not fit."""
     import shutil
 
-    from tests.helpers import job_config
+    from eagle3.config import load_job_config
     from eagle3.doctor import check_disk
     from ray_jobs.doctor import PREPARED_ESTIMATE, rough_estimate
     from ray_jobs.extract import check_room
@@ -188,10 +188,10 @@ def test_a_rough_disk_estimate_warns_and_extraction_checks_the_exact_size(tmp_pa
     assert not check_disk(str(tmp_path), 2 * free).ok  # prepared tokens, extracted as they are: a stop
     fits = check_disk(str(tmp_path), free // 4, rough="counted from the source's bytes")
     assert fits.ok and not fits.warn
-    cfg = job_config({})
+    cfg = load_job_config(None, {})
     assert rough_estimate(cfg, "~4 bytes of x.json a token") == "counted from the source's bytes"
     assert rough_estimate(cfg, PREPARED_ESTIMATE) is None
-    regen = job_config({"regenerate.enabled": True})
+    regen = load_job_config(None, {"regenerate.enabled": True})
     assert rough_estimate(regen, PREPARED_ESTIMATE) == "prepared answers, which the regenerate stage rewrites"
 
     per_token = 4 * 576 * 2 + 5  # SmolLM2: 4 layers of 576 in bf16, the token id and its loss mask
@@ -204,16 +204,16 @@ def test_a_rough_disk_estimate_warns_and_extraction_checks_the_exact_size(tmp_pa
 def test_dataset_estimate_reads_only_the_records_prepare_will_take(tmp_path):
     """prepare.max_samples cuts the source: the doctor's disk estimate counts those records only (an
     H200 job on 2,400 of ShareGPT's records was stopped for the whole 125 MB file's 145 GB)."""
-    from tests.helpers import job_config
+    from eagle3.config import load_job_config
     from ray_jobs.doctor import estimate_tokens
 
     records = [{"id": f"c{i}", "conversations": [{"from": "human", "value": "q" * 100},
                                                   {"from": "gpt", "value": "a" * (300 + i)}]} for i in range(50)]
     src = tmp_path / "sharegpt.json"
     src.write_text(json.dumps(records))
-    whole, how = estimate_tokens(job_config({"prepare.conversations": str(src), "output_dir": str(tmp_path)}))
+    whole, how = estimate_tokens(load_job_config(None, {"prepare.conversations": str(src), "output_dir": str(tmp_path)}))
     assert whole == src.stat().st_size // 4 and how == f"~4 bytes of {src} a token"
-    cut, how = estimate_tokens(job_config({"prepare.conversations": str(src), "output_dir": str(tmp_path),
+    cut, how = estimate_tokens(load_job_config(None, {"prepare.conversations": str(src), "output_dir": str(tmp_path),
                                                       "prepare.max_samples": 10}))
     assert cut == sum(len(json.dumps(r)) for r in records[:10]) // 4
     assert 0.15 * whole < cut < 0.25 * whole and how == f"~4 bytes of the first 10 records of {src} a token"
@@ -222,15 +222,15 @@ def test_dataset_estimate_reads_only_the_records_prepare_will_take(tmp_path):
 def test_disk_check_asks_no_room_when_training_online_writes_no_hidden_states(tmp_path):
     """Online training that re-extracts every epoch writes no hidden states (a data set whose
     hidden states would not fit is its use): the doctor must not stop it for disk space."""
-    from tests.helpers import job_config
+    from eagle3.config import load_job_config
     from eagle3.doctor import check_disk
     from ray_jobs.doctor import writes_hidden_states
 
     online = {"train.source": "online", "train.online.gpu_split": "separate"}
-    assert not writes_hidden_states(job_config(online))
-    assert writes_hidden_states(job_config({**online, "train.online.epochs": "keep"}))
-    assert writes_hidden_states(job_config({}))  # offline: the extract stage's shards
-    assert writes_hidden_states(job_config({**online, "stages": ["prepare", "extract"]}))
+    assert not writes_hidden_states(load_job_config(None, online))
+    assert writes_hidden_states(load_job_config(None, {**online, "train.online.epochs": "keep"}))
+    assert writes_hidden_states(load_job_config(None, {}))  # offline: the extract stage's shards
+    assert writes_hidden_states(load_job_config(None, {**online, "stages": ["prepare", "extract"]}))
     row = check_disk(str(tmp_path), None)
     assert row.ok and "no hidden states are written" in row.detail and "GB free at" in row.detail
 
@@ -331,11 +331,11 @@ def test_node_report_lists_versions_first_judged_by_the_nodes_own_checks(monkeyp
     """What each Ray task of the doctor runs (ray_jobs.doctor.node_report), called directly: no
     Ray, no engine (dry run off), a Qwen3-MoE config as the target. The version rows come first,
     and an untested vLLM is judged by this node's real probes, the target-architecture one too."""
-    from tests.helpers import job_config
+    from eagle3.config import load_job_config
     from ray_jobs.doctor import format_reports, node_report
 
     target = model_configs.write_qwen3_moe_target(tmp_path / "qwen3-moe")
-    cfg = job_config({"output_dir": str(tmp_path / "out"), "target.model": target})
+    cfg = load_job_config(None, {"output_dir": str(tmp_path / "out"), "target.model": target})
     _fake_versions(monkeypatch, vllm="0.40.0")
     rep = node_report(cfg, target, num_tokens=1000, with_dry_run=False)
     names = [r["name"] for r in rep["rows"]]
