@@ -176,7 +176,7 @@ def test_a_rough_disk_estimate_warns_and_extraction_checks_the_exact_size(tmp_pa
     not fit."""
     import shutil
 
-    from eagle3.config import load_job_config
+    from tests.helpers import job_config
     from eagle3.doctor import check_disk
     from ray_jobs.doctor import PREPARED_ESTIMATE, rough_estimate
     from ray_jobs.extract import check_room
@@ -188,10 +188,10 @@ def test_a_rough_disk_estimate_warns_and_extraction_checks_the_exact_size(tmp_pa
     assert not check_disk(str(tmp_path), 2 * free).ok  # prepared tokens, extracted as they are: a stop
     fits = check_disk(str(tmp_path), free // 4, rough="counted from the source's bytes")
     assert fits.ok and not fits.warn
-    cfg = load_job_config(None, {})
+    cfg = job_config({})
     assert rough_estimate(cfg, "~4 bytes of x.json a token") == "counted from the source's bytes"
     assert rough_estimate(cfg, PREPARED_ESTIMATE) is None
-    regen = load_job_config(None, {"regenerate.enabled": True})
+    regen = job_config({"regenerate.enabled": True})
     assert rough_estimate(regen, PREPARED_ESTIMATE) == "prepared answers, which the regenerate stage rewrites"
 
     per_token = 4 * 576 * 2 + 5  # SmolLM2: 4 layers of 576 in bf16, the token id and its loss mask
@@ -204,16 +204,16 @@ def test_a_rough_disk_estimate_warns_and_extraction_checks_the_exact_size(tmp_pa
 def test_dataset_estimate_reads_only_the_records_prepare_will_take(tmp_path):
     """prepare.max_samples cuts the source: the doctor's disk estimate counts those records only (an
     H200 job on 2,400 of ShareGPT's records was stopped for the whole 125 MB file's 145 GB)."""
-    from eagle3.config import load_job_config
+    from tests.helpers import job_config
     from ray_jobs.doctor import estimate_tokens
 
     records = [{"id": f"c{i}", "conversations": [{"from": "human", "value": "q" * 100},
                                                   {"from": "gpt", "value": "a" * (300 + i)}]} for i in range(50)]
     src = tmp_path / "sharegpt.json"
     src.write_text(json.dumps(records))
-    whole, how = estimate_tokens(load_job_config(None, {"prepare.conversations": str(src), "output_dir": str(tmp_path)}))
+    whole, how = estimate_tokens(job_config({"prepare.conversations": str(src), "output_dir": str(tmp_path)}))
     assert whole == src.stat().st_size // 4 and how == f"~4 bytes of {src} a token"
-    cut, how = estimate_tokens(load_job_config(None, {"prepare.conversations": str(src), "output_dir": str(tmp_path),
+    cut, how = estimate_tokens(job_config({"prepare.conversations": str(src), "output_dir": str(tmp_path),
                                                       "prepare.max_samples": 10}))
     assert cut == sum(len(json.dumps(r)) for r in records[:10]) // 4
     assert 0.15 * whole < cut < 0.25 * whole and how == f"~4 bytes of the first 10 records of {src} a token"
@@ -222,15 +222,15 @@ def test_dataset_estimate_reads_only_the_records_prepare_will_take(tmp_path):
 def test_disk_check_asks_no_room_when_training_online_writes_no_hidden_states(tmp_path):
     """Online training that re-extracts every epoch writes no hidden states (a data set whose
     hidden states would not fit is its use): the doctor must not stop it for disk space."""
-    from eagle3.config import load_job_config
+    from tests.helpers import job_config
     from eagle3.doctor import check_disk
     from ray_jobs.doctor import writes_hidden_states
 
     online = {"train.source": "online", "train.online.gpu_split": "separate"}
-    assert not writes_hidden_states(load_job_config(None, online))
-    assert writes_hidden_states(load_job_config(None, {**online, "train.online.epochs": "keep"}))
-    assert writes_hidden_states(load_job_config(None, {}))  # offline: the extract stage's shards
-    assert writes_hidden_states(load_job_config(None, {**online, "stages": ["prepare", "extract"]}))
+    assert not writes_hidden_states(job_config(online))
+    assert writes_hidden_states(job_config({**online, "train.online.epochs": "keep"}))
+    assert writes_hidden_states(job_config({}))  # offline: the extract stage's shards
+    assert writes_hidden_states(job_config({**online, "stages": ["prepare", "extract"]}))
     row = check_disk(str(tmp_path), None)
     assert row.ok and "no hidden states are written" in row.detail and "GB free at" in row.detail
 
@@ -331,11 +331,11 @@ def test_node_report_lists_versions_first_judged_by_the_nodes_own_checks(monkeyp
     """What each Ray task of the doctor runs (ray_jobs.doctor.node_report), called directly: no
     Ray, no engine (dry run off), a Qwen3-MoE config as the target. The version rows come first,
     and an untested vLLM is judged by this node's real probes, the target-architecture one too."""
-    from eagle3.config import load_job_config
+    from tests.helpers import job_config
     from ray_jobs.doctor import format_reports, node_report
 
     target = model_configs.write_qwen3_moe_target(tmp_path / "qwen3-moe")
-    cfg = load_job_config(None, {"output_dir": str(tmp_path / "out"), "target.model": target})
+    cfg = job_config({"output_dir": str(tmp_path / "out"), "target.model": target})
     _fake_versions(monkeypatch, vllm="0.40.0")
     rep = node_report(cfg, target, num_tokens=1000, with_dry_run=False)
     names = [r["name"] for r in rep["rows"]]
@@ -420,6 +420,51 @@ def test_a_moved_seam_fails_naming_seam_version_and_fix(monkeypatch, version):
         assert rows["version vllm"].detail.endswith("its seams decide: failed: seam vllm hidden-states connector")
     else:  # a tested version: the seam row alone fails
         assert [n for n, r in rows.items() if not r.ok] == ["seam vllm hidden-states connector"]
+
+
+# --- the cost estimate (eagle3.cost), as the doctor prints it --------------------------------------
+
+
+def test_cost_rows_print_bytes_and_stages_and_warn_where_the_disk_is_short(tmp_path):
+    """The estimate's rows follow the nodes' in the doctor's table, in its row format; a disk too small for
+    the hidden states is a WARN naming fp8 or online mode, never a failure of the doctor."""
+    from eagle3 import cost
+    from eagle3.config import load_job_config
+    from ray_jobs.doctor import estimate_rows, format_reports
+
+    cfg = load_job_config(None, {"target.model": str(tmp_path), "prepare.conversations": str(tmp_path / "c.json"),
+                                 "output_dir": str(tmp_path), "regenerate.enabled": False, "train.num_steps": 100})
+    smol = {"hidden_size": 576, "num_hidden_layers": 30, "vocab_size": 49152, "intermediate_size": 1536,
+            "num_attention_heads": 9, "num_key_value_heads": 3, "tie_word_embeddings": True}
+    short = estimate_rows(cost.estimate(cfg, smol, 1_000_000, 1, 3 * 10 ** 9, tokens_from="a sample"))
+    names = [r["name"] for r in short]
+    assert names[:2] == ["cost: tokens", "cost: disk"] and names[-1] == "cost: total" and "cost: train" in names
+    disk = short[1]
+    assert disk["ok"] and disk["warn"] and "float8_e4m3fn" in disk["fix"] and "4.61 GB" in disk["detail"]
+    node = {"node_ip": "127.0.0.1", "host": "h", "rows": [{"name": "disk space", "ok": True, "detail": "x", "fix": ""}]}
+    ok, table = format_reports([node], short)
+    assert ok and "estimate (the whole job, before it starts)" in table and "WARN  cost: disk" in table
+    assert table.endswith("doctor: all checks passed on 1 node(s), 1 warning(s) (WARN rows)")
+    roomy = estimate_rows(cost.estimate(cfg, smol, 1_000_000, 1, 10 ** 12))
+    assert not any(r.get("warn") for r in roomy)
+    assert estimate_rows({"error": "ValueError: x"})[0]["warn"]
+
+
+def test_cost_token_count_falls_back_to_bytes_without_a_tokenizer_and_caches_say_warm(tmp_path):
+    from eagle3.config import load_job_config
+    from ray_jobs.doctor import compile_caches_filled, count_tokens
+
+    src = tmp_path / "c.json"
+    src.write_text(json.dumps([{"id": f"c{i}", "conversations": [{"from": "human", "value": "q" * 100},
+                                                                 {"from": "gpt", "value": "a" * 300}]}
+                               for i in range(20)]))
+    cfg = load_job_config(None, {"target.model": str(tmp_path), "prepare.conversations": str(src),
+                                 "output_dir": str(tmp_path / "out")})
+    tokens, _, how = count_tokens(cfg, str(tmp_path))  # no tokenizer in tmp_path
+    assert tokens == src.stat().st_size // 4 and "the tokenizer's sample failed" in how
+    assert not compile_caches_filled(str(tmp_path / "cache")) and not compile_caches_filled(None)
+    (tmp_path / "cache" / "vllm" / "torch_compile_cache").mkdir(parents=True)
+    assert compile_caches_filled(str(tmp_path / "cache"))
 
 
 # --- the cost estimate (eagle3.cost), as the doctor prints it --------------------------------------
