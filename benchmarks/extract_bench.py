@@ -178,6 +178,7 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
     import ray
 
     from benchmarks.shapes import SHAPES, write_shape
+    from benchmarks.common import STAGE_ONLY
     from eagle3.config import load_job_config
 
     model_dir = write_shape(shape, work / f"model-{shape}")
@@ -292,7 +293,7 @@ def bench_shape(shape: str, args, gpu: int, work: Path) -> dict:
 
         class HF:
             def __init__(self):
-                ids = load_job_config(None).extract.layer_ids(SHAPES[shape][1])
+                ids = load_job_config(None, STAGE_ONLY).extract.layer_ids(SHAPES[shape][1])
                 self.b = HFBackend(model_dir, ids, batch_size=args.hf_batch, random_weights=True)
 
             def run(self, ps):
@@ -315,9 +316,10 @@ def disk_extract_config(work: Path, *, max_len: int, hs_dtype: str, samples_per_
     """disk_extract's job config: the extract stage alone, so a max_len past the default
     train.data.micro_batch_tokens (long context) is no training limit here (JobConfig checks
     micro_batch_tokens only when training runs)."""
+    from benchmarks.common import STAGE_ONLY
     from eagle3.config import load_job_config
 
-    return load_job_config(None, {"output_dir": str(work), "stages": ["extract"], "prepare.max_length": max_len,
+    return load_job_config(None, {**STAGE_ONLY, "output_dir": str(work), "stages": ["extract"], "prepare.max_length": max_len,
                                   "extract.load_format": "dummy", "extract.hs_dtype": hs_dtype,
                                   "extract.samples_per_shard": samples_per_shard, "extract.num_replicas": 1, "extract.replicas_per_gpu": 1,
                                   "extract.max_num_batched_tokens": batched,

@@ -138,10 +138,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def job_config(args, out: Path, target_dir: str, *, replicas: int, workers: int, source: str):
+    from benchmarks.common import STAGE_ONLY
     from eagle3.config import load_job_config
 
     return load_job_config(None, {
-        "output_dir": str(out), "target.model": target_dir, "doctor": False, "eval.enabled": False,
+        **STAGE_ONLY, "output_dir": str(out), "target.model": target_dir, "doctor": False, "eval.enabled": False,
         "stages": ["train"], "prepare.max_length": args.prompt_len + 8,
         "extract.backend": args.extract_backend, "extract.samples_per_shard": args.samples_per_shard,
         "extract.num_replicas": replicas, "extract.replicas_per_gpu": 1,

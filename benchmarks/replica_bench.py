@@ -43,6 +43,7 @@ def main(argv=None) -> int:
 
     from benchmarks.common import random_prompts, result_meta, steady_tok_s, tokens_table, write_result
     from benchmarks.shapes import SHAPES, write_shape
+    from benchmarks.common import STAGE_ONLY
     from eagle3.config import load_job_config
     from eagle3.extract.manifest import Manifest
     from ray_jobs.cluster import init_ray
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
     tokens = sum(map(len, prompts))
     pq.write_table(tokens_table(prompts), work / "tokens.parquet")
     per_gpu = args.replicas_per_gpu is not None
-    base_settings = {"output_dir": str(work), "prepare.max_length": args.prompt_len + 8,
+    base_settings = {**STAGE_ONLY, "output_dir": str(work), "prepare.max_length": args.prompt_len + 8,
                      "extract.load_format": "dummy", "extract.samples_per_shard": args.samples_per_shard,
                      "extract.hs_dtype": args.hs_dtype, "extract.max_num_batched_tokens": max(16384, args.prompt_len + 9),
                      "extract.gpu_memory_utilization": 0.8}

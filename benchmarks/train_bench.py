@@ -540,6 +540,7 @@ def extract_hidden_states(s: BenchSettings, args, work: Path, target_dir: str, v
     import pyarrow.parquet as pq
 
     from benchmarks.common import random_prompts, tokens_table
+    from benchmarks.common import STAGE_ONLY
     from eagle3.config import load_job_config
     from ray_jobs.extract import run_extract
 
@@ -548,7 +549,7 @@ def extract_hidden_states(s: BenchSettings, args, work: Path, target_dir: str, v
     tokens_path = work / "tokens.parquet"
     pq.write_table(table, tokens_path)
     cfg = load_job_config(None, {
-        "output_dir": str(work), "prepare.max_length": s.prompt_len + 8, "extract.backend": args.extract_backend,
+        **STAGE_ONLY, "output_dir": str(work), "prepare.max_length": s.prompt_len + 8, "extract.backend": args.extract_backend,
         "extract.samples_per_shard": args.samples_per_shard, "extract.num_replicas": 1, "extract.replicas_per_gpu": 1,
         "extract.hs_dtype": args.hs_dtype,
         "extract.max_num_batched_tokens": max(16384, s.prompt_len + 8), "extract.gpu_memory_utilization": 0.8,

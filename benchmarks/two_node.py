@@ -666,12 +666,13 @@ def online_num_steps(mode: str, work: Path, target: str, conversations: str, max
     stage's own code (in this process, into work/precount) with the job's prepare settings."""
     import pyarrow.parquet as pq
 
+    from benchmarks.common import STAGE_ONLY
     from eagle3.config import load_job_config
     from eagle3.prepare.tokens import prepare_dataset
 
     raw = job_config(mode, output_dir=str(work / "precount"), target_dir=target, conversations=conversations,
                      max_records=max_records)
-    cfg = load_job_config(None, {"prepare." + k: v for k, v in raw["prepare"].items()})
+    cfg = load_job_config(None, {**STAGE_ONLY, **{"prepare." + k: v for k, v in raw["prepare"].items()}})
     prepare_dataset(cfg.prepare, target, str(work / "precount"))
     tokens = sum(pq.read_table(work / "precount" / "tokens.parquet", columns=["num_tokens"]).column(
         "num_tokens").to_pylist())

@@ -201,6 +201,9 @@ def run(cfg: JobConfig) -> dict:
             shutil.rmtree(early.provisional, ignore_errors=True)  # the engines read it at their start only
         report["stages"]["eval"] = results
         (out / "eval.json").write_text(json.dumps(results, indent=1))
+        from eagle3.serve import write_serving_file
+
+        write_serving_file(out / "draft", target_dir, results)  # the k and the verdict the eval measured
 
     report["seconds"]["total"] = round(time.perf_counter() - t0, 2)
     report["startup"].update(startup_record(report["stages"]))

@@ -4,10 +4,7 @@ accuracy against vLLM's acceptance, speedup, start-up and dtypes), so that a run
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
-
-logger = logging.getLogger(__name__)
 
 
 def _startup_line(startup: dict) -> str | None:
@@ -187,9 +184,9 @@ def _eval_summary(ev: dict) -> list[str]:
 
 def _serve_lines(report: dict) -> list[str]:
     """The `vllm serve` command for the job's draft at the k the eval found best, and whether the
-    draft pays at each batch size timed (eagle3.serve). With an eval, the draft's serving.json gets
-    the same record: the summary is the one step after eval.json that knows the draft and the eval."""
-    from eagle3.serve import SERVING_FILE, serving_record, write_serving_file
+    draft pays at each batch size timed (eagle3.serve; the job wrote the same record to the draft's
+    serving.json)."""
+    from eagle3.serve import SERVING_FILE, serving_record
 
     ev = report["stages"].get("eval")
     draft = report.get("draft") or (ev or {}).get("draft")
@@ -197,14 +194,7 @@ def _serve_lines(report: dict) -> list[str]:
     if not draft or not target:
         return []
     rec = serving_record(target, draft, ev)
-    where = ""
-    if ev and (Path(draft) / "config.json").exists():
-        try:
-            where = f"; in {write_serving_file(draft, target, ev)}"
-        except OSError as e:  # a read-only draft directory keeps export's record; the summary still prints
-            logger.warning("could not write %s: %s", Path(draft) / SERVING_FILE, e)
-    elif (Path(draft) / SERVING_FILE).exists():
-        where = f"; in {Path(draft) / SERVING_FILE}"
+    where = f"; in {Path(draft) / SERVING_FILE}" if (Path(draft) / SERVING_FILE).exists() else ""
     lines = [f"  serve            {rec['vllm_serve']}",
              f"                   k={rec['num_speculative_tokens']}: {rec['k_chosen_by']}{where}"]
     if ev:
