@@ -19,7 +19,7 @@ At the top, what every stage or no single stage uses:
 - schema: the Arrow contracts between stages (prepare -> extract -> train), versioned
 - precision, provenance: the compute dtype behind `auto`; what is written next to every output
 - doctor, gpu_processes: the pre-flight checks and who holds GPU memory
-- tiny: the seeded tiny target (`target.model: null`, the tests'); the real pretrained targets
+- tiny: the seeded tiny target (`target.model: tiny`, the tests'); the real pretrained targets
   (`target.model: pypi:smollm2`, the demo's) are built by scripts/real_targets.py
 A stage imports earlier stages, never a later one (tests/test_layering.py): the held-out split is
 prepare's (training reads it back) and export is train's (the trainer calls it; evaluation reads
