@@ -27,7 +27,8 @@ def _env() -> dict:
 
 def _doctor(tmp_path: Path, target: str, address: str, *args: str) -> tuple[subprocess.CompletedProcess, Path]:
     # ray.address: the session's shared cluster (conftest's shared_ray), one node.
-    cfg = {"output_dir": str(tmp_path / "out"), "target": {"model": target}, "ray": {"address": address}}
+    cfg = {"output_dir": str(tmp_path / "out"), "target": {"model": target}, "ray": {"address": address},
+           "prepare": {"conversations": str(REPO / "data" / "demo_conversations.jsonl")}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
     report = tmp_path / "doctor.json"
     out = subprocess.run([sys.executable, "-m", "ray_jobs.doctor", "--config", str(tmp_path / "job.yaml"),
