@@ -386,7 +386,7 @@ def run_figures(out: Path, source: str, log_text: str, skip_steps: int) -> dict:
 
 
 def one_gpu_checks(res: dict) -> list[dict]:
-    """The issue's targets, each with its figures."""
+    """The targets this benchmark checks, each with its figures."""
     off, on = res["runs"]["offline"], res["runs"]["online"]
     out = []
 

@@ -165,9 +165,9 @@ class Plan:
     """(hidden_size, num_hidden_layers, vocab_size) of the --target this plan is sized for; None: a
     plan for make_target's or the tiny target."""
     al_k3_target: float = 2.5
-    """The acceptance length at k=3 (ours, greedy) the issue asks for on this target."""
+    """The acceptance length at k=3 (ours, greedy) wanted on this target."""
     batch16_speedup_target: float | None = None
-    """The decode speedup at batch 16 the issue asks for (None: none asked)."""
+    """The decode speedup at batch 16 wanted (None: none set)."""
 
 
 REAL_SIZES = dict(
@@ -868,7 +868,7 @@ def collect(out: Path, plan: Plan) -> dict:
 
 
 def judge(al: dict, speedup: dict, plan: Plan) -> list[dict]:
-    """The issues' targets: ours >= 0.98x theirs at every k (greedy and sampled), AL at k=3 >=
+    """The targets: ours >= 0.98x theirs at every k (greedy and sampled), AL at k=3 >=
     plan.al_k3_target (greedy), decode speedup at batch 1 >= 1.5x and at batch 16 >= the plan's
     (greedy, ours at speed_k); each with the figure, and a speedup with its windows' range."""
     out = []

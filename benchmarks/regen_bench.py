@@ -8,7 +8,7 @@ sampling and max_tokens, generated tokens/s of
   handed in as the driver hands them to a replica: ray_jobs.regenerate.INFLIGHT_PER_REPLICA at a
   time, the next when one is done, each rendered into training rows as the actor does);
 - `regenerate_unseeded`: the same scheduler without seeds (regenerate.seed null);
-and the ratios that answer the issue: regenerate/generate with seeds (target >= 0.9), and
+and the ratios that matter: regenerate/generate with seeds (target >= 0.9), and
 unseeded/seeded generate (do per-request seeds bound vLLM's generation?). Where seeds could cost:
 vLLM's V1 model runner draws each seeded request's noise with its own generator, one request after
 another in every sampling step (`random_sample` in vllm/v1/sample/ops/topk_topp_sampler.py); its

@@ -11,7 +11,7 @@ from pathlib import Path
 SHAPES = {
     # name: (hidden, layers, heads, kv heads, intermediate, vocab)
     "tiny": (256, 8, 4, 2, 512, 1024),
-    "smol": (576, 30, 9, 3, 1536, 49152),  # SmolLM2-135M's shape (the issue-28 job's target)
+    "smol": (576, 30, 9, 3, 1536, 49152),  # SmolLM2-135M's shape
     "1b": (2048, 16, 32, 8, 8192, 128256),
     "8b": (4096, 32, 32, 8, 14336, 128256),
 }

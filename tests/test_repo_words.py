@@ -19,8 +19,8 @@ _S = "\\"  # a backslash, so that no pattern below is spelled out whole in this 
 PATTERNS = {
     "numbered work period": _S + "bsessions? ?" + _S + "d",
     "machine loan": _S + "b" + "lea" + "se",
-    "numbered issue": _S + "b" + "iss" + "ue #?" + _S + "d+",
-    "numbered stop": _S + "b" + "st" + "op #?" + _S + "d+",
+    "numbered issue": _S + "b" + "iss" + "ue[ #-]?#?" + _S + "d+",
+    "numbered stop": _S + "b" + "st" + "op[ #-]?#?" + _S + "d+",
     "device output folder": _S + "$" + "OUT" + _S + "b",
     "checkout beside this one": _S + "." + _S + "./" + "sha" + "red",
     "carried folder": _S + ".gpu" + _S + "d",
@@ -49,7 +49,7 @@ def _hits(text: str) -> list[tuple[int, str, str]]:
 def test_patterns_match_what_they_name():
     """The scan's patterns catch each kind of word, and leave ordinary ones alone."""
     caught = ["in sess" + "ion 12 we", "Sess" + "ions3", "the lea" + "se ran out", "see iss" + "ue 31",
-              "iss" + "ue #7", "st" + "op 4", "to $" + "OUT/x", "../" + "shared/STYLE.md", "." + "gpu34/x",
+              "iss" + "ue #7", "the iss" + "ue-28 job", "st" + "op 4", "to $" + "OUT/x", "../" + "shared/STYLE.md", "." + "gpu34/x",
               "." + "gpuregen/x", "make" + "_carry.sh", "/tmp" + "/repo/x"]
     for line in caught:
         assert _hits(line), line
