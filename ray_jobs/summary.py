@@ -102,7 +102,9 @@ def format_summary(report: dict) -> str:
     """The lines printed at the job's end, from the report run() returns (report.json)."""
     st = report["stages"]
     lines = [f"eagle3 job finished in {report['seconds']['total']:.0f}s; outputs under {report['output_dir']}"]
-    lines.append(f"  target           {report['target']}")
+    t = st.get("target", {})
+    lines.append(f"  target           {report['target']}"
+                 + (f" ({t['model']}, resolved on the {t['resolved_on']})" if t.get("resolved_on") else ""))
     if "prepare" in st:
         p = st["prepare"]
         lines.append(f"  prepared/        {p['num_samples']} samples, {p['num_tokens']} tokens "

@@ -121,3 +121,14 @@ def test_the_keys_a_job_must_set_are_named_when_missing(tmp_path):
         load_job_config(None, {"target.model": "tiny", "output_dir": str(tmp_path)})
     assert load_job_config(None, {"target.model": "tiny", "output_dir": str(tmp_path),
                                   "prepare.conversations": conversations}).target.is_tiny
+
+
+def test_the_summary_says_where_a_hub_id_was_resolved():
+    from ray_jobs.summary import format_summary
+
+    report = {"output_dir": "/o", "target": "/cache/models--org--m/snapshots/abc", "seconds": {"total": 1.0},
+              "startup": {}, "stages": {"target": {"model": "org/m", "kind": "hub", "dir": "/cache/x",
+                                                   "resolved_on": "driver node's hub cache (other nodes must read "
+                                                                  "the same path)"}}}
+    line = format_summary(report).splitlines()[1]
+    assert line.endswith("(org/m, resolved on the driver node's hub cache (other nodes must read the same path))")
