@@ -94,6 +94,33 @@ def installed(name: str) -> Version | None:
     return None
 
 
+def declared_range(name: str, *, by: str) -> str | None:
+    """The version range distribution `by` declares for `name` in its own metadata (Requires-Dist), e.g.
+    speculators 0.9.0's '<=2.14.1,>=2.9.0' for torch; None where it declares none or is not installed."""
+    from packaging.requirements import Requirement
+
+    try:
+        requires = metadata.requires(by) or []
+    except metadata.PackageNotFoundError:
+        return None
+    for line in requires:
+        req = Requirement(line)
+        if req.name.lower() == name.lower() and req.marker is None:
+            return str(req.specifier) or None
+    return None
+
+
+def outside_declared(name: str, version: Version, *, by: str = "speculators") -> str | None:
+    """Where `by`'s own pins exclude this version of `name`, a sentence saying so (the doctor's version
+    row carries it: pip would refuse the pair, and `by` was never released against it); else None."""
+    from packaging.specifiers import SpecifierSet
+
+    spec = declared_range(name, by=by)
+    if spec is None or SpecifierSet(spec).contains(version, prereleases=True):
+        return None
+    return f"{by} {installed(by)} declares {name}{spec}, which excludes {name} {version}"
+
+
 def in_tested_range(name: str) -> tuple[bool, str]:
     v = installed(name)
     lo, hi = TESTED[name]

@@ -43,7 +43,7 @@ def check_versions(others: Sequence[Check] = ()) -> list[Check]:
     the package (compat.probes.SEAMS) passed among `others` (this node's rows), and the dry run too
     where it ran here; a failure naming what failed otherwise, or when the package is a hard stop."""
     from compat.probes import SEAMS
-    from compat.versions import TESTED, UNTESTED, in_tested_range, installed
+    from compat.versions import TESTED, UNTESTED, in_tested_range, installed, outside_declared
 
     rows = []
     for name in TESTED:
@@ -57,6 +57,8 @@ def check_versions(others: Sequence[Check] = ()) -> list[Check]:
         if version is None:
             rows.append(Check(f"version {name}", False, detail, to_tested))
             continue
+        if name != "speculators" and (pinned := outside_declared(name, version)):
+            detail = f"{detail}; {pinned}"
         if not policy.decided_by_seams:
             rows.append(Check(f"version {name}", False, f"{detail}; untested {name} is a hard stop: {policy.why}",
                               f"{to_tested}, or run make test on {name} {version} and widen compat.versions.TESTED"))

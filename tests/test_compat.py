@@ -913,3 +913,20 @@ def test_deepspeed_cpu_shm_op_is_built_at_init_unless_marked_incompatible():
     got = json.loads(lines[-1][len("RESULT "):])
     assert got == {"name": "deepspeed_shm_comm", "default": {"op": "the op", "built": ["deepspeed_shm_comm"]},
                    "skipped": {"op": None, "built": []}}
+
+
+def test_speculators_pins_say_which_torch_and_transformers_it_allows():
+    """speculators declares its own torch and transformers ranges (Requires-Dist); the doctor's version
+    row names them where an installed version falls outside. Fails when speculators moves its pins:
+    then read them again and say what the new range allows."""
+    from packaging.version import Version
+
+    from compat.versions import declared_range, outside_declared
+
+    assert declared_range("torch", by="speculators") == "<=2.14.1,>=2.9.0"
+    assert declared_range("transformers", by="speculators") == "<=5.19.0,>=5.0.0"
+    assert outside_declared("torch", Version("2.13.0")) is None
+    assert outside_declared("torch", Version("2.15.0")) == \
+        "speculators 0.9.0 declares torch<=2.14.1,>=2.9.0, which excludes torch 2.15.0"
+    assert "excludes transformers 5.23.0" in outside_declared("transformers", Version("5.23.0"))
+    assert declared_range("torch", by="no-such-distribution") is None

@@ -253,6 +253,18 @@ def _rows_by_name(rows) -> dict:
     return {r.name: r for r in rows}
 
 
+def test_a_torch_or_transformers_past_speculators_pins_says_so_in_its_row(monkeypatch):
+    """torch 2.15 and transformers 5.23 (faked) lie outside both the tested matrix and speculators'
+    own declared ranges; the version row says the second too, since pip would refuse that pair."""
+    from eagle3.doctor import check_seams, check_versions
+
+    _fake_versions(monkeypatch, torch="2.15.0", transformers="5.23.0")
+    rows = _rows_by_name(check_versions(check_seams(None, False)))
+    assert "speculators 0.9.0 declares torch<=2.14.1,>=2.9.0, which excludes torch 2.15.0" in rows["version torch"].detail
+    assert "which excludes transformers 5.23.0" in rows["version transformers"].detail
+    assert "declares" not in rows["version vllm"].detail
+
+
 def test_untested_vllm_whose_seams_pass_runs_with_a_warning(monkeypatch):
     """An untested vLLM (faked 0.40.0; the real probes pass on the installed one) is a WARN row that
     names the range and the seams that decided it; the doctor's verdict stays 'passed' (exit 0)."""
