@@ -92,16 +92,25 @@ def _timed_rows(ev: dict | None) -> list[tuple[int, dict]]:
 
 
 def choose_k(ev: dict | None, default: int | None = None) -> tuple[int | None, str]:
-    """The k to serve at, and why: the verdict's best k at batch 1 (the smallest timed batch size)
-    where its step-cost model could predict the untimed k; else the best batch-1 speedup among the
-    timed k (greedy where timed, else the first sampling), else the eval's timed k, else (nothing
-    timed) 3 if the eval measured acceptance at it, else its largest; with no eval, `default`."""
+    """The k to serve at, and why: a timed k always, the verdict's best at batch 1 (the smallest timed
+    batch size) where it is measured; else the best batch-1 speedup among the timed k (greedy where
+    timed, else the first sampling), else the eval's timed k, else (nothing timed) 3 if the eval
+    measured acceptance at it, else its largest; with no eval, `default`. A better k the step-cost
+    model predicts is named in the reason."""
     v = verdict_of(ev)
     first = v["batches"][0] if v and v["predicted"] and v["batches"] else None
-    if first and first["best_k"] is not None:
-        how = "measured" if first["measured"] else "predicted"
-        return first["best_k"], (f"the best speedup at batch {first['batch_size']} ({first['speedup']:.2f}x {how}, at "
+    if first and first["best_k"] is not None and first["measured"]:
+        return first["best_k"], (f"the best speedup at batch {first['batch_size']} ({first['speedup']:.2f}x measured, at "
                                  f"the slowest sampling) of k={', '.join(map(str, v['ks']))} (eagle3.evaluate.verdict)")
+    # A k the model predicts better but nobody timed is named, not served: the model is a guide to
+    # what to time next (eval.speed_ks), and a served k should be a measured one.
+    hint = (f"; the step-cost model predicts k={first['best_k']} at {first['speedup']:.2f}x at batch "
+            f"{first['batch_size']}: time it with eval.speed_ks" if first and first["best_k"] is not None else "")
+    k, why = _measured_k(ev, default)
+    return k, why + hint
+
+
+def _measured_k(ev: dict | None, default: int | None) -> tuple[int | None, str]:
     rows = _timed_rows(ev)
     if rows:
         ones = [(k, r) for k, r in rows if r["batch_size"] == 1]

@@ -71,7 +71,7 @@ _PRETRAINED_NEEDED = True
 # pretraining) while the second works instead of waiting on the build's lock. A file not listed goes
 # after the listed ones.
 SLOW_FILE_ORDER = ("test_faults.py", "test_real_target_job.py", "test_online.py", "test_e2e_qwen3.py", "test_e2e.py",
-                   "test_quality.py", "test_train.py", "test_serve.py", "test_recipes.py", "test_doctor.py", "test_extract.py", "test_compat.py",
+                   "test_quality.py", "test_train.py", "test_recipes.py", "test_doctor.py", "test_extract.py", "test_compat.py",
                    "test_startup.py", "test_regenerate.py", "test_security.py", "test_prepare.py", "test_engine_logs.py")
 
 

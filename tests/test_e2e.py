@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -341,3 +342,46 @@ def test_same_driver_runs_under_ray_job_submit(tiny_target, tmp_path):
         left = stop_ray_head(head, temp_dir)
         log.close()
     assert not left, f"still running after the head was stopped: {[p.info['cmdline'][:2] for p in left]}"
+
+
+def test_the_jobs_draft_serves_chat_completions_with_accepted_draft_tokens(demo_run, tmp_path):
+    """The job prints the serve command and writes it into draft/serving.json; the OpenAI-compatible
+    server started with that speculative config answers chat completions, and its /metrics count
+    accepted draft tokens."""
+    from openai import OpenAI
+
+    from eagle3.serve import api_server_argv
+    from ray_jobs.cluster import free_ports
+    from tests.test_serve import _get, _stop, _user_turns, _wait_healthy
+
+    out, stdout, _ = demo_run
+    rec = json.loads((out / "draft" / "serving.json").read_text())
+    assert rec["speculative_config"] == {"method": "eagle3", "model": str(out / "draft"), "num_speculative_tokens": 3}
+    assert rec["target"] == str(out / "target")
+    assert f"  serve            {rec['vllm_serve']}\n" in stdout
+    served = re.search(r"^  serve            vllm serve (\S+) --speculative-config '(.+)'$", stdout, re.M)
+    target, spec = served.group(1), json.loads(served.group(2))
+
+    port = free_ports(1)[0]
+    argv = api_server_argv(target, spec["model"], spec["num_speculative_tokens"], port=port, python=sys.executable)
+    log = tmp_path / "server.log"
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with open(log, "w") as f:
+        server = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    try:
+        _wait_healthy(server, url, log, 300)
+        client = OpenAI(base_url=url + "/v1", api_key="none", timeout=120, max_retries=0)
+        answers = []
+        for text in _user_turns(4):
+            r = client.chat.completions.create(model=target, messages=[{"role": "user", "content": text}],
+                                               max_tokens=48, temperature=0)
+            answers.append((r.choices[0].message.content, r.usage.completion_tokens))
+        assert all(content and n > 0 for content, n in answers), answers
+        metrics = _get(url + "/metrics", 10)
+    finally:
+        _stop(server)
+    counts = {m.group(1): float(m.group(2)) for m in
+              re.finditer(r"^vllm:spec_decode_num_(drafts|accepted_tokens)_total\{[^}]*\} (\S+)$", metrics, re.M)}
+    assert counts.get("drafts", 0) > 0 and counts.get("accepted_tokens", 0) > 0, (counts, answers)

@@ -1,17 +1,14 @@
 """Serving the job's draft: the summary's `vllm serve` command and verdict built from eval.json
-(eagle3.serve: fast), and the exported draft served by vLLM's OpenAI-compatible server on the CPU,
-answering chat completions through the `openai` client with draft tokens accepted (slow)."""
+(eagle3.serve), and the helpers tests/test_e2e.py uses to serve the demo job's draft with vLLM's
+OpenAI-compatible server on the CPU."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
-import shutil
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 
@@ -19,7 +16,7 @@ import pytest
 
 from eagle3.serve import (api_server_argv, batch_verdicts, choose_k, serve_command, serving_record, verdict_lines,
                           write_serving_file)
-from tests.conftest import DEMO, REPO
+from tests.conftest import DEMO
 
 
 def _result(batch, ratio, ci, mode="greedy", k=None):
@@ -143,54 +140,3 @@ def _user_turns(n: int) -> list[str]:
         if len(turns) == n:
             return turns
     raise AssertionError(f"{DEMO} has fewer than {n} conversations")
-
-
-@pytest.mark.slow
-def test_the_jobs_draft_serves_chat_completions_with_accepted_draft_tokens(tmp_path, tiny_target, shared_ray):
-    """The job (eval at k=3, acceptance only: CPU timings are not what this checks) prints the serve
-    command and writes it into draft/serving.json; the OpenAI-compatible server started with that
-    speculative config answers chat completions, and its /metrics count accepted draft tokens."""
-    from openai import OpenAI
-
-    from ray_jobs.cluster import free_ports
-
-    out = tmp_path / "job"
-    out.mkdir()
-    shutil.copytree(tiny_target, out / "target")
-    job = subprocess.run(
-        [sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml", "--set", f"output_dir={out}",
-         "--set", f"target.model={out / 'target'}", "--set", f"ray.address={shared_ray}", "--set", "doctor=false",
-         "--set", "train.num_steps=20", "--set", "eval.num_speculative_tokens=[3]",
-         "--set", "eval.speed_batch_sizes=[]"],
-        cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-5000:]
-    rec = json.loads((out / "draft" / "serving.json").read_text())
-    assert rec["speculative_config"] == {"method": "eagle3", "model": str(out / "draft"), "num_speculative_tokens": 3}
-    assert rec["target"] == str(out / "target") and rec["verdict"][0].startswith("no decode speed timed")
-    assert f"  serve            {rec['vllm_serve']}\n" in job.stdout
-    served = re.search(r"^  serve            vllm serve (\S+) --speculative-config '(.+)'$", job.stdout, re.M)
-    target, spec = served.group(1), json.loads(served.group(2))
-
-    port = free_ports(1)[0]
-    argv = api_server_argv(target, spec["model"], spec["num_speculative_tokens"], port=port, python=sys.executable)
-    log = tmp_path / "server.log"
-    url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    with open(log, "w") as f:
-        server = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
-    try:
-        _wait_healthy(server, url, log, 300)
-        client = OpenAI(base_url=url + "/v1", api_key="none", timeout=120, max_retries=0)
-        answers = []
-        for text in _user_turns(4):
-            r = client.chat.completions.create(model=target, messages=[{"role": "user", "content": text}],
-                                               max_tokens=48, temperature=0)
-            answers.append((r.choices[0].message.content, r.usage.completion_tokens))
-        assert all(content and n > 0 for content, n in answers), answers
-        metrics = _get(url + "/metrics", 10)
-    finally:
-        _stop(server)
-    counts = {m.group(1): float(m.group(2)) for m in
-              re.finditer(r"^vllm:spec_decode_num_(drafts|accepted_tokens)_total\{[^}]*\} (\S+)$", metrics, re.M)}
-    assert counts.get("drafts", 0) > 0 and counts.get("accepted_tokens", 0) > 0, (counts, answers)

@@ -946,7 +946,7 @@ def test_export_reloads_with_speculators_and_matches(tiny, trained, tmp_path):
     trainer = trained[0]
     out = trainer.export(tmp_path / "draft")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "config.py", "model.safetensors",
-                                                      "provenance.json"]
+                                                      "provenance.json", "serving.json"]
     config = json.loads((out / "config.json").read_text())
     print("\nexported config.json keys:", sorted(config))
     assert config["speculators_model_type"] == "eagle3"
