@@ -29,7 +29,7 @@ from eagle3.config import JobConfig, load_job_config
 from eagle3.provenance import write_provenance
 from ray_jobs.background import Background
 from ray_jobs.evaluate import EVAL_GPU_RESERVE, check_start_during_training, early_eval, evaluate
-from ray_jobs.summary import _bound_line, _eval_summary, _resumed, format_summary  # noqa: F401 - re-exported
+from ray_jobs.summary import format_summary
 from ray_jobs.target import check_target, resolve_target
 
 log = logging.getLogger("eagle3")

@@ -145,7 +145,7 @@ def test_eval_report_pairs_each_window_with_the_baseline_and_the_summary_says_it
     assert by[1, "sampled"]["speedup"]["ci95"][1] < 1.0  # every prompt slower with the draft
     assert by[16, "greedy"]["with_draft"]["acceptance_length"] == 2.2
     assert [e["measured"] for e in ev["engines"]] == [["acceptance"], ["acceptance", "speed"], ["speed"]]
-    from ray_jobs.run import _eval_summary
+    from ray_jobs.summary import _eval_summary
 
     lines = _eval_summary(ev)
     assert lines[0].endswith("(greedy / T=0.7 top_p=0.9; answers ending at EOS): k=1: 1.60 / 1.30, k=3: 2.20 / 1.60")
@@ -174,7 +174,7 @@ def test_eval_report_without_speed_has_no_baseline():
     ev = eval_report(engines, samplings=eval_samplings(0.0, 1.0), sampling_source="test", windows=(), speed_k=None,
                      num_prompts=8, max_tokens=48)
     assert ev["speed"] is None and list(ev["samplings"]) == ["greedy"]
-    from ray_jobs.run import _eval_summary
+    from ray_jobs.summary import _eval_summary
 
     assert _eval_summary(ev) == ["  eval.json        acceptance length in vLLM (greedy; answers ending at EOS): k=1: 1.60"]
     ev = eval_report(engines, samplings=eval_samplings(0.0, 1.0), sampling_source="test", windows=(), speed_k=None,

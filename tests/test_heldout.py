@@ -192,7 +192,7 @@ def _lengths(files) -> dict[str, int]:
 
 def test_summary_and_curves_show_heldout_beside_training_and_vllm(tmp_path):
     from actors.trainer import plot_curves
-    from ray_jobs.run import format_summary
+    from ray_jobs.summary import format_summary
 
     held = {"step": 20, "full_acc": [0.61, 0.42, 0.30], "cond_acc": [0.61, 0.7, 0.7],
             "train_full_acc": [0.72, 0.55, 0.41], "train_steps_averaged": 10, "num_positions": 812, "num_samples": 8}
@@ -222,7 +222,7 @@ def test_summary_and_curves_show_heldout_beside_training_and_vllm(tmp_path):
             "conversations (prepare.max_samples, a larger source) should raise it") in text
     held["train_full_acc"] = [0.63, 0.45, 0.31]
     assert "not short of data: training and held-out accuracy meet at position 1 (+0.020); more" in format_summary(report)
-    from ray_jobs.run import _bound_line
+    from ray_jobs.summary import _bound_line
 
     assert _bound_line({"train": {"tokens": 7600}, "extract": {"num_tokens": 1000}}, held) == (
         "not short of data: training and held-out accuracy meet at position 1 (+0.020, 7.6 passes over 1000 "

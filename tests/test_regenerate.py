@@ -221,7 +221,7 @@ def test_turns_the_target_ended_are_counted_apart_from_cut_ones_and_untrusted_da
     assert cut_warning(10, 9, sampling, []) is None  # too few to judge mid-stage ...
     assert "9 of 10 turns" in cut_warning(10, 9, sampling, [], final=True)  # ... but said at the end
     # The job's final summary shows the turns ended apart from the cut ones, and the warnings.
-    from ray_jobs.run import format_summary
+    from ray_jobs.summary import format_summary
 
     text = format_summary({"seconds": {"total": 10}, "output_dir": "/o", "target": "t", "stages": {"regenerate": {
         "num_samples": 5, "num_generated_tokens": 100, "num_rejected": 1, "num_shards": 1, "shards_skipped": 0,
@@ -502,7 +502,7 @@ def test_an_input_that_only_grew_keeps_its_full_shards(tmp_path):
     assert manifest.open(fp(more), sample_ids=more) == Grown(9, [])
     assert sorted(manifest.committed()) == [0, 1, 2]
     # The job's summary line says what a stage kept, and from what
-    from ray_jobs.run import _resumed
+    from ray_jobs.summary import _resumed
 
     stage = {"num_shards": 4, "shards_skipped": 3, "grown": Grown(9, [])._asdict()}
     assert _resumed(stage) == "; 3 of 4 shards already committed (kept from an input of 9)"

@@ -14,7 +14,8 @@ from actors.train_progress import MAX_LINES, ProgressLines
 from eagle3 import precision
 from tests.helpers import job_config
 from ray_jobs.cluster import COMPILE_CACHES, compile_cache_env, job_runtime_env
-from ray_jobs.run import format_summary, startup_record
+from ray_jobs.run import startup_record
+from ray_jobs.summary import format_summary
 from tests.helpers import gpu_probe_class
 
 AVX2_EPYC = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx avx2 fma\n\nprocessor\t: 1\n"
