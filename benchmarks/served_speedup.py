@@ -40,16 +40,6 @@ def _time_waves(llm, waves, max_tokens: int) -> list[tuple[int, float]]:
     return out
 
 
-def _accepted(llm) -> tuple[int, int]:
-    drafts = accepted = 0
-    for m in llm.get_metrics():
-        if m.name == "vllm:spec_decode_num_drafts":
-            drafts += int(m.value)
-        elif m.name == "vllm:spec_decode_num_accepted_tokens":
-            accepted += int(m.value)
-    return drafts, accepted
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True, help="the target model directory")
@@ -66,6 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from vllm import LLM
 
+    from compat.vllm_engine import spec_decode_counters
     from eagle3.evaluate import wave_speedup
 
     prompts = [json.loads(line)["prompt_token_ids"] for line in open(args.prompts) if line.strip()]
@@ -84,13 +75,14 @@ def main(argv: list[str] | None = None) -> dict:
         for b in args.batch_sizes:
             _time_waves(llm, waves[b][:1], args.max_tokens)
     timed = {(b, side): [] for b in args.batch_sizes for side in engines}
-    drafts0, acc0 = _accepted(engines["with_draft"])
+    before = spec_decode_counters(engines["with_draft"])
     for r in range(args.rounds):
         order = list(engines) if r % 2 == 0 else list(reversed(engines))
         for side in order:
             for b in args.batch_sizes:
                 timed[b, side].append(_time_waves(engines[side], waves[b], args.max_tokens))
-    drafts1, acc1 = _accepted(engines["with_draft"])
+    after = spec_decode_counters(engines["with_draft"])
+    drafts = after["num_drafts"] - before["num_drafts"]
     results = []
     for b in args.batch_sizes:
         w, wo = timed[b, "with_draft"], timed[b, "without_draft"]
@@ -107,7 +99,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "greedy answers ending at EOS)",
         "target": args.target, "draft": args.draft, "prompts": args.prompts, "num_speculative_tokens": args.k,
         "rounds": args.rounds, "max_tokens": args.max_tokens, "enforce_eager": args.enforce_eager,
-        "acceptance_length_in_windows": 1 + (acc1 - acc0) / (drafts1 - drafts0) if drafts1 > drafts0 else None,
+        "acceptance_length_in_windows": (1 + (after["num_accepted_tokens"] - before["num_accepted_tokens"]) / drafts
+                                         if drafts > 0 else None),
         "engines_start_s": start_s,
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor(),
         "versions": {"vllm": vllm.__version__, "torch": torch.__version__},

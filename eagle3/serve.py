@@ -36,7 +36,7 @@ import os
 import shlex
 from pathlib import Path
 
-from eagle3.evaluate.verdict import eval_verdict, timed_results
+from eagle3.evaluate.verdict import eval_verdict, sampling_label, timed_results
 
 SERVING_FILE = "serving.json"
 
@@ -73,10 +73,6 @@ def draft_default_k(draft_dir: str | Path) -> int:
         return int(cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
     except (OSError, ValueError, KeyError, IndexError, TypeError):
         return PREFERRED_K
-
-
-def _mode_label(r: dict) -> str:
-    return "greedy" if r.get("mode") == "greedy" else f"T={r.get('temperature', 0):g} top_p={r.get('top_p', 1):g}"
 
 
 def verdict_of(ev: dict | None) -> dict | None:
@@ -151,7 +147,7 @@ def batch_verdicts(ev: dict | None, k: int | None = None) -> list[dict]:
         if rk != k:
             continue
         sp, helps = r["speedup"], _helps(r["speedup"])
-        rows.append({"batch_size": r["batch_size"], "mode": r.get("mode"), "sampling": _mode_label(r),
+        rows.append({"batch_size": r["batch_size"], "mode": r.get("mode"), "sampling": sampling_label(r),
                      "num_speculative_tokens": k,
                      "speedup": round(sp["ratio"], 4), "ci95": [round(v, 4) for v in sp["ci95"]] if sp.get("ci95") else None,
                      "helps": helps, "verdict": {True: "helps", False: "slows", None: "unclear"}[helps]})

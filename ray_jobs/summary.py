@@ -159,8 +159,9 @@ def _eval_summary(ev: dict) -> list[str]:
     """The eval lines of the summary: acceptance length per k and sampling, and the decode speedup
     of each timed k per batch size and sampling, with the windows' range and whether it excludes 1."""
     modes = list(ev["samplings"])
-    label = {m: "greedy" if m == "greedy" else f"T={s['temperature']:g} top_p={s['top_p']:g}"
-             for m, s in ev["samplings"].items()}
+    from eagle3.evaluate.verdict import sampling_label
+
+    label = {m: sampling_label({"mode": m, **s}) for m, s in ev["samplings"].items()}
     als = ", ".join(f"k={a['num_speculative_tokens']}: " + " / ".join(f"{a[m]['acceptance_length']:.2f}" for m in modes)
                     for a in ev["acceptance"])
     ending = "past EOS" if ev.get("ignore_eos") else "answers ending at EOS"
