@@ -92,6 +92,7 @@ def train_loop_per_worker(config: dict) -> None:
         # with its config and shapes (ray_jobs/evaluate.py); they take the trained weights at the end.
         write_provisional_draft(trainer, config["provisional_draft_dir"])
 
+    select_every = config.get("select_every_steps") or 0
     last: dict = {}
     progress = _Progress(cfg, config["metrics_path"], config.get("progress")) if rank == 0 else None
     profiler = StepProfiler(cfg.profiling.profile_steps, Path(config["metrics_path"]).parent / "profile",
@@ -118,6 +119,10 @@ def train_loop_per_worker(config: dict) -> None:
         # The last step's checkpoint goes with the final report, after the export.
         if trainer.checkpoint_due() and trainer.global_step < cfg.num_steps:
             report_with_checkpoint(metrics)
+        step = trainer.global_step
+        if select_every and step % select_every == 0 and step < cfg.num_steps:
+            # eval.select_every_steps: a candidate for the eval's draft engine to measure (eagle3.evaluate.selection)
+            write_provisional_draft(trainer, config["candidate_dir_format"].format(step=step))
 
     t0 = time.perf_counter()
     trainer.fit(on_step=on_step)
@@ -284,9 +289,14 @@ class _Progress:
 def plot_curves(metrics_path: Path, png_path: Path) -> Path | None:
     """Loss and per-TTT-step accuracy against step, from metrics.jsonl (all runs, resumes included):
     training accuracy as lines, held-out accuracy (the steps that measured it) dashed with markers,
-    in the same colour per TTT step."""
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()] \
+    in the same colour per TTT step; and vLLM's acceptance length of the drafts the eval's engine
+    measured during training (eagle3.evaluate.selection's rows), on its own axis."""
+    from eagle3.evaluate.selection import METRIC
+
+    every = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()] \
         if metrics_path.exists() else []
+    rows = [r for r in every if "loss" in r]
+    vllm_al = sorted((r["step"], r[METRIC]) for r in every if METRIC in r)
     if not rows:
         return None
     import matplotlib
@@ -305,7 +315,14 @@ def plot_curves(metrics_path: Path, png_path: Path) -> Path | None:
         if held:
             ax_acc.plot(*zip(*held), "--o", color=line.get_color(), markersize=3, label=f"held-out, TTT step {i}")
     ax_acc.set(xlabel="step", ylabel="accuracy", title="draft accuracy (loss-masked tokens)")
-    ax_acc.legend()
+    handles, labels = ax_acc.get_legend_handles_labels()
+    if vllm_al:
+        ax_al = ax_acc.twinx()
+        (al_line,) = ax_al.plot(*zip(*vllm_al), "-s", color="black", markersize=4,
+                                label="vLLM acceptance length (greedy, held-out prompts)")
+        ax_al.set(ylabel="acceptance length in vLLM")
+        handles, labels = handles + [al_line], labels + [al_line.get_label()]
+    ax_acc.legend(handles, labels, fontsize="small")
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
@@ -358,7 +375,8 @@ def resume_refusal_before_workers(out: Path, num_workers: int, heldout_threshold
 
 def write_provisional_draft(trainer, out_dir: str) -> None:
     """Export the draft as it stands (every rank: a collective under ZeRO-3) into out_dir, which
-    appears whole or not at all (written beside it, then renamed), replacing an earlier one."""
+    appears whole or not at all (written beside it, then renamed), replacing an earlier one: the
+    provisional draft the eval's engines start from, and the candidates they measure."""
     import shutil
 
     out = Path(out_dir)
@@ -382,7 +400,8 @@ def scaling_config(num_workers: int, use_gpu: bool, gpus_per_worker: float = 1.0
 def run_training(cfg: TrainConfig, data_files: list[str] | None, target_dir: str, out_dir: str,
                  draft_dir: str | None = None, *, use_gpu: bool | None = None, online: dict | None = None,
                  gpus_per_worker: float = 1.0, heldout_threshold: int = 0,
-                 provisional_draft_dir: str | None = None) -> dict:
+                 provisional_draft_dir: str | None = None, candidate_dir_format: str | None = None,
+                 select_every_steps: int = 0) -> dict:
     """Train a draft on cfg.num_workers Ray Train workers; resume if out_dir holds a checkpoint.
     The data: committed shard files, or with data_files None, `online` (ray_jobs/online.py: the
     feed actor's handle, tokens_path, samples_per_shard, layout (layer_ids, hidden_size, hs_dtype)).
@@ -404,7 +423,9 @@ def run_training(cfg: TrainConfig, data_files: list[str] | None, target_dir: str
     each worker takes that share of one GPU (Ray resource and torch memory cap), the rest of it
     being an engine replica's (online mode's train.online.gpu_split shared), or the eval's engines'
     (eval.start_during_training). provisional_draft_dir: the workers export the draft there once set
-    up, before the first step (write_provisional_draft).
+    up, before the first step (write_provisional_draft). select_every_steps > 0: the workers also
+    export the draft every that many steps (not the last) to candidate_dir_format.format(step=step),
+    for the eval's engines to measure (eagle3.evaluate.selection).
     """
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
@@ -443,6 +464,8 @@ def run_training(cfg: TrainConfig, data_files: list[str] | None, target_dir: str
                            "draft_dir": str(Path(draft_dir).resolve() if draft_dir else out / "draft"),
                            "use_gpu": use_gpu, "metrics_path": str(out / "metrics.jsonl"), "progress": progress_actor,
                            "heldout_threshold": heldout_threshold, "provisional_draft_dir": provisional_draft_dir,
+                           "candidate_dir_format": candidate_dir_format,
+                           "select_every_steps": select_every_steps if candidate_dir_format else 0,
                            "gpu_memory_fraction": gpus_per_worker if use_gpu and gpus_per_worker < 1 else None},
         scaling_config=scaling_config(cfg.num_workers, use_gpu, gpus_per_worker),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),

@@ -157,7 +157,7 @@ def job_config(args, out: Path, target_dir: str, *, replicas: int, workers: int,
 def steady_tokens_per_s(metrics_path: Path, skip_steps: int) -> float | None:
     """Median of rank 0's per-step tokens/s (metrics.jsonl) over the steps after `skip_steps`."""
     rates = [r["tokens_per_s"] for r in map(json.loads, metrics_path.read_text().splitlines())
-             if r["step"] > skip_steps]
+             if "tokens_per_s" in r and r["step"] > skip_steps]
     return statistics.median(rates) if rates else None
 
 

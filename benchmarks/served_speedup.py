@@ -11,6 +11,10 @@ prompt at a time, at a larger batch in waves of that many; greedy answers ending
         --prompts JOB/prepared/eval_prompts.jsonl --out served.json
 
 Compare with the job's eval.json (`speed.results`): the same draft, prompts and batch sizes.
+--reloaded adds a third engine set up as the job's eval engines that start while the draft trains:
+started from a copy of the draft with its layer and fc weights zeroed (the provisional draft's config,
+other weights), then given the draft's weights in place (compat.draft_reload); it takes its turn in
+every round, and its speedup over the same target-alone runs is reported beside the plain one.
 """
 
 from __future__ import annotations
@@ -40,40 +44,76 @@ def _time_waves(llm, waves, max_tokens: int) -> list[tuple[int, float]]:
     return out
 
 
+def _zeroed_copy(draft: str, out: str) -> str:
+    """A copy of the draft directory whose layer and fc weights are zeros: the config and shapes of a
+    draft before training, other weights (as the job's provisional export)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(draft, out, dirs_exist_ok=True)
+    tensors = load_file(f"{draft}/model.safetensors")
+    save_file({n: torch.zeros_like(t) if n.startswith(("layers.", "fc.")) else t for n, t in tensors.items()},
+              f"{out}/model.safetensors")
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True, help="the target model directory")
     ap.add_argument("--draft", required=True, help="the exported speculators-format draft directory")
     ap.add_argument("--prompts", required=True, help="JSONL with prompt_token_ids per line (the job's prepared/eval_prompts.jsonl)")
+    ap.add_argument("--num-prompts", type=int, default=64, help="the file's first N prompts (the job's "
+                    "eval.num_prompts; the prompts after them chose the draft)")
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--rounds", type=int, default=3, help="rounds each engine decodes every batch size")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.35, help="each engine's share")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the CPU has none)")
+    ap.add_argument("--kv-cache-memory-bytes", type=int, help="each engine's KV cache, set rather than profiled "
+                    "(the job's eval engines that share a GPU set 4 GiB)")
+    ap.add_argument("--reloaded", action="store_true", help="also time a draft engine started from a zeroed copy "
+                    "of the draft and given its weights in place, as the job's engines that start during training")
     ap.add_argument("--out", help="write the result JSON here")
     args = ap.parse_args(argv)
 
-    from vllm import LLM
-
-    from compat.vllm_engine import spec_decode_counters
+    from compat.vllm_engine import Engine, spec_decode_counters
     from eagle3.evaluate import wave_speedup
 
-    prompts = [json.loads(line)["prompt_token_ids"] for line in open(args.prompts) if line.strip()]
+    prompts = [json.loads(line)["prompt_token_ids"] for line in open(args.prompts) if line.strip()][: args.num_prompts]
     if not prompts:
         raise SystemExit(f"no prompts in {args.prompts}")
     max_len = max(len(p) for p in prompts) + args.max_tokens + args.k + 8
     common = dict(model=args.target, max_model_len=max_len, enable_prefix_caching=False, skip_tokenizer_init=True,
                   enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
                   max_num_seqs=max(args.batch_sizes), disable_log_stats=False)
+    if args.kv_cache_memory_bytes:
+        common["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
     spec = {"method": "eagle3", "model": args.draft, "num_speculative_tokens": args.k}
     t = time.perf_counter()
-    engines = {"with_draft": LLM(**common, speculative_config=spec), "without_draft": LLM(**common)}
+    # compat's Engine: vLLM's own LLM, closed at the end (its engine-core processes stop with it)
+    owned = [Engine(**common, speculative_config=spec), Engine(**common)]
+    engines = {"with_draft": owned[0].llm, "without_draft": owned[1].llm}
+    reload = None
+    if args.reloaded:
+        import tempfile
+
+        from compat.draft_reload import WORKER_EXTENSION, reload_draft
+
+        zeroed = _zeroed_copy(args.draft, tempfile.mkdtemp(prefix="provisional-"))
+        owned.append(Engine(**common, speculative_config={**spec, "model": zeroed},
+                            worker_extension_cls=WORKER_EXTENSION))
+        engines["with_draft_reloaded"] = owned[-1].llm
+        r = time.perf_counter()
+        reload = {"tensors": reload_draft(engines["with_draft_reloaded"], args.draft),
+                  "seconds": time.perf_counter() - r, "started_from": zeroed}
     start_s = time.perf_counter() - t
     waves = {b: _waves(prompts, b) for b in args.batch_sizes}
-    for llm in engines.values():  # untimed: first-call work
+    for side in engines:  # untimed: first-call work
         for b in args.batch_sizes:
-            _time_waves(llm, waves[b][:1], args.max_tokens)
+            _time_waves(engines[side], waves[b][:1], args.max_tokens)
     timed = {(b, side): [] for b in args.batch_sizes for side in engines}
     before = spec_decode_counters(engines["with_draft"])
     for r in range(args.rounds):
@@ -82,15 +122,21 @@ def main(argv: list[str] | None = None) -> dict:
             for b in args.batch_sizes:
                 timed[b, side].append(_time_waves(engines[side], waves[b], args.max_tokens))
     after = spec_decode_counters(engines["with_draft"])
+    sides, engines = list(engines), None
+    for e in owned:
+        e.close()
     drafts = after["num_drafts"] - before["num_drafts"]
     results = []
     for b in args.batch_sizes:
         w, wo = timed[b, "with_draft"], timed[b, "without_draft"]
         rate = {side: sum(n for rnd in timed[b, side] for n, _ in rnd) / sum(s for rnd in timed[b, side] for _, s in rnd)
-                for side in engines}
+                for side in sides}
         results.append({"batch_size": b, "num_prompts": sum(len(x) for x in waves[b]),
                         "tokens_per_s": rate, "speedup": wave_speedup(w, wo),
                         "with_draft": w, "without_draft": wo})
+        if reload is not None:
+            results[-1] |= {"speedup_reloaded": wave_speedup(timed[b, "with_draft_reloaded"], wo),
+                            "with_draft_reloaded": timed[b, "with_draft_reloaded"]}
     import torch
     import vllm
 
@@ -101,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
         "rounds": args.rounds, "max_tokens": args.max_tokens, "enforce_eager": args.enforce_eager,
         "acceptance_length_in_windows": (1 + (after["num_accepted_tokens"] - before["num_accepted_tokens"]) / drafts
                                          if drafts > 0 else None),
-        "engines_start_s": start_s,
+        "engines_start_s": start_s, "kv_cache_memory_bytes": args.kv_cache_memory_bytes, "reload": reload,
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor(),
         "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
         "date": time.strftime("%Y-%m-%d"),
@@ -112,6 +158,9 @@ def main(argv: list[str] | None = None) -> dict:
         ci = f"{s['ci95'][0]:.2f}-{s['ci95'][1]:.2f}x" if s["ci95"] else "no interval"
         print(f"batch {r['batch_size']:>3}: {s['ratio']:.2f}x ({ci}; {r['tokens_per_s']['without_draft']:.0f} -> "
               f"{r['tokens_per_s']['with_draft']:.0f} tokens/s, {r['num_prompts']} prompts x {args.rounds} rounds)")
+        if "speedup_reloaded" in r:
+            print(f"           reloaded draft engine: {r['speedup_reloaded']['ratio']:.2f}x "
+                  f"({r['tokens_per_s']['with_draft_reloaded']:.0f} tokens/s)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

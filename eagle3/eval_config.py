@@ -51,6 +51,15 @@ class EvalConfig:
     """Start the eval's engines while the draft trains (from a provisional export; the trained weights
     load in place at the end), so their start overlaps training. 'auto': on where engines_at_once is and
     training is offline on one worker; true where that cannot work stops the job at its start."""
+    select_every_steps: int | None = None
+    """Where the engines start during training: every this many steps the trainer exports the draft and
+    the draft engine (speed_k's) takes it in place and measures vLLM's greedy acceptance length on
+    select_num_prompts held-out prompts apart from the eval's; the job exports the step with the highest,
+    the last step's unless one beats it (eval.json's started_during_training.selection, metrics.jsonl,
+    curves.png). None: train.eval_every_steps (about 20 a run); 0: off, the last step's draft."""
+    select_num_prompts: int = 32
+    """Held-out prompts the selection decodes: those after the eval's num_prompts in
+    prepared/eval_prompts.jsonl (prepare.num_eval_prompts must hold both; with none left, no selection)."""
     speed_repeats: int | None = None
     """Rounds each timed engine decodes every window, fixed before timing: more rounds, a tighter
     spread, a longer stage. None: 3 on a GPU, 2 on the CPU."""
@@ -97,6 +106,12 @@ class EvalConfig:
             fail("eval", "speed_repeats", self.speed_repeats, "must be >= 1 rounds, or null (3 on a GPU, 2 on the CPU)")
         if self.num_prompts < 1:
             fail("eval", "num_prompts", self.num_prompts, "must be >= 1 (or eval.enabled: false)")
+        if self.select_every_steps is not None and self.select_every_steps < 0:
+            fail("eval", "select_every_steps", self.select_every_steps, "must be >= 1 step, 0 (off) or null "
+                 "(train.eval_every_steps)")
+        if self.select_num_prompts < 1:
+            fail("eval", "select_num_prompts", self.select_num_prompts, "must be >= 1 (eval.select_every_steps: 0 "
+                 "turns the selection off)")
         if self.max_tokens < 1:
             fail("eval", "max_tokens", self.max_tokens, "must be >= 1")
 

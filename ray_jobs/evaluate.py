@@ -274,18 +274,52 @@ class EarlyEval:
     eval stage after training, each draft engine given the trained weights in place
     (compat.draft_reload); one that refuses them is started again from the trained draft."""
 
-    def __init__(self, cfg: JobConfig, target_dir: str, out: Path, prompts: list[list[int]]):
+    def __init__(self, cfg: JobConfig, target_dir: str, out: Path, prompts: list[list[int]],
+                 select_prompts: list[list[int]] = ()):
         import shutil
         import threading
+
+        from eagle3.evaluate.selection import DraftSelection, candidate_dir
 
         self.cfg, self.target_dir = cfg, target_dir
         self.plan = eval_plan(cfg, target_dir, str(out / "draft"), prompts, during_training=True)
         self.provisional = out / "train" / "provisional_draft"
         shutil.rmtree(self.provisional, ignore_errors=True)  # an earlier run's: its shapes may not be this one's
+        self.select_prompts = list(select_prompts)
+        every = cfg.eval.select_every_steps
+        self.select_every = (cfg.train.eval_every_steps if every is None else every) if self.select_prompts else 0
+        # The engine that measures the candidates: the timed k's, else the largest k's.
+        drafts = [i for i, u in enumerate(self.plan.engines) if u[1] is not None]
+        self._measurer = next((i for i in drafts if self.plan.engines[i][0] == self.plan.speed_k),
+                              max(drafts, key=lambda i: self.plan.engines[i][0]))
+        self.selection = None
+        self.selection_error: str | None = None
+        self.candidate_format: str | None = None
+        """What run_training exports candidates to (None: no selection)."""
+        if self.select_every:
+            DraftSelection.clear(out / "train")
+            self.candidate_format = str(candidate_dir(out / "train", 0)).replace("step_0000000", "step_{step:07d}")
+            self.selection = DraftSelection(out / "train", self._measure, k=self.plan.engines[self._measurer][0],
+                                            num_prompts=len(self.select_prompts), max_tokens=cfg.eval.max_tokens)
         self.training_ended = threading.Event()
         self._cancelled = False
         self._actors: list = []
         self._bg = Background(self._start)
+
+    def _measure(self, draft_dir: str) -> float:
+        return draft_acceptance(self._actors[self._measurer], draft_dir, self.select_prompts,
+                                max_tokens=self.cfg.eval.max_tokens, ignore_eos=self.cfg.eval.ignore_eos)
+
+    def _select(self) -> None:
+        """Measure the waiting candidate, if any; a failure ends the selection (the last step's draft is
+        exported), never the job."""
+        if self.selection is None:
+            return
+        try:
+            self.selection.consume()
+        except Exception as e:  # noqa: BLE001 - compat.draft_reload.DraftReloadRefused, an engine error
+            log.warning("eval: measuring a candidate draft failed (%s); the last step's draft will be exported", e)
+            self.selection, self.selection_error = None, str(e)
 
     def _place(self):
         """An evaluator actor as the plan places its engines (actors.evaluator.place_evaluator)."""
@@ -312,8 +346,14 @@ class EarlyEval:
         ray.get([a.start.remote(self.target_dir, None if draft is None else source or draft, num_speculative_tokens=k,
                                 **({"reloadable_draft": provisional} if draft is not None else {}), **engine)
                  for a, (k, draft, engine, _) in zip(self._actors, self.plan.engines)])
-        return {"placed_at": placed_at, "provisional": source, "provisional_after_s": round(draft_at, 2),
-                "ready_after_s": round(time.perf_counter() - t0, 2), "ready_at": time.time()}
+        ready = {"placed_at": placed_at, "provisional": source, "provisional_after_s": round(draft_at, 2),
+                 "ready_after_s": round(time.perf_counter() - t0, 2), "ready_at": time.time()}
+        if not provisional:
+            self.selection = None
+        while not self.training_ended.wait(1.0):  # the candidates, as the trainer exports them
+            self._select()
+        self._select()  # one exported before the end
+        return ready
 
     def cancel(self) -> None:
         """Training failed: release the engines (started or not)."""
@@ -343,6 +383,14 @@ class EarlyEval:
             return None
         record = {k: v for k, v in got.items() if k not in ("placed_at", "ready_at")}
         record["waited_after_training_s"] = round(max(0.0, got["ready_at"] - ended_at), 2)
+        if self.selection is not None:  # the last step's draft against the best candidate: draft_dir holds the better
+            try:
+                record["selection"] = self.selection.finish(draft_dir, self.cfg.train.num_steps)
+            except Exception as e:  # noqa: BLE001 - as in _select
+                log.warning("eval: measuring the last step's draft failed (%s); it is exported as trained", e)
+                self.selection_error = str(e)
+        if self.selection_error is not None:
+            record["selection_error"] = self.selection_error
         t = time.perf_counter()
         same = got["provisional"] is not None and (json.loads((self.provisional / "config.json").read_text())
                                                    == json.loads((Path(draft_dir) / "config.json").read_text()))
@@ -365,6 +413,16 @@ class EarlyEval:
         return {"actors": self._actors, "placed_at": got["placed_at"], "record": record}
 
 
+def draft_acceptance(actor, draft_dir: str, prompts: list[list[int]], *, max_tokens: int, ignore_eos: bool) -> float:
+    """An evaluator actor's engine (started with reloadable_draft) takes draft_dir's weights in place
+    and decodes `prompts` greedily: vLLM's acceptance length of that draft (the draft selection's measure)."""
+    import ray
+
+    ray.get(actor.reload_draft.remote(draft_dir))
+    got = ray.get(actor.acceptance.remote(prompts, max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos))
+    return got["acceptance_length"]
+
+
 def early_eval(cfg: JobConfig, target_dir: str, out: Path) -> EarlyEval | None:
     """The eval's engines, starting now while the draft trains, where eval_during_training says so."""
     import ray
@@ -372,9 +430,17 @@ def early_eval(cfg: JobConfig, target_dir: str, out: Path) -> EarlyEval | None:
     from eagle3.prepare.tokens import read_eval_prompts
 
     on, why = eval_during_training(cfg, target_dir, gpu=ray.cluster_resources().get("GPU", 0) >= 1)
-    prompts = read_eval_prompts(out / "prepared")[: cfg.eval.num_prompts] if on else []
+    held = read_eval_prompts(out / "prepared") if on else []
+    prompts, n = held[: cfg.eval.num_prompts], cfg.eval.num_prompts
     if not prompts:
         log.info("eval: engines start after training (%s)", why if not on else "no held-out prompts")
         return None
     log.info("eval: engines start while the draft trains (%s)", why)
-    return EarlyEval(cfg, target_dir, out, prompts)
+    early = EarlyEval(cfg, target_dir, out, prompts, held[n: n + cfg.eval.select_num_prompts])
+    if early.select_every:
+        log.info("eval: the draft engine measures the draft every %d steps on %d held-out prompts; the best is "
+                 "exported", early.select_every, len(early.select_prompts))
+    elif cfg.eval.select_every_steps != 0:
+        log.info("eval: no draft selection: prepared/eval_prompts.jsonl holds no prompt beyond the eval's %d (raise "
+                 "prepare.num_eval_prompts)", n)
+    return early

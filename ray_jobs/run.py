@@ -178,7 +178,9 @@ def run(cfg: JobConfig) -> dict:
             summary = timed("train", run_training, cfg.train_config, files, target_dir, str(out / "train"),
                             str(out / "draft"), heldout_threshold=training_threshold(out / "prepared"),
                             gpus_per_worker=1 - EVAL_GPU_RESERVE if early is not None and early.plan.gpu else 1.0,
-                            provisional_draft_dir=str(early.provisional) if early is not None else None)
+                            provisional_draft_dir=str(early.provisional) if early is not None else None,
+                            candidate_dir_format=early.candidate_format if early is not None else None,
+                            select_every_steps=early.select_every if early is not None else 0)
         except BaseException:
             if early is not None:
                 early.cancel()
@@ -201,6 +203,10 @@ def run(cfg: JobConfig) -> dict:
             shutil.rmtree(early.provisional, ignore_errors=True)  # the engines read it at their start only
         report["stages"]["eval"] = results
         (out / "eval.json").write_text(json.dumps(results, indent=1))
+        if "selection" in results.get("started_during_training", {}):
+            from actors.trainer import plot_curves
+
+            plot_curves(out / "train" / "metrics.jsonl", out / "train" / "curves.png")  # with the last step's row
         from eagle3.serve import write_serving_file
 
         write_serving_file(out / "draft", target_dir, results)  # the k and the verdict the eval measured

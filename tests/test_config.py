@@ -303,7 +303,9 @@ def test_defaults_are_a_real_runs_and_the_tiny_target_keeps_the_conversations():
     assert real.regenerate.enabled and real.regenerate.temperature is None  # the target's published sampling
     assert not job_config().regenerate.enabled  # target.model: tiny
     assert not job_config({"target.model": "pypi:smollm2", "regenerate.enabled": False}).regenerate.enabled
-    assert (real.eval.num_prompts, real.eval.max_tokens, real.prepare.num_eval_prompts) == (64, 128, 64)
+    # the eval's 64, then 32 for choosing the draft to export (eval.select_num_prompts)
+    assert (real.eval.num_prompts, real.eval.max_tokens, real.prepare.num_eval_prompts) == (64, 128, 96)
+    assert real.eval.select_num_prompts == 32 and real.eval.select_every_steps is None
     assert real.train.num_steps is None and real.train.num_epochs == 5
 
 

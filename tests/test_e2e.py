@@ -42,6 +42,9 @@ def demo_run(tmp_path_factory, tiny_target, shared_ray):
          # the eval's engines start while the draft trains ('auto' does so on GPUs only) and take the
          # trained weights in place (compat.draft_reload): checked in test_training_lowered_loss_...
          "--set", "eval.start_during_training=true",
+         # and measure the draft of step 10 and of step 20 (eval.select_every_steps: train.eval_every_steps'
+         # 10) on 4 held-out prompts after the eval's 8; the better is exported
+         "--set", "prepare.num_eval_prompts=12", "--set", "eval.select_num_prompts=4",
          "--set", "train.online.record_sample_ids=true"],
         cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -97,7 +100,8 @@ def test_job_reports_its_startup_and_compute_dtype_and_logs_training_quietly(dem
     assert 1 <= len(step_lines) <= 2 + train_seconds // 30, step_lines
     progress = [line for line in log if re.search(r"train: .*\d+/20 \[", line)]
     assert 1 <= len(progress) <= MAX_LINES and "20/20" in progress[-1], progress
-    assert len((out / "train" / "metrics.jsonl").read_text().splitlines()) == 20
+    rows = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in rows if "loss" in r]) == 20
 
 
 def test_hidden_states_rows_line_up_with_tokens_and_match_transformers(demo_run):
@@ -113,7 +117,7 @@ def test_hidden_states_rows_line_up_with_tokens_and_match_transformers(demo_run)
     from eagle3.extract.shards import read_shards
 
     table = read_shards(files)
-    assert table.num_rows == tokens.num_rows == 232
+    assert table.num_rows == tokens.num_rows == 228  # the records after the first 12 (held out for eval)
     layer_ids, hidden, hs_dtype = hs_layout(table.schema)
     assert (layer_ids, hidden, hs_dtype) == ([2, 4, 5, 8], 256, "bfloat16")
     by_id = {sid: i for i, sid in enumerate(tokens.column("sample_id").to_pylist())}
@@ -140,7 +144,8 @@ def test_training_lowered_loss_and_vllm_served_the_draft(demo_run):
     report = json.loads((out / "report.json").read_text())
     train = report["stages"]["train"]
     assert train["steps"] == 20 and np.isfinite(train["loss_last"]) and train["loss_last"] < train["loss_first"]
-    curve = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+    curve = [r for r in rows if "loss" in r]
     assert [r["step"] for r in curve] == list(range(1, 21)) and all("full_acc_2" in r for r in curve)
     assert (out / "train" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     draft = out / "draft"
@@ -205,6 +210,83 @@ def test_training_lowered_loss_and_vllm_served_the_draft(demo_run):
     assert early["provisional"] == provisional and "restarted" not in early, early
     assert [e["started_with_draft"] for e in ev["engines"]] == [provisional, None]
     assert not Path(provisional).exists()  # removed once the eval was done
+    # The draft engine measured the draft of step 10 (a candidate) and of step 20 (the last) on the 4
+    # prompts after the eval's; draft/ holds the better, metrics.jsonl and the summary say which.
+    sel = early["selection"]
+    assert [m["step"] for m in sel["measured"]] == [10, 20] and sel["num_prompts"] == 4 and sel["k"] == 3
+    best = max(sel["measured"], key=lambda m: (m["acceptance_length"], m["step"]))
+    assert (sel["chosen_step"], sel["chosen_acceptance_length"]) == (best["step"], best["acceptance_length"])
+    assert [(r["step"], round(r["vllm_acceptance_length"], 4)) for r in rows if "vllm_acceptance_length" in r] == [
+        (m["step"], m["acceptance_length"]) for m in sel["measured"]]
+    assert (out / "train" / "last_draft").exists() == (sel["chosen_step"] == 10)
+    assert not (out / "train" / "candidates").exists() and not (out / "train" / "best_draft").exists()
+    assert f"draft chosen     step {sel['chosen_step']} of 20" in stdout
+
+
+def test_the_better_of_two_drafts_is_exported(demo_run, tmp_path, ray_local):
+    """The selection with the job's own measure (ray_jobs.evaluate.draft_acceptance): an engine
+    placed and started as the eval's draft engine (reloadable) takes each draft in place and decodes
+    held-out prompts. The job's draft, offered as step 10's candidate, beats a copy whose layer and
+    fc weights are zeroed, offered as the last step's: the trained weights end in draft/, the zeroed
+    ones in train/last_draft."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from actors.evaluator import place_evaluator
+    from eagle3.evaluate.selection import LAST, DraftSelection, candidate_dir
+    from eagle3.prepare.tokens import read_eval_prompts
+    from ray_jobs.evaluate import draft_acceptance
+
+    ray = ray_local
+    out = demo_run[0]
+    train, last = tmp_path / "train", tmp_path / "draft"
+    shutil.copytree(out / "draft", candidate_dir(train, 10))
+    shutil.copytree(out / "draft", last)
+    tensors = load_file(last / "model.safetensors")
+    zeroed = [n for n in tensors if n.startswith(("layers.", "fc."))]
+    assert zeroed, sorted(tensors)
+    save_file({n: torch.zeros_like(t) if n in zeroed else t for n, t in tensors.items()}, last / "model.safetensors")
+    trained = (out / "draft" / "model.safetensors").read_bytes()
+    prompts = read_eval_prompts(out / "prepared")[8:12]
+    actor = place_evaluator(1, gpu=False)
+    try:
+        ray.get(actor.start.remote(str(out / "target"), str(last), num_speculative_tokens=3,
+                                   max_model_len=max(map(len, prompts)) + 64, reloadable_draft=True))
+        sel = DraftSelection(train, lambda d: draft_acceptance(actor, d, prompts, max_tokens=48, ignore_eos=False),
+                             k=3, num_prompts=len(prompts), max_tokens=48)
+        sel.consume()
+        record = sel.finish(last, 20)
+    finally:
+        ray.kill(actor)
+    assert record["chosen_step"] == 10, record
+    assert record["chosen_acceptance_length"] > record["last_acceptance_length"] >= 1.0
+    assert (last / "model.safetensors").read_bytes() == trained
+    assert (train / LAST / "model.safetensors").read_bytes() != trained
+
+
+def test_served_speedup_times_the_jobs_draft_in_plain_vllm_and_reloaded(demo_run, tmp_path):
+    """benchmarks/served_speedup.py on the finished job, on the CPU: two plain `LLM` engines (the
+    draft's, the target's alone) and a third started from a zeroed copy of the draft and given its
+    weights in place (--reloaded, as the job's engines that start during training); every round
+    decodes the same prompts on each, and the greedy answers are the same length on all three."""
+    out = demo_run[0]
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.served_speedup", "--target", str(out / "target"),
+                           "--draft", str(out / "draft"), "--prompts", str(out / "prepared" / "eval_prompts.jsonl"),
+                           "--enforce-eager", "--batch-sizes", "1", "--rounds", "2", "--max-tokens", "16",
+                           "--gpu-memory-utilization", "0.3", "--num-prompts", "12", "--reloaded",
+                           "--out", str(tmp_path / "served.json")],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    r = json.loads((tmp_path / "served.json").read_text())
+    assert r["reload"]["tensors"] > 0 and r["rounds"] == 2
+    (res,) = r["results"]
+    assert res["batch_size"] == 1 and res["num_prompts"] == 12
+    sides = ("with_draft", "without_draft", "with_draft_reloaded")
+    assert all(len(res[side]) == 2 and all(len(rnd) == 12 for rnd in res[side]) for side in sides)
+    tokens = {side: [[n for n, _ in rnd] for rnd in res[side]] for side in sides}
+    assert tokens["with_draft"] == tokens["without_draft"] == tokens["with_draft_reloaded"]
+    assert res["speedup"]["ratio"] > 0 and res["speedup_reloaded"]["ratio"] > 0
+    assert "reloaded draft engine:" in proc.stdout
 
 
 def test_train_serve_replays_the_jobs_draft_on_vllms_answers(demo_run, tmp_path, shared_ray):
@@ -292,7 +374,8 @@ def test_rerun_resumes_without_redoing_extraction(demo_run, tmp_path, shared_ray
     proc = subprocess.run([sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml",
                            "--set", f"output_dir={out}", "--set", f"target.model={out / 'target'}",
                            "--set", "stages=[prepare, extract, train]", "--set", f"ray.address={shared_ray}",
-                           "--set", "doctor=false", "--set", "train.num_steps=20"],
+                           "--set", "doctor=false", "--set", "train.num_steps=20",
+                           "--set", "prepare.num_eval_prompts=12"],  # the same samples as the first run
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())

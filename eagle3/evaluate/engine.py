@@ -55,7 +55,9 @@ class SpecDecodeEngine:
             raise ValueError("this engine serves the target alone: there is no draft to reload")
         t = time.perf_counter()
         tensors = reload_draft(self.llm, draft_dir)
-        self.reloaded_from, self.draft_dir = self.draft_dir, str(draft_dir)
+        if self.reloaded_from is None:  # the draft it started with (the selection reloads several)
+            self.reloaded_from = self.draft_dir
+        self.draft_dir = str(draft_dir)
         return {"tensors": tensors, "seconds": time.perf_counter() - t}
 
     @property

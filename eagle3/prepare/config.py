@@ -38,9 +38,10 @@ class PrepareConfig:
     assistant_only_loss: bool = True
     """loss_mask = 1 on assistant tokens only (the draft predicts the target's answers); False trains
     on every token."""
-    num_eval_prompts: int = 64
+    num_eval_prompts: int = 96
     """The first N good records are held out of training: their prompts go to eval_prompts.jsonl for
-    vLLM's acceptance-length evaluation (eval.num_prompts of them)."""
+    vLLM's evaluation (the first eval.num_prompts) and the choice of the draft to export (the next
+    eval.select_num_prompts)."""
     heldout_fraction: float = 0.02
     """Fraction of conversations held out of training, in [0, 0.5], for the trainer's held-out accuracy
     every train.eval_every_steps (a hash of the conversation id decides: stable across runs). 0: none."""
