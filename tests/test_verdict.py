@@ -123,7 +123,10 @@ def test_best_k_per_batch_size_and_where_the_draft_is_off():
     assert b16["ci95"][1] < 1 and b16["speedup"] == pytest.approx(_model_speedup(16, "sampled", 1), rel=0.02)
     assert v["off_above_batch"] == 16
     lines = batch_lines(v)
-    assert lines[0].startswith("batch 1: best k=4 (") and lines[0].endswith(" predicted), serve the draft at k=4")
+    # k=4 is only predicted: the line serves the best timed k (3) until k=4 is timed
+    assert (b1["timed_k"], b4["timed_k"], b16["timed_k"]) == (3, 1, 1)
+    assert lines[0].startswith("batch 1: best k=4 (") and lines[0].endswith(
+        f" predicted, not timed), serve k=3 ({b1['timed_speedup']:.2f}x measured) until k=4 is timed (eval.speed_ks)")
     assert lines[2].startswith("batch 16: best k=1 (") and "measured), the draft slows it: serve without it above batch 4" \
         in lines[2]
     # one sampling: the line has one figure and, measured, its interval
@@ -182,8 +185,9 @@ def test_the_h100_eval_json_gives_a_verdict():
     assert b1["best_k"] != 3 and rec["num_speculative_tokens"] == 3 and rec["off_above_batch"] == 16
     assert rec["k_chosen_by"] == (f"the k the eval timed; the step-cost model predicts k={b1['best_k']} at "
                                   f"{b1['speedup']:.2f}x at batch 1: time it with eval.speed_ks")
-    assert [(r["batch_size"], r["num_speculative_tokens"], r["off"]) for r in rec["k_per_batch"]] == [
-        (1, b1["best_k"], False), (16, b16["best_k"], True)]
+    # per batch size too: the timed k=3, the model's better k named beside it
+    assert [(r["batch_size"], r["num_speculative_tokens"], r["measured"], r["off"], r["predicted_best_k"])
+            for r in rec["k_per_batch"]] == [(1, 3, True, False, b1["best_k"]), (16, 3, True, True, b16["best_k"])]
     # what was measured stays the timed k's, whatever k the model picks
     assert {r["num_speculative_tokens"] for r in rec["batch_sizes"]} == {3}
     from ray_jobs.summary import format_summary
@@ -206,8 +210,9 @@ def test_eval_json_times_several_k_and_the_serving_record_follows(tmp_path):
     served = int(max(b1, key=b1.get))
     assert rec["num_speculative_tokens"] == served and rec["speculative_config"]["num_speculative_tokens"] == served
     assert "the step-cost model predicts k=4 at" in rec["k_chosen_by"]
-    assert [(r["batch_size"], r["num_speculative_tokens"], r["measured"], r["off"]) for r in rec["k_per_batch"]] == [
-        (1, 4, False, False), (4, 2, False, False), (16, 1, True, True)]
+    # per batch size the best timed k; the untimed k the model prefers (4 at batch 1, 2 at batch 4) named beside it
+    assert [(r["batch_size"], r["num_speculative_tokens"], r["measured"], r["off"], r["predicted_best_k"])
+            for r in rec["k_per_batch"]] == [(1, 3, True, False, 4), (4, 1, True, False, 2), (16, 1, True, True, None)]
     assert rec["off_above_batch"] == 16
     from ray_jobs.summary import _eval_summary
 

@@ -154,10 +154,16 @@ def eval_verdict(ev: dict) -> dict | None:
         best = _best(worst) if worst else None
         at = {m: entry[m][best] for m in modes} if best is not None else {}
         slowest = min(at, key=lambda m: at[m]["speedup"]) if at else None
+        # the best of the timed k: what is served where the best is only predicted
+        timed_worst = {k: v for k, v in worst.items() if all(entry[m][k]["timed"] for m in modes)}
+        tk = _best(timed_worst) if timed_worst else None
+        at_t = {m: entry[m][tk] for m in modes} if tk is not None else {}
         batches.append({
             "batch_size": b, "best_k": best, "speedup": worst.get(best),
             "measured": bool(at) and at[slowest]["timed"],
             "ci95": at[slowest]["ci95"] if at else None,
+            "timed_k": tk, "timed_speedup": timed_worst.get(tk),
+            "timed_ci95": at_t[min(at_t, key=lambda m: at_t[m]["speedup"])]["ci95"] if at_t else None,
             "by_sampling": {m: {"sampling": modes[m]["sampling"], "speedup": e["speedup"], "ci95": e["ci95"],
                                 "predicted": e["predicted"]} for m, e in at.items()},
             "off": bool(common) and not any(all(entry[m][k]["pays"] for m in modes) for k in common),
@@ -192,7 +198,8 @@ def _advice(verdict: dict, b: int) -> str:
 
 def batch_lines(verdict: dict | None) -> list[str]:
     """One line per batch size: 'batch 16: best k=2 (0.85x predicted), the draft slows it: serve
-    without it above batch 1' (a figure per sampling where several were timed)."""
+    without it above batch 1' (a figure per sampling where several were timed); where the best k is
+    predicted and a timed k pays, the timed one is the one to serve."""
     lines = []
     for v in (verdict or {}).get("batches", []):
         if v["best_k"] is None:
@@ -204,8 +211,14 @@ def batch_lines(verdict: dict | None) -> list[str]:
         ci = v["ci95"]
         if v["measured"] and ci and not many:
             how += f", 95% {ci[0]:.2f}-{ci[1]:.2f}x"
-        what = (f"the draft slows it: {_advice(verdict, v['batch_size'])}" if v["off"]
-                else f"serve the draft at k={v['best_k']}")
+        if v["off"]:
+            what = f"the draft slows it: {_advice(verdict, v['batch_size'])}"
+        elif v["measured"] or v.get("timed_k") is None:
+            what = f"serve the draft at k={v['best_k']}"
+        else:  # a predicted k is named, a timed one served (eagle3.serve)
+            how += ", not timed"
+            what = (f"serve k={v['timed_k']} ({v['timed_speedup']:.2f}x measured) until k={v['best_k']} is timed "
+                    "(eval.speed_ks)")
         lines.append(f"batch {v['batch_size']}: best k={v['best_k']} ({figures} {how}), {what}")
     return lines + check_lines(verdict)
 
