@@ -28,6 +28,9 @@ serving.json's fields:
                                   (no k pays at every sampling: serve the target alone there)
     off_above_batch               the smallest timed batch size from which on the draft is off (at
                                   it and every larger one timed); null where it pays at the largest
+    draft_step                    the training step whose draft this is, where the job chose it by
+                                  vLLM's acceptance (eval.select_every_steps), with its acceptance
+                                  length and the last step's; null where it did not choose
 """
 
 from __future__ import annotations
@@ -217,7 +220,19 @@ def serving_record(target: str | Path, draft_dir: str | Path, ev: dict | None = 
             "batch_sizes": batch_verdicts(ev, k),
             "verdict": verdict_lines(ev, k) if ev else ["not measured: the eval has not run on this draft"],
             "k_per_batch": [_k_at_batch(b) for b in (v or {}).get("batches", []) if b["best_k"] is not None],
-            "off_above_batch": (v or {}).get("off_above_batch")}
+            "off_above_batch": (v or {}).get("off_above_batch"),
+            "draft_step": _draft_step(ev)}
+
+
+def _draft_step(ev: dict | None) -> dict | None:
+    """Which training step's draft this is, where the job chose it by vLLM's acceptance
+    (eagle3.evaluate.selection): the step, its acceptance length and the last step's."""
+    sel = ((ev or {}).get("started_during_training") or {}).get("selection")
+    if not sel:
+        return None
+    return {"step": sel["chosen_step"], "last_step": sel["last_step"],
+            "acceptance_length": sel["chosen_acceptance_length"], "last_acceptance_length": sel["last_acceptance_length"],
+            "k": sel["k"], "num_prompts": sel["num_prompts"]}
 
 
 def _k_at_batch(b: dict) -> dict:

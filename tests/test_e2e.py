@@ -221,6 +221,9 @@ def test_training_lowered_loss_and_vllm_served_the_draft(demo_run):
     assert (out / "train" / "last_draft").exists() == (sel["chosen_step"] == 10)
     assert not (out / "train" / "candidates").exists() and not (out / "train" / "best_draft").exists()
     assert f"draft chosen     step {sel['chosen_step']} of 20" in stdout
+    step = json.loads((out / "draft" / "serving.json").read_text())["draft_step"]
+    assert (step["step"], step["last_step"], step["acceptance_length"]) == (
+        sel["chosen_step"], 20, sel["chosen_acceptance_length"])
 
 
 def test_the_better_of_two_drafts_is_exported(demo_run, tmp_path, ray_local):
