@@ -52,11 +52,13 @@ class EvalConfig:
     load in place at the end), so their start overlaps training. 'auto': on where engines_at_once is and
     training is offline on one worker; true where that cannot work stops the job at its start."""
     select_every_steps: int | None = None
-    """Where the engines start during training: every this many steps the trainer exports the draft and
-    the draft engine (speed_k's) takes it in place and measures vLLM's greedy acceptance length on
-    select_num_prompts held-out prompts apart from the eval's; the job exports the step with the highest,
-    the last step's unless one beats it (eval.json's started_during_training.selection, metrics.jsonl,
-    curves.png). None: train.eval_every_steps (about 20 a run); 0: off, the last step's draft."""
+    """Every this many steps the trainer exports the draft, and the draft engine (speed_k's) takes it in
+    place and measures vLLM's greedy acceptance length on select_num_prompts held-out prompts apart from
+    the eval's; the job exports the step with the highest, the last step's unless one beats it (eval.json's
+    selection, metrics.jsonl, curves.png, serving.json's draft_step). Where the engines start during
+    training they measure each draft as it comes; elsewhere the drafts wait on disk (one draft's size
+    each) for the eval stage. None: train.eval_every_steps (about 20 a run), on the CPU only where the
+    engines start during training; 0: off, the last step's draft."""
     select_num_prompts: int = 32
     """Held-out prompts the selection decodes: those after the eval's num_prompts in
     prepared/eval_prompts.jsonl (prepare.num_eval_prompts must hold both; with none left, no selection)."""

@@ -227,7 +227,7 @@ def serving_record(target: str | Path, draft_dir: str | Path, ev: dict | None = 
 def _draft_step(ev: dict | None) -> dict | None:
     """Which training step's draft this is, where the job chose it by vLLM's acceptance
     (eagle3.evaluate.selection): the step, its acceptance length and the last step's."""
-    sel = ((ev or {}).get("started_during_training") or {}).get("selection")
+    sel = (ev or {}).get("selection")
     if not sel:
         return None
     return {"step": sel["chosen_step"], "last_step": sel["last_step"],

@@ -108,23 +108,112 @@ def evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[list
 
     started = early.take(draft_dir) if early is not None else None
     p = early.plan if started is not None else eval_plan(cfg, target_dir, draft_dir, prompts)
+    # The candidates the trainer kept for this stage (candidates_for_eval), where no engine measured them
+    # during training: the first group's draft engine does, before anything else is measured.
+    pending = None if started is not None else _selection_after_training(cfg, draft_dir, p)
+    if pending is not None:
+        p.engines = [(k, d, {**e, "reloadable_draft": True} if d is not None else e, t) for k, d, e, t in p.engines]
     log.info("eval: %d engine(s), %s (%s)", len(p.engines), "started side by side, timed in turns"
              if p.at_once else "one at a time", p.why)
     results = []
     for group in ([p.engines] if p.at_once else [[u] for u in p.engines]):
         results += _measure_group(ray, cfg, target_dir, group, gpu=p.gpu, share=p.share, measure=p.measure,
-                                  windows=p.windows, started=started)
+                                  windows=p.windows, started=started, select=pending)
     out = {"target": target_dir, "draft": draft_dir} | eval_report(
         results, samplings=p.samplings, sampling_source=p.source, windows=p.windows, speed_k=p.speed_k,
         num_prompts=len(prompts), max_tokens=cfg.eval.max_tokens, ignore_eos=cfg.eval.ignore_eos,
         speed_ks=p.speed_ks)
+    selection = None
     if started is not None:
         out["started_during_training"] = started["record"]
+        selection = started["record"].pop("selection", None)
+        if "selection_error" in started["record"]:
+            out["selection_error"] = started["record"].pop("selection_error")
+    elif pending is not None:
+        selection = pending.get("record")
+        if "error" in pending:
+            out["selection_error"] = pending["error"]
+    if selection is not None:
+        out["selection"] = selection
     return out
 
 
+def candidates_for_eval(cfg: JobConfig, out: Path, *, gpu: bool) -> tuple[int, str | None]:
+    """(every how many steps the trainer exports a candidate draft, where to) for a job whose eval engines
+    start after training (no EarlyEval): the eval stage measures them all before it measures the draft
+    (_selection_after_training). eval.select_every_steps null is on where a GPU decodes the selection
+    prompts in seconds, off on the CPU; 0 is off. Also off without prompts beyond the eval's. An
+    earlier run's candidates are removed."""
+    from eagle3.evaluate.selection import DraftSelection, candidate_dir
+    from eagle3.prepare.tokens import read_eval_prompts
+
+    every = cfg.eval.select_every_steps
+    if every is None:
+        every = cfg.train.eval_every_steps if gpu else 0
+    if not (every and "eval" in cfg.stages and cfg.eval.enabled and cfg.train.source == "offline"):
+        return 0, None
+    if len(read_eval_prompts(out / "prepared")) <= cfg.eval.num_prompts:
+        log.info("eval: no draft selection: prepared/eval_prompts.jsonl holds no prompt beyond the eval's %d (raise "
+                 "prepare.num_eval_prompts)", cfg.eval.num_prompts)
+        return 0, None
+    DraftSelection.clear(out / "train")
+    log.info("eval: the trainer keeps the draft every %d steps; the eval stage measures each and exports the best",
+             every)
+    return every, str(candidate_dir(out / "train", 0)).replace("step_0000000", "step_{step:07d}")
+
+
+def _selection_after_training(cfg: JobConfig, draft_dir: str, plan: EvalPlan) -> dict | None:
+    """The eval stage's pending choice among candidates_for_eval's drafts on disk, or None where there
+    are none (or no draft engine, or no selection prompts): {"train", "prompts", "draft_dir"}."""
+    from eagle3.evaluate.selection import pending_candidates
+    from eagle3.prepare.tokens import read_eval_prompts
+
+    train = Path(draft_dir).parent / "train"
+    if not pending_candidates(train) or not any(d is not None for _, d, _, _ in plan.engines):
+        return None
+    n = cfg.eval.num_prompts
+    prompts = read_eval_prompts(Path(draft_dir).parent / "prepared")[n: n + cfg.eval.select_num_prompts]
+    if not prompts:
+        return None
+    return {"train": train, "prompts": prompts, "draft_dir": draft_dir}
+
+
+def _select_in_group(ray, cfg: JobConfig, pending: dict, actors: list, group: list) -> None:
+    """The first draft engine of `group` measures every candidate and the last step's draft
+    (eagle3.evaluate.selection); draft_dir then holds the best, and every draft engine of the group
+    takes it in place. Done once (pending["record"] or pending["error"]); a failure leaves the last
+    step's draft, and the job goes on."""
+    from eagle3.evaluate.selection import DraftSelection, pending_candidates
+
+    first = next(i for i, u in enumerate(group) if u[1] is not None)
+    k = group[first][0]
+    sel = DraftSelection(pending["train"], lambda d: draft_acceptance(
+        actors[first], d, pending["prompts"], max_tokens=cfg.eval.max_tokens, ignore_eos=cfg.eval.ignore_eos),
+        k=k, num_prompts=len(pending["prompts"]), max_tokens=cfg.eval.max_tokens)
+    t = time.perf_counter()
+    try:
+        for _ in pending_candidates(pending["train"]):
+            sel.consume_oldest()
+        pending["record"] = sel.finish(pending["draft_dir"], cfg.train.num_steps)
+        ray.get([actors[i].reload_draft.remote(pending["draft_dir"]) for i, u in enumerate(group) if u[1] is not None])
+    except Exception as e:  # noqa: BLE001 - compat.draft_reload.DraftReloadRefused, an engine error
+        log.warning("eval: choosing the draft failed (%s); the last step's draft is measured", e)
+        pending["error"] = str(e)
+        import shutil
+
+        from eagle3.evaluate.selection import BEST, CANDIDATES
+
+        for name in (CANDIDATES, BEST):
+            shutil.rmtree(pending["train"] / name, ignore_errors=True)
+        if "record" not in pending:  # the engines may hold a candidate: back to the last step's draft
+            ray.get([actors[i].reload_draft.remote(pending["draft_dir"]) for i, u in enumerate(group)
+                     if u[1] is not None])
+    log.info("eval: draft chosen after training in %.1f s: %s", time.perf_counter() - t,
+             {k: v for k, v in pending.get("record", {}).items() if k != "measured"})
+
+
 def _measure_group(ray, cfg: JobConfig, target_dir: str, group: list, *, gpu: bool, share: float, measure: dict,
-                   windows, started: dict | None = None) -> list[dict]:
+                   windows, started: dict | None = None, select: dict | None = None) -> list[dict]:
     """One group of the eval plan's engines ((k, draft, engine settings, timed) each): placed and
     started at once (or `started` already: EarlyEval.take's actors), then measured
     (eagle3.evaluate.measure): what times nothing (acceptance) side by side, timed windows with no
@@ -141,6 +230,9 @@ def _measure_group(ray, cfg: JobConfig, target_dir: str, group: list, *, gpu: bo
         if started is None:
             ray.get([a.start.remote(target_dir, draft, num_speculative_tokens=k, **engine)
                      for a, (k, draft, engine, _) in zip(actors, group)])
+        if select is not None and "record" not in select and "error" not in select and \
+                any(u[1] is not None for u in group):
+            _select_in_group(ray, cfg, select, actors, group)
         # Engines side by side that time the windows (the draft's at each timed k and the target
         # alone) take turns, one round of every window each: a drift of the machine meets them all.
         timed = [i for i, u in enumerate(group) if u[3]] if windows else []

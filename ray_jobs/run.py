@@ -28,7 +28,8 @@ from pathlib import Path
 from eagle3.config import JobConfig, load_job_config
 from eagle3.provenance import write_provenance
 from ray_jobs.background import Background
-from ray_jobs.evaluate import EVAL_GPU_RESERVE, check_start_during_training, early_eval, evaluate
+from ray_jobs.evaluate import (EVAL_GPU_RESERVE, candidates_for_eval, check_start_during_training, early_eval,
+                               evaluate)
 from ray_jobs.summary import format_summary
 from ray_jobs.target import check_target, resolve_target
 
@@ -174,13 +175,16 @@ def run(cfg: JobConfig) -> dict:
         if not files:
             raise ValueError(f"no committed hidden-state shards under {out / 'hidden_states'}: run the extract stage first")
         early = early_eval(cfg, target_dir, out)
+        if early is not None:
+            select_every, candidates = early.select_every, early.candidate_format
+        else:  # the eval stage measures the kept drafts after training
+            select_every, candidates = candidates_for_eval(cfg, out, gpu=ray.cluster_resources().get("GPU", 0) >= 1)
         try:
             summary = timed("train", run_training, cfg.train_config, files, target_dir, str(out / "train"),
                             str(out / "draft"), heldout_threshold=training_threshold(out / "prepared"),
                             gpus_per_worker=1 - EVAL_GPU_RESERVE if early is not None and early.plan.gpu else 1.0,
                             provisional_draft_dir=str(early.provisional) if early is not None else None,
-                            candidate_dir_format=early.candidate_format if early is not None else None,
-                            select_every_steps=early.select_every if early is not None else 0)
+                            candidate_dir_format=candidates, select_every_steps=select_every)
         except BaseException:
             if early is not None:
                 early.cancel()
@@ -203,7 +207,7 @@ def run(cfg: JobConfig) -> dict:
             shutil.rmtree(early.provisional, ignore_errors=True)  # the engines read it at their start only
         report["stages"]["eval"] = results
         (out / "eval.json").write_text(json.dumps(results, indent=1))
-        if "selection" in results.get("started_during_training", {}):
+        if "selection" in results:
             from actors.trainer import plot_curves
 
             plot_curves(out / "train" / "metrics.jsonl", out / "train" / "curves.png")  # with the last step's row

@@ -166,13 +166,12 @@ def _eval_summary(ev: dict) -> list[str]:
                     for a in ev["acceptance"])
     ending = "past EOS" if ev.get("ignore_eos") else "answers ending at EOS"
     lines = [f"  eval.json        acceptance length in vLLM ({' / '.join(label[m] for m in modes)}; {ending}): {als}"]
-    early = ev.get("started_during_training") or {}
-    if "selection" in early:
+    if "selection" in ev:
         from eagle3.evaluate.selection import selection_line
 
-        lines.append(f"  draft chosen     {selection_line(early['selection'])}")
-    elif "selection_error" in early:
-        lines.append(f"  draft chosen     the last step's (measuring the drafts failed: {early['selection_error']})")
+        lines.append(f"  draft chosen     {selection_line(ev['selection'])}")
+    elif "selection_error" in ev:
+        lines.append(f"  draft chosen     the last step's (measuring the drafts failed: {ev['selection_error']})")
     for sp in (ev.get("speed_by_k") or {"": ev.get("speed")}).values():
         if sp:
             lines += _speed_lines(sp, label)

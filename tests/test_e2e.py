@@ -212,7 +212,7 @@ def test_training_lowered_loss_and_vllm_served_the_draft(demo_run):
     assert not Path(provisional).exists()  # removed once the eval was done
     # The draft engine measured the draft of step 10 (a candidate) and of step 20 (the last) on the 4
     # prompts after the eval's; draft/ holds the better, metrics.jsonl and the summary say which.
-    sel = early["selection"]
+    sel = ev["selection"]
     assert [m["step"] for m in sel["measured"]] == [10, 20] and sel["num_prompts"] == 4 and sel["k"] == 3
     best = max(sel["measured"], key=lambda m: (m["acceptance_length"], m["step"]))
     assert (sel["chosen_step"], sel["chosen_acceptance_length"]) == (best["step"], best["acceptance_length"])
@@ -265,6 +265,44 @@ def test_the_better_of_two_drafts_is_exported(demo_run, tmp_path, ray_local):
     assert record["chosen_acceptance_length"] > record["last_acceptance_length"] >= 1.0
     assert (last / "model.safetensors").read_bytes() == trained
     assert (train / LAST / "model.safetensors").read_bytes() != trained
+
+
+def test_the_eval_stage_chooses_among_the_kept_drafts_after_training(demo_run, tmp_path, shared_ray):
+    """Where the eval's engines start after training, the drafts the trainer kept wait on disk and
+    the eval stage's first draft engine measures them before anything else (ray_jobs.evaluate
+    _select_in_group). The eval stage alone, on a copy of the demo job whose last step's draft has
+    zeroed layer and fc weights and whose kept step-10 draft is the trained one, exports the trained
+    one, and measures it."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from eagle3.evaluate.selection import candidate_dir
+
+    out = demo_run[0]
+    job = tmp_path / "job"
+    for name in ("prepared", "target", "draft"):
+        shutil.copytree(out / name, job / name)
+    shutil.copytree(out / "draft", candidate_dir(job / "train", 10))
+    tensors = load_file(job / "draft" / "model.safetensors")
+    save_file({n: torch.zeros_like(t) if n.startswith(("layers.", "fc.")) else t for n, t in tensors.items()},
+              job / "draft" / "model.safetensors")
+    proc = subprocess.run([sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml",
+                           "--set", f"output_dir={job}", "--set", f"target.model={job / 'target'}",
+                           "--set", f"ray.address={shared_ray}", "--set", "doctor=false", "--set", "stages=[eval]",
+                           "--set", "eval.start_during_training=false", "--set", "prepare.num_eval_prompts=12",
+                           "--set", "eval.select_num_prompts=4", "--set", "train.num_steps=20",
+                           "--set", "eval.speed_batch_sizes=[]"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ev = json.loads((job / "eval.json").read_text())
+    sel = ev["selection"]
+    assert [m["step"] for m in sel["measured"]] == [10, 20] and sel["chosen_step"] == 10, sel
+    assert sel["chosen_acceptance_length"] > sel["last_acceptance_length"]
+    assert (job / "draft" / "model.safetensors").read_bytes() == (out / "draft" / "model.safetensors").read_bytes()
+    assert "started_during_training" not in ev and not (job / "train" / "candidates").exists()
+    # what the eval measured is the chosen draft: the trained one's acceptance, not the zeroed one's
+    assert ev["acceptance"][0]["greedy"]["acceptance_length"] >= AL_FLOOR[3]
+    assert "draft chosen     step 10 of 20" in proc.stdout
 
 
 def test_served_speedup_times_the_jobs_draft_in_plain_vllm_and_reloaded(demo_run, tmp_path):

@@ -82,3 +82,29 @@ def test_plot_curves_draws_vllm_acceptance_beside_the_training_rows(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     png = plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curves.png")
     assert png is not None and png.stat().st_size > 0
+
+
+def test_the_trainer_keeps_drafts_for_the_eval_stage_on_a_gpu_and_where_asked_on_the_cpu(tmp_path):
+    """Where no engine starts beside training, the trainer keeps a draft every eval.select_every_steps
+    for the eval stage to measure (ray_jobs.evaluate.candidates_for_eval): by default on a GPU (at
+    train.eval_every_steps), on the CPU only when set; never without prompts beyond the eval's."""
+    from ray_jobs.evaluate import candidates_for_eval
+    from tests.helpers import job_config
+
+    (tmp_path / "prepared").mkdir()
+    (tmp_path / "prepared" / "eval_prompts.jsonl").write_text(
+        "".join(json.dumps({"prompt_token_ids": [1, 2, i]}) + "\n" for i in range(12)))
+    (tmp_path / "train" / CANDIDATES / "step_0000005").mkdir(parents=True)  # an earlier run's
+
+    def cfg(**more):
+        return job_config({"output_dir": str(tmp_path), "prepare.num_eval_prompts": 12, "eval.num_prompts": 8,
+                           "train.num_steps": 40, "train.eval_every_steps": 10, **more})
+
+    every, fmt = candidates_for_eval(cfg(), tmp_path, gpu=True)
+    assert every == 10 and fmt.format(step=20) == str(candidate_dir(tmp_path / "train", 20))
+    assert not (tmp_path / "train" / CANDIDATES).exists()  # a run chooses among its own steps
+    assert candidates_for_eval(cfg(), tmp_path, gpu=False) == (0, None)
+    assert candidates_for_eval(cfg(**{"eval.select_every_steps": 5}), tmp_path, gpu=False)[0] == 5
+    assert candidates_for_eval(cfg(**{"eval.select_every_steps": 0}), tmp_path, gpu=True) == (0, None)
+    assert candidates_for_eval(cfg(**{"eval.num_prompts": 12}), tmp_path, gpu=True) == (0, None)
+    assert candidates_for_eval(cfg(**{"eval.enabled": False}), tmp_path, gpu=True) == (0, None)

@@ -1,9 +1,10 @@
 """The draft to export, chosen by vLLM's acceptance rather than by the training loss: while the draft
 trains, the trainer exports it every eval.select_every_steps steps (train/candidates/step_NNNNNNN,
-actors.trainer); the eval's draft engine, started beside training (ray_jobs.evaluate.EarlyEval),
-takes each in place (compat.draft_reload) and measures its greedy acceptance length on held-out
-prompts apart from the eval's own, so that the eval's figures are not measured on the prompts that
-chose the draft. The job exports the best, the last step's unless an earlier one beats it.
+actors.trainer); an eval draft engine takes each in place (compat.draft_reload) and measures its
+greedy acceptance length on held-out prompts apart from the eval's own, so that the eval's figures
+are not measured on the prompts that chose the draft: as they come, where the engines start beside
+training (ray_jobs.evaluate.EarlyEval), else all of them at the eval stage's start. The job exports
+the best, the last step's unless an earlier one beats it.
 Plain files and a measure function: the driver gives the engine (ray_jobs.evaluate).
 """
 
@@ -78,6 +79,15 @@ class DraftSelection:
         for s, p in older:
             self.skipped.append(s)
             shutil.rmtree(p, ignore_errors=True)
+        self._offer(step, path)
+
+    def consume_oldest(self) -> None:
+        """Measure the oldest waiting candidate (the eval stage after training: every one is measured)."""
+        pending = pending_candidates(self.train_dir)
+        if pending:
+            self._offer(*pending[0])
+
+    def _offer(self, step: int, path: Path) -> None:
         al = self._measure(step, path)
         if self.best is None or al > self.best[1]:
             best = self.train_dir / BEST
@@ -100,7 +110,7 @@ class DraftSelection:
         """The last step's draft (draft_dir, the trainer's export) measured the same way, then the
         better of it and the best candidate in draft_dir: where a candidate beats it strictly, the
         last step's draft moves to train/last_draft and the candidate's weights take its place.
-        Returns the record (eval.json's started_during_training.selection)."""
+        Returns the record (eval.json's selection)."""
         draft_dir = Path(draft_dir)
         last_al = self._measure(last_step, draft_dir)
         record = {"k": self.k, "num_prompts": self.num_prompts, "max_tokens": self.max_tokens,
