@@ -322,7 +322,7 @@ def plot_curves(metrics_path: Path, png_path: Path) -> Path | None:
                                 label="vLLM acceptance length (greedy, held-out prompts)")
         ax_al.set(ylabel="acceptance length in vLLM")
         handles, labels = handles + [al_line], labels + [al_line.get_label()]
-    ax_acc.legend(handles, labels, fontsize="small")
+    ax_acc.legend(handles, labels, fontsize="small", loc="lower right", framealpha=0.8)
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
