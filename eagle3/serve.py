@@ -80,10 +80,14 @@ def draft_default_k(draft_dir: str | Path) -> int:
 
 
 def verdict_of(ev: dict | None) -> dict | None:
-    """eval.json's verdict, or one built from its timings where it was written without one."""
+    """eval.json's verdict, or one built from its timings where it was written without one or before
+    the verdict named the best timed k per batch size (timed_k)."""
     if not ev:
         return None
-    return ev.get("verdict") or eval_verdict(ev)
+    v = ev.get("verdict")
+    if v and all("timed_k" in b for b in v.get("batches", [])):
+        return v
+    return eval_verdict(ev)
 
 
 def _timed_rows(ev: dict | None) -> list[tuple[int, dict]]:
@@ -93,8 +97,9 @@ def _timed_rows(ev: dict | None) -> list[tuple[int, dict]]:
 
 def choose_k(ev: dict | None, default: int | None = None) -> tuple[int | None, str]:
     """The k to serve at, and why: a timed k always, the verdict's best at batch 1 (the smallest timed
-    batch size) where it is measured; else the best batch-1 speedup among the timed k (greedy where
-    timed, else the first sampling), else the eval's timed k, else (nothing timed) 3 if the eval
+    batch size) where it is measured; else, of several timed k, the verdict's best timed one there (at
+    the slowest sampling: one server serves them all); else the best batch-1 speedup among the timed k
+    (greedy where timed, else the first sampling), else the eval's timed k, else (nothing timed) 3 if the eval
     measured acceptance at it, else its largest; with no eval, `default`. A better k the step-cost
     model predicts is named in the reason."""
     v = verdict_of(ev)
@@ -106,6 +111,11 @@ def choose_k(ev: dict | None, default: int | None = None) -> tuple[int | None, s
     # what to time next (eval.speed_ks), and a served k should be a measured one.
     hint = (f"; the step-cost model predicts k={first['best_k']} at {first['speedup']:.2f}x at batch "
             f"{first['batch_size']}: time it with eval.speed_ks" if first and first["best_k"] is not None else "")
+    if first and first.get("timed_k") is not None and len(v["timed_ks"]) > 1:
+        # several timed: the verdict's best of them (the same k as serving.json's k_per_batch there)
+        return first["timed_k"], (f"the best measured speedup at batch {first['batch_size']} "
+                                  f"({first['timed_speedup']:.2f}x, at the slowest sampling) of the timed k="
+                                  f"{', '.join(map(str, v['timed_ks']))}" + hint)
     k, why = _measured_k(ev, default)
     return k, why + hint
 

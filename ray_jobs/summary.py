@@ -214,7 +214,10 @@ def _serve_lines(report: dict) -> list[str]:
     lines = [f"  serve            {rec['vllm_serve']}",
              f"                   k={rec['num_speculative_tokens']}: {rec['k_chosen_by']}{where}"]
     if ev:
-        # then the k per batch size: measured where timed, else the step-cost model's (eagle3.evaluate.verdict)
-        lines += [f"  {'verdict' if i == 0 else '':<16} {v}"
-                  for i, v in enumerate(rec["verdict"] + batch_lines(verdict_of(ev)))]
+        # whether the draft pays at the served k (said so where several k were timed), then the k per
+        # batch size: the best timed one, a better one the step-cost model predicts named (eagle3.evaluate.verdict)
+        pays = rec["verdict"]
+        if len(ev.get("speed_by_k") or {}) > 1:
+            pays = [f"at k={rec['num_speculative_tokens']}, {v}" for v in pays]
+        lines += [f"  {'verdict' if i == 0 else '':<16} {v}" for i, v in enumerate(pays + batch_lines(verdict_of(ev)))]
     return lines

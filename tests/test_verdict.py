@@ -214,6 +214,9 @@ def test_eval_json_times_several_k_and_the_serving_record_follows(tmp_path):
     assert [(r["batch_size"], r["num_speculative_tokens"], r["measured"], r["off"], r["predicted_best_k"])
             for r in rec["k_per_batch"]] == [(1, 3, True, False, 4), (4, 1, True, False, 2), (16, 1, True, True, None)]
     assert rec["off_above_batch"] == 16
+    # one server: the k it is served at is the one k_per_batch gives for the smallest batch
+    assert rec["num_speculative_tokens"] == rec["k_per_batch"][0]["num_speculative_tokens"]
+    assert rec["k_chosen_by"].startswith("the best measured speedup at batch 1 (")
     from ray_jobs.summary import _eval_summary
 
     speed_heads = [line for line in _eval_summary(ev) if "decode speedup, draft at k=" in line]
