@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import time
+from pathlib import Path
 
 
 def _waves(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
@@ -47,7 +48,7 @@ def _time_waves(llm, waves, max_tokens: int) -> list[tuple[int, float]]:
     return out
 
 
-def _zeroed_copy(draft: str, out: str) -> str:
+def zeroed_copy(draft: str | Path, out: str | Path) -> str:
     """A copy of the draft directory whose layer and fc weights are zeros: the config and shapes of a
     draft before training, other weights (as the job's provisional export)."""
     import shutil
@@ -59,7 +60,7 @@ def _zeroed_copy(draft: str, out: str) -> str:
     tensors = load_file(f"{draft}/model.safetensors")
     save_file({n: torch.zeros_like(t) if n.startswith(("layers.", "fc.")) else t for n, t in tensors.items()},
               f"{out}/model.safetensors")
-    return out
+    return str(out)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
 
                 from compat.draft_reload import WORKER_EXTENSION, reload_draft
 
-                zeroed = _zeroed_copy(args.draft, tempfile.mkdtemp(prefix="provisional-"))
+                zeroed = zeroed_copy(args.draft, tempfile.mkdtemp(prefix="provisional-"))
                 draft = Engine(**common, speculative_config={**spec, "model": zeroed},
                                worker_extension_cls=WORKER_EXTENSION)
                 r = time.perf_counter()

@@ -19,7 +19,7 @@ serving.json's fields:
     batch_sizes                   per timed batch size and sampling: speedup, ci95, helps (true: the
                                   95% interval lies above 1, false: below 1, null: it spans 1 or
                                   there is none), verdict (helps / slows / unclear), at
-                                  num_speculative_tokens where timed, else at the first timed k
+                                  num_speculative_tokens
     verdict                       the summary's verdict, in words
     k_per_batch                   per timed batch size the k to serve at (eagle3.evaluate.verdict):
                                   the best timed k (a k its step-cost model predicts better is
@@ -147,15 +147,13 @@ def _helps(sp: dict) -> bool | None:
 
 
 def batch_verdicts(ev: dict | None, k: int | None = None) -> list[dict]:
-    """Per timed batch size and sampling (at k, by default the chosen one; the first timed k where k
-    was not timed): the speedup, its 95% interval and whether the draft helps (true), slows (false)
-    or neither is shown (null)."""
+    """Per timed batch size and sampling (at k, by default the chosen one, always a timed k): the
+    speedup, its 95% interval and whether the draft helps (true), slows (false) or neither is shown
+    (null)."""
     timed = _timed_rows(ev)
     if not timed:
         return []
     k = choose_k(ev)[0] if k is None else k
-    if k not in {t for t, _ in timed}:  # a predicted k: what was measured is the first timed one's
-        k = timed[0][0]
     rows = []
     for rk, r in timed:
         if rk != k:

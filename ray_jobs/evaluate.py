@@ -144,35 +144,43 @@ def candidates_for_eval(cfg: JobConfig, out: Path, *, gpu: bool) -> tuple[int, s
     (_selection_after_training). eval.select_every_steps null is on where a GPU decodes the selection
     prompts in seconds, off on the CPU; 0 is off. Also off without prompts beyond the eval's. An
     earlier run's candidates are removed."""
-    from eagle3.evaluate.selection import DraftSelection, candidate_dir
-    from eagle3.prepare.tokens import read_eval_prompts
+    from eagle3.evaluate.selection import DraftSelection, candidate_format
 
     every = cfg.eval.select_every_steps
     if every is None:
         every = cfg.train.eval_every_steps if gpu else 0
     if not (every and "eval" in cfg.stages and cfg.eval.enabled and cfg.train.source == "offline"):
         return 0, None
-    if len(read_eval_prompts(out / "prepared")) <= cfg.eval.num_prompts:
-        log.info("eval: no draft selection: prepared/eval_prompts.jsonl holds no prompt beyond the eval's %d (raise "
-                 "prepare.num_eval_prompts)", cfg.eval.num_prompts)
+    if not _selection_prompts(cfg, out / "prepared"):
         return 0, None
     DraftSelection.clear(out / "train")
     log.info("eval: the trainer keeps the draft every %d steps; the eval stage measures each and exports the best",
              every)
-    return every, str(candidate_dir(out / "train", 0)).replace("step_0000000", "step_{step:07d}")
+    return every, candidate_format(out / "train")
+
+
+def _selection_prompts(cfg: JobConfig, prepared: Path) -> list[list[int]]:
+    """The held-out prompts that choose the draft (eagle3.evaluate.selection.selection_prompts); where
+    there are none, a log line says how to have some."""
+    from eagle3.evaluate.selection import selection_prompts
+
+    prompts = selection_prompts(prepared, num_eval_prompts=cfg.eval.num_prompts,
+                                num_prompts=cfg.eval.select_num_prompts)
+    if not prompts and cfg.eval.select_every_steps != 0:
+        log.info("eval: no draft selection: prepared/eval_prompts.jsonl holds no prompt beyond the eval's %d (raise "
+                 "prepare.num_eval_prompts)", cfg.eval.num_prompts)
+    return prompts
 
 
 def _selection_after_training(cfg: JobConfig, draft_dir: str, plan: EvalPlan) -> dict | None:
     """The eval stage's pending choice among candidates_for_eval's drafts on disk, or None where there
     are none (or no draft engine, or no selection prompts): {"train", "prompts", "draft_dir"}."""
     from eagle3.evaluate.selection import pending_candidates
-    from eagle3.prepare.tokens import read_eval_prompts
 
     train = Path(draft_dir).parent / "train"
     if not pending_candidates(train) or not any(d is not None for _, d, _, _ in plan.engines):
         return None
-    n = cfg.eval.num_prompts
-    prompts = read_eval_prompts(Path(draft_dir).parent / "prepared")[n: n + cfg.eval.select_num_prompts]
+    prompts = _selection_prompts(cfg, Path(draft_dir).parent / "prepared")
     if not prompts:
         return None
     return {"train": train, "prompts": prompts, "draft_dir": draft_dir}
@@ -183,7 +191,7 @@ def _select_in_group(ray, cfg: JobConfig, pending: dict, actors: list, group: li
     (eagle3.evaluate.selection); draft_dir then holds the best, and every draft engine of the group
     takes it in place. Done once (pending["record"] or pending["error"]); a failure leaves the last
     step's draft, and the job goes on."""
-    from eagle3.evaluate.selection import DraftSelection, pending_candidates
+    from eagle3.evaluate.selection import DraftSelection
 
     first = next(i for i, u in enumerate(group) if u[1] is not None)
     k = group[first][0]
@@ -192,19 +200,13 @@ def _select_in_group(ray, cfg: JobConfig, pending: dict, actors: list, group: li
         k=k, num_prompts=len(pending["prompts"]), max_tokens=cfg.eval.max_tokens)
     t = time.perf_counter()
     try:
-        for _ in pending_candidates(pending["train"]):
-            sel.consume_oldest()
+        sel.consume_all()
         pending["record"] = sel.finish(pending["draft_dir"], cfg.train.num_steps)
         ray.get([actors[i].reload_draft.remote(pending["draft_dir"]) for i, u in enumerate(group) if u[1] is not None])
     except Exception as e:  # noqa: BLE001 - compat.draft_reload.DraftReloadRefused, an engine error
         log.warning("eval: choosing the draft failed (%s); the last step's draft is measured", e)
         pending["error"] = str(e)
-        import shutil
-
-        from eagle3.evaluate.selection import BEST, CANDIDATES
-
-        for name in (CANDIDATES, BEST):
-            shutil.rmtree(pending["train"] / name, ignore_errors=True)
+        DraftSelection.clear(pending["train"])
         if "record" not in pending:  # the engines may hold a candidate: back to the last step's draft
             ray.get([actors[i].reload_draft.remote(pending["draft_dir"]) for i, u in enumerate(group)
                      if u[1] is not None])
@@ -371,7 +373,7 @@ class EarlyEval:
         import shutil
         import threading
 
-        from eagle3.evaluate.selection import DraftSelection, candidate_dir
+        from eagle3.evaluate.selection import DraftSelection, candidate_format
 
         self.cfg, self.target_dir = cfg, target_dir
         self.plan = eval_plan(cfg, target_dir, str(out / "draft"), prompts, during_training=True)
@@ -390,7 +392,7 @@ class EarlyEval:
         """What run_training exports candidates to (None: no selection)."""
         if self.select_every:
             DraftSelection.clear(out / "train")
-            self.candidate_format = str(candidate_dir(out / "train", 0)).replace("step_0000000", "step_{step:07d}")
+            self.candidate_format = candidate_format(out / "train")
             self.selection = DraftSelection(out / "train", self._measure, k=self.plan.engines[self._measurer][0],
                                             num_prompts=len(self.select_prompts), max_tokens=cfg.eval.max_tokens)
         self.training_ended = threading.Event()
@@ -522,17 +524,13 @@ def early_eval(cfg: JobConfig, target_dir: str, out: Path) -> EarlyEval | None:
     from eagle3.prepare.tokens import read_eval_prompts
 
     on, why = eval_during_training(cfg, target_dir, gpu=ray.cluster_resources().get("GPU", 0) >= 1)
-    held = read_eval_prompts(out / "prepared") if on else []
-    prompts, n = held[: cfg.eval.num_prompts], cfg.eval.num_prompts
+    prompts = read_eval_prompts(out / "prepared")[: cfg.eval.num_prompts] if on else []
     if not prompts:
         log.info("eval: engines start after training (%s)", why if not on else "no held-out prompts")
         return None
     log.info("eval: engines start while the draft trains (%s)", why)
-    early = EarlyEval(cfg, target_dir, out, prompts, held[n: n + cfg.eval.select_num_prompts])
+    early = EarlyEval(cfg, target_dir, out, prompts, _selection_prompts(cfg, out / "prepared"))
     if early.select_every:
         log.info("eval: the draft engine measures the draft every %d steps on %d held-out prompts; the best is "
                  "exported", early.select_every, len(early.select_prompts))
-    elif cfg.eval.select_every_steps != 0:
-        log.info("eval: no draft selection: prepared/eval_prompts.jsonl holds no prompt beyond the eval's %d (raise "
-                 "prepare.num_eval_prompts)", n)
     return early

@@ -232,10 +232,8 @@ def test_the_better_of_two_drafts_is_exported(demo_run, tmp_path, ray_local):
     held-out prompts. The job's draft, offered as step 10's candidate, beats a copy whose layer and
     fc weights are zeroed, offered as the last step's: the trained weights end in draft/, the zeroed
     ones in train/last_draft."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
     from actors.evaluator import place_evaluator
+    from benchmarks.served_speedup import zeroed_copy
     from eagle3.evaluate.selection import LAST, DraftSelection, candidate_dir
     from eagle3.prepare.tokens import read_eval_prompts
     from ray_jobs.evaluate import draft_acceptance
@@ -244,11 +242,8 @@ def test_the_better_of_two_drafts_is_exported(demo_run, tmp_path, ray_local):
     out = demo_run[0]
     train, last = tmp_path / "train", tmp_path / "draft"
     shutil.copytree(out / "draft", candidate_dir(train, 10))
-    shutil.copytree(out / "draft", last)
-    tensors = load_file(last / "model.safetensors")
-    zeroed = [n for n in tensors if n.startswith(("layers.", "fc."))]
-    assert zeroed, sorted(tensors)
-    save_file({n: torch.zeros_like(t) if n in zeroed else t for n, t in tensors.items()}, last / "model.safetensors")
+    zeroed_copy(out / "draft", last)
+    assert (last / "model.safetensors").read_bytes() != (out / "draft" / "model.safetensors").read_bytes()
     trained = (out / "draft" / "model.safetensors").read_bytes()
     prompts = read_eval_prompts(out / "prepared")[8:12]
     actor = place_evaluator(1, gpu=False)
@@ -273,19 +268,15 @@ def test_the_eval_stage_chooses_among_the_kept_drafts_after_training(demo_run, t
     _select_in_group). The eval stage alone, on a copy of the demo job whose last step's draft has
     zeroed layer and fc weights and whose kept step-10 draft is the trained one, exports the trained
     one, and measures it."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
+    from benchmarks.served_speedup import zeroed_copy
     from eagle3.evaluate.selection import candidate_dir
 
     out = demo_run[0]
     job = tmp_path / "job"
-    for name in ("prepared", "target", "draft"):
+    for name in ("prepared", "target"):
         shutil.copytree(out / name, job / name)
+    zeroed_copy(out / "draft", job / "draft")
     shutil.copytree(out / "draft", candidate_dir(job / "train", 10))
-    tensors = load_file(job / "draft" / "model.safetensors")
-    save_file({n: torch.zeros_like(t) if n.startswith(("layers.", "fc.")) else t for n, t in tensors.items()},
-              job / "draft" / "model.safetensors")
     proc = subprocess.run([sys.executable, "-m", "ray_jobs.run", "--config", "configs/demo.yaml",
                            "--set", f"output_dir={job}", "--set", f"target.model={job / 'target'}",
                            "--set", f"ray.address={shared_ray}", "--set", "doctor=false", "--set", "stages=[eval]",

@@ -32,8 +32,21 @@ METRIC = "vllm_acceptance_length"
 _STEP_DIR = re.compile(r"step_(\d+)$")
 
 
+def candidate_format(train_dir: str | Path) -> str:
+    """Where the trainer exports the draft of step N: candidate_format(...).format(step=N)."""
+    return str(Path(train_dir) / CANDIDATES / "step_{step:07d}")
+
+
 def candidate_dir(train_dir: str | Path, step: int) -> Path:
-    return Path(train_dir) / CANDIDATES / f"step_{step:07d}"
+    return Path(candidate_format(train_dir).format(step=step))
+
+
+def selection_prompts(prepared_dir: str | Path, *, num_eval_prompts: int, num_prompts: int) -> list[list[int]]:
+    """The held-out prompts that choose the draft: those after the eval's first num_eval_prompts in
+    prepared/eval_prompts.jsonl, num_prompts at most (empty where there are none)."""
+    from eagle3.prepare.tokens import read_eval_prompts
+
+    return read_eval_prompts(prepared_dir)[num_eval_prompts: num_eval_prompts + num_prompts]
 
 
 def pending_candidates(train_dir: str | Path) -> list[tuple[int, Path]]:
@@ -81,11 +94,10 @@ class DraftSelection:
             shutil.rmtree(p, ignore_errors=True)
         self._offer(step, path)
 
-    def consume_oldest(self) -> None:
-        """Measure the oldest waiting candidate (the eval stage after training: every one is measured)."""
-        pending = pending_candidates(self.train_dir)
-        if pending:
-            self._offer(*pending[0])
+    def consume_all(self) -> None:
+        """Measure every waiting candidate, oldest first (the eval stage after training)."""
+        for step, path in pending_candidates(self.train_dir):
+            self._offer(step, path)
 
     def _offer(self, step: int, path: Path) -> None:
         al = self._measure(step, path)
