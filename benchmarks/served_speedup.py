@@ -10,8 +10,10 @@ prompt at a time, at a larger batch in waves of that many; greedy answers ending
     python -m benchmarks.served_speedup --target MODEL_DIR --draft JOB/draft \
         --prompts JOB/prepared/eval_prompts.jsonl --out served.json
 
-Compare with the job's eval.json (`speed.results`): the same draft, prompts and batch sizes.
---reloaded then times a second draft engine, set up as the job's eval engines that start while the draft
+Compare with the job's eval.json (`speed.results`): the same draft, prompts and batch sizes; --max-length
+(the job's prepare.max_length) leaves out the prompts the eval leaves out, and --k 3 1 times each k the
+eval timed, one draft engine after the other beside the same target-alone engine.
+--reloaded then times one more draft engine (at the first k), set up as the job's eval engines that start while the draft
 trains: started from a copy of the draft with its layer and fc weights zeroed (the provisional draft's
 config, other weights), then given the draft's weights in place (compat.draft_reload). It replaces the
 plain draft engine (at most two engines stand at once) and takes turns with the same target-alone engine
@@ -70,10 +72,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompts", required=True, help="JSONL with prompt_token_ids per line (the job's prepared/eval_prompts.jsonl)")
     ap.add_argument("--num-prompts", type=int, default=64, help="the file's first N prompts (the job's "
                     "eval.num_prompts; the prompts after them chose the draft)")
-    ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    ap.add_argument("--k", type=int, nargs="+", default=[3], help="num_speculative_tokens; several: one draft "
+                    "engine per k in turn, each timed against the same target-alone engine")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--rounds", type=int, default=3, help="rounds each engine decodes every batch size")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-length", type=int, help="the job's prepare.max_length: prompts without room for a whole "
+                    "answer within it are left out, as the job's eval leaves them out of its timed windows")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.35, help="each engine's share (at most "
                     "two engines stand at once)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the CPU has none)")
@@ -88,27 +93,32 @@ def main(argv: list[str] | None = None) -> dict:
     from eagle3.evaluate import wave_speedup
 
     prompts = [json.loads(line)["prompt_token_ids"] for line in open(args.prompts) if line.strip()][: args.num_prompts]
+    room = args.max_tokens + max(args.k) + 8
+    if args.max_length:  # as ray_jobs/evaluate.py picks its speed prompts
+        prompts = [p for p in prompts if len(p) + room <= args.max_length]
     if not prompts:
-        raise SystemExit(f"no prompts in {args.prompts}")
-    max_len = max(len(p) for p in prompts) + args.max_tokens + args.k + 8
+        raise SystemExit(f"no prompts in {args.prompts}" + (f" with room for an answer within {args.max_length} tokens"
+                                                            if args.max_length else ""))
+    max_len = max(len(p) for p in prompts) + room
     share = args.gpu_memory_utilization
     common = dict(model=args.target, max_model_len=max_len, enable_prefix_caching=False, skip_tokenizer_init=True,
                   enforce_eager=args.enforce_eager, gpu_memory_utilization=share,
                   max_num_seqs=max(args.batch_sizes), disable_log_stats=False)
     if args.kv_cache_memory_bytes:
         common["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
-    spec = {"method": "eagle3", "model": args.draft, "num_speculative_tokens": args.k}
     waves = {b: _waves(prompts, b) for b in args.batch_sizes}
     t = time.perf_counter()
     # compat's Engine: vLLM's own LLM, closed at the end (its engine-core processes stop with it)
     target = Engine(**common)
     start_s = {"without_draft": time.perf_counter() - t}
-    timed: dict[tuple[int, str], list] = {}
-    phases = [("with_draft", "without_draft")] + ([("with_draft_reloaded", "without_draft_beside_reloaded")]
-                                                  if args.reloaded else [])
-    reload = acceptance = None
+    timed: dict[tuple[int, int, str], list] = {}  # (k, batch, side) -> rounds of waves
+    # one draft engine at a time beside the one target-alone engine: each k, then the reloaded one (the first k)
+    phases = [(k, "with_draft") for k in args.k] + ([(args.k[0], "with_draft_reloaded")] if args.reloaded else [])
+    reload, acceptance = None, {}
     try:
-        for side, base in phases:  # one draft engine at a time, beside the one target-alone engine
+        for k, side in phases:
+            base = "without_draft" if side == "with_draft" else "without_draft_beside_reloaded"
+            spec = {"method": "eagle3", "model": args.draft, "num_speculative_tokens": k}
             t = time.perf_counter()
             if side == "with_draft":
                 draft = Engine(**common, speculative_config=spec)
@@ -123,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
                 r = time.perf_counter()
                 reload = {"tensors": reload_draft(draft.llm, args.draft), "seconds": time.perf_counter() - r,
                           "started_from": zeroed}
-            start_s[side] = time.perf_counter() - t
+            start_s[f"{side}_k{k}"] = time.perf_counter() - t
             try:
                 engines = {side: draft.llm, base: target.llm}
                 for name in engines:  # untimed: first-call work
@@ -133,31 +143,35 @@ def main(argv: list[str] | None = None) -> dict:
                 for r in range(args.rounds):
                     for name in (list(engines) if r % 2 == 0 else list(reversed(engines))):
                         for b in args.batch_sizes:
-                            timed.setdefault((b, name), []).append(_time_waves(engines[name], waves[b], args.max_tokens))
+                            timed.setdefault((k, b, name), []).append(
+                                _time_waves(engines[name], waves[b], args.max_tokens))
                 after = spec_decode_counters(draft.llm)
                 engines = None
-                if side == "with_draft":
-                    drafts = after["num_drafts"] - before["num_drafts"]
-                    acceptance = (1 + (after["num_accepted_tokens"] - before["num_accepted_tokens"]) / drafts
-                                  if drafts > 0 else None)
+                drafts = after["num_drafts"] - before["num_drafts"]
+                if side == "with_draft" and drafts > 0:
+                    acceptance[k] = 1 + (after["num_accepted_tokens"] - before["num_accepted_tokens"]) / drafts
             finally:
                 draft.close()
     finally:
         target.close()
-    sides = [name for pair in phases for name in pair]
+
+    def tokens_per_s(rounds: list) -> float:
+        return sum(n for rnd in rounds for n, _ in rnd) / sum(s for rnd in rounds for _, s in rnd)
+
     results = []
-    for b in args.batch_sizes:
-        w, wo = timed[b, "with_draft"], timed[b, "without_draft"]
-        rate = {side: sum(n for rnd in timed[b, side] for n, _ in rnd) / sum(s for rnd in timed[b, side] for _, s in rnd)
-                for side in sides}
-        results.append({"batch_size": b, "num_prompts": sum(len(x) for x in waves[b]),
-                        "tokens_per_s": rate, "speedup": wave_speedup(w, wo),
-                        "with_draft": w, "without_draft": wo})
-        if reload is not None:
-            results[-1] |= {"speedup_reloaded": wave_speedup(timed[b, "with_draft_reloaded"],
-                                                             timed[b, "without_draft_beside_reloaded"]),
-                            "with_draft_reloaded": timed[b, "with_draft_reloaded"],
-                            "without_draft_beside_reloaded": timed[b, "without_draft_beside_reloaded"]}
+    for k in args.k:
+        for b in args.batch_sizes:
+            w, wo = timed[k, b, "with_draft"], timed[k, b, "without_draft"]
+            res = {"k": k, "batch_size": b, "num_prompts": sum(len(x) for x in waves[b]),
+                   "tokens_per_s": {"with_draft": tokens_per_s(w), "without_draft": tokens_per_s(wo)},
+                   "speedup": wave_speedup(w, wo), "with_draft": w, "without_draft": wo}
+            if reload is not None and k == args.k[0]:
+                wr, wor = timed[k, b, "with_draft_reloaded"], timed[k, b, "without_draft_beside_reloaded"]
+                res["tokens_per_s"] |= {"with_draft_reloaded": tokens_per_s(wr),
+                                        "without_draft_beside_reloaded": tokens_per_s(wor)}
+                res |= {"speedup_reloaded": wave_speedup(wr, wor), "with_draft_reloaded": wr,
+                        "without_draft_beside_reloaded": wor}
+            results.append(res)
     import torch
     import vllm
 
@@ -165,8 +179,9 @@ def main(argv: list[str] | None = None) -> dict:
         "what": "decode speedup of an EAGLE-3 draft in plain vLLM (two engines in one process, rounds alternating, "
                 "greedy answers ending at EOS)",
         "target": args.target, "draft": args.draft, "prompts": args.prompts, "num_speculative_tokens": args.k,
-        "rounds": args.rounds, "max_tokens": args.max_tokens, "enforce_eager": args.enforce_eager,
-        "acceptance_length_in_windows": acceptance,
+        "rounds": args.rounds, "max_tokens": args.max_tokens, "max_length": args.max_length,
+        "enforce_eager": args.enforce_eager,
+        "acceptance_length_in_windows": {str(k): a for k, a in acceptance.items()},
         "engines_start_s": start_s, "gpu_memory_utilization": share, "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
         "reload": reload,
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor(),
@@ -177,10 +192,10 @@ def main(argv: list[str] | None = None) -> dict:
     for r in results:
         s = r["speedup"]
         ci = f"{s['ci95'][0]:.2f}-{s['ci95'][1]:.2f}x" if s["ci95"] else "no interval"
-        print(f"batch {r['batch_size']:>3}: {s['ratio']:.2f}x ({ci}; {r['tokens_per_s']['without_draft']:.0f} -> "
+        print(f"k={r['k']} batch {r['batch_size']:>3}: {s['ratio']:.2f}x ({ci}; {r['tokens_per_s']['without_draft']:.0f} -> "
               f"{r['tokens_per_s']['with_draft']:.0f} tokens/s, {r['num_prompts']} prompts x {args.rounds} rounds)")
         if "speedup_reloaded" in r:
-            print(f"           reloaded draft engine: {r['speedup_reloaded']['ratio']:.2f}x "
+            print(f"                 reloaded draft engine: {r['speedup_reloaded']['ratio']:.2f}x "
                   f"({r['tokens_per_s']['without_draft_beside_reloaded']:.0f} -> "
                   f"{r['tokens_per_s']['with_draft_reloaded']:.0f} tokens/s)")
     if args.out:

@@ -296,30 +296,37 @@ def test_the_eval_stage_chooses_among_the_kept_drafts_after_training(demo_run, t
     assert "draft chosen     step 10 of 20" in proc.stdout
 
 
-def test_served_speedup_times_the_jobs_draft_in_plain_vllm_and_reloaded(demo_run, tmp_path):
-    """benchmarks/served_speedup.py on the finished job, on the CPU: two plain `LLM` engines (the
-    draft's, the target's alone) taking turns, then in the draft's place one started from a zeroed
-    copy of the draft and given its weights in place (--reloaded, as the job's engines that start
-    during training), taking turns with the same target engine; every round decodes the same
-    prompts, and the greedy answers are the same length on every side."""
+def test_served_speedup_times_the_jobs_draft_in_plain_vllm_at_each_k_and_reloaded(demo_run, tmp_path):
+    """benchmarks/served_speedup.py on the finished job, on the CPU: plain `LLM` engines, the draft's
+    at k=2 then at k=1, each taking turns with the same target-alone engine, then in the draft's
+    place one started from a zeroed copy of the draft and given its weights in place (--reloaded,
+    as the job's engines that start during training); every round decodes the same prompts, the
+    greedy answers are the same length on every side, and --max-length leaves out the prompts
+    without room for an answer, as the job's eval does."""
     out = demo_run[0]
+    prompts_file = out / "prepared" / "eval_prompts.jsonl"
+    lengths = [len(json.loads(line)["prompt_token_ids"]) for line in prompts_file.read_text().splitlines()][:12]
+    max_length = max(lengths) - 1 + 16 + 2 + 8  # room for 16 tokens (and k + 8) after every prompt but the longest
     proc = subprocess.run([sys.executable, "-m", "benchmarks.served_speedup", "--target", str(out / "target"),
-                           "--draft", str(out / "draft"), "--prompts", str(out / "prepared" / "eval_prompts.jsonl"),
+                           "--draft", str(out / "draft"), "--prompts", str(prompts_file),
                            "--enforce-eager", "--batch-sizes", "1", "--rounds", "2", "--max-tokens", "16",
-                           "--num-prompts", "12", "--reloaded",
+                           "--num-prompts", "12", "--k", "2", "1", "--max-length", str(max_length), "--reloaded",
                            "--out", str(tmp_path / "served.json")],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     r = json.loads((tmp_path / "served.json").read_text())
     assert r["reload"]["tensors"] > 0 and r["rounds"] == 2
-    (res,) = r["results"]
-    assert res["batch_size"] == 1 and res["num_prompts"] == 12
+    at_k2, at_k1 = r["results"]
+    assert (at_k2["k"], at_k1["k"]) == (2, 1) and at_k2["batch_size"] == at_k1["batch_size"] == 1
+    kept = sum(n < max(lengths) for n in lengths)
+    assert at_k2["num_prompts"] == at_k1["num_prompts"] == kept < 12
     sides = ("with_draft", "without_draft", "with_draft_reloaded", "without_draft_beside_reloaded")
-    assert all(len(res[side]) == 2 and all(len(rnd) == 12 for rnd in res[side]) for side in sides)
-    tokens = {side: [[n for n, _ in rnd] for rnd in res[side]] for side in sides}
-    assert len({json.dumps(tokens[side]) for side in sides}) == 1
-    assert res["speedup"]["ratio"] > 0 and res["speedup_reloaded"]["ratio"] > 0
-    assert "reloaded draft engine:" in proc.stdout
+    per_side = [at_k2[side] for side in sides] + [at_k1["with_draft"], at_k1["without_draft"]]
+    assert all(len(rounds) == 2 and all(len(waves) == kept for waves in rounds) for rounds in per_side)
+    assert len({json.dumps([[n for n, _ in waves] for waves in rounds]) for rounds in per_side}) == 1
+    assert "speedup_reloaded" not in at_k1 and at_k2["speedup_reloaded"]["ratio"] > 0
+    assert set(r["acceptance_length_in_windows"]) == {"2", "1"}
+    assert "reloaded draft engine:" in proc.stdout and "k=1 batch   1:" in proc.stdout
 
 
 def test_train_serve_replays_the_jobs_draft_on_vllms_answers(demo_run, tmp_path, shared_ray):
