@@ -185,13 +185,17 @@ def _speed_lines(sp: dict, label: dict) -> list[str]:
              f"at EOS, {sp['results'][0]['speedup']['rounds']} rounds, "
              f"{'the engines taking turns' if sp.get('interleaved') else 'one engine after the other'}; "
              "95% interval over prompts):"]
+    from eagle3.evaluate.verdict import pooled_rate
+
     for r in sp["results"]:
         s = r["speedup"]
         al = r["with_draft"].get("acceptance_length")
+        # every round and wave pooled, as the ratio pools them (a mean of per-round rates need not divide to it)
+        rate0, rate1 = pooled_rate(r["without_draft"]), pooled_rate(r["with_draft"])
         ci = f"{s['ci95'][0]:.2f}-{s['ci95'][1]:.2f}x" if s.get("ci95") else "no interval (one wave)"
         slower = "  <- the draft slows this batch size" if s.get("ci95") and s["ci95"][1] < 1 else ""
         lines.append(f"                   batch {r['batch_size']:>3} {label[r['mode']]:<22} {s['ratio']:.2f}x "
-                     f"({r['without_draft']['tokens_per_s']['mean']:.0f} -> {r['with_draft']['tokens_per_s']['mean']:.0f}"
+                     f"({rate0:.0f} -> {rate1:.0f}"
                      f" tokens/s; {ci}{f', AL {al:.2f}' if al else ''}; {r['num_prompts']} prompts, answers of "
                      f"at most {r['max_tokens']} tokens){slower}")
     return lines

@@ -4,6 +4,8 @@ engines themselves are covered by tests/test_e2e.py (the job) and tests/test_qua
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.helpers import job_config
@@ -166,6 +168,27 @@ def test_eval_report_pairs_each_window_with_the_baseline_and_the_summary_says_it
     with pytest.raises(RuntimeError, match="different windows"):
         eval_report(engines, samplings=samplings, sampling_source="test", windows=windows, speed_k=3,
                     num_prompts=8, max_tokens=24)
+
+
+def test_summary_rates_divide_to_the_printed_speedup_when_rounds_differ():
+    """The summary's 'A -> B tokens/s' pool every round and wave as the ratio does: with a baseline
+    whose second round ran at a quarter of the rate, a mean of the rounds' rates (625 -> 1,000
+    tokens/s) would not divide to the 2.50x printed beside them."""
+    samplings = eval_samplings(0.0, 1.0)
+    windows = speed_windows((16,), gpu=True, num_prompts=32, max_tokens=24)
+    without = _run(16, "greedy", [1000.0] * 2, 300)
+    without["wave_seconds"][1] = [s * 4 for s in without["wave_seconds"][1]]  # round 2 at 250 tokens/s
+    without["seconds"] = [sum(x) for x in without["wave_seconds"]]
+    without["tokens_per_s"] = spread([600 / x for x in without["seconds"]])  # 1,000 and 250: mean 625
+    engines = _engines([_run(16, "greedy", [1000.0] * 2, 300)], [without])
+    ev = eval_report(engines, samplings=samplings, sampling_source="test", windows=windows, speed_k=3,
+                     num_prompts=32, max_tokens=24)
+    from ray_jobs.summary import _eval_summary
+
+    (line,) = [x for x in _eval_summary(ev) if "batch  16 greedy" in x]
+    rates = re.search(r"\((\d+) -> (\d+) tokens/s", line)
+    ratio = float(re.search(r"greedy\s+([\d.]+)x", line)[1])
+    assert (rates[1], rates[2], ratio) == ("400", "1000", 2.50)
 
 
 def test_eval_report_without_speed_has_no_baseline():
