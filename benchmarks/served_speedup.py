@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=3, help="rounds each engine decodes every batch size")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-length", type=int, help="the job's prepare.max_length: prompts without room for a whole "
-                    "answer within it are left out, as the job's eval leaves them out of its timed windows")
+                    "answer within it are left out and the engines' max_model_len is the job's, as the job's eval "
+                    "picks them (eagle3.evaluate.timed_prompts)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.35, help="each engine's share (at most "
                     "two engines stand at once)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the CPU has none)")
@@ -90,16 +91,15 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
 
     from compat.vllm_engine import Engine, spec_decode_counters
-    from eagle3.evaluate import wave_speedup
+    from eagle3.evaluate import timed_prompts, wave_speedup
 
     prompts = [json.loads(line)["prompt_token_ids"] for line in open(args.prompts) if line.strip()][: args.num_prompts]
-    room = args.max_tokens + max(args.k) + 8
-    if args.max_length:  # as ray_jobs/evaluate.py picks its speed prompts
-        prompts = [p for p in prompts if len(p) + room <= args.max_length]
     if not prompts:
-        raise SystemExit(f"no prompts in {args.prompts}" + (f" with room for an answer within {args.max_length} tokens"
-                                                            if args.max_length else ""))
-    max_len = max(len(p) for p in prompts) + room
+        raise SystemExit(f"no prompts in {args.prompts}")
+    # the job's eval picks its timed prompts and max_model_len the same way
+    prompts, max_len = timed_prompts(prompts, max_tokens=args.max_tokens, k=max(args.k), max_length=args.max_length)
+    if not prompts:
+        raise SystemExit(f"no prompt in {args.prompts} leaves room for an answer within {args.max_length} tokens")
     share = args.gpu_memory_utilization
     common = dict(model=args.target, max_model_len=max_len, enable_prefix_caching=False, skip_tokenizer_init=True,
                   enforce_eager=args.enforce_eager, gpu_memory_utilization=share,

@@ -51,7 +51,7 @@ def eval_plan(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[lis
     draft trains, in EVAL_GPU_RESERVE of the GPU)."""
     import ray
 
-    from eagle3.evaluate import eval_samplings, resolve_enforce_eager, speed_windows
+    from eagle3.evaluate import eval_samplings, resolve_enforce_eager, speed_windows, timed_prompts
     from eagle3.prepare.regenerate import resolve_sampling
 
     ev = cfg.eval
@@ -62,10 +62,8 @@ def eval_plan(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[lis
               "(eagle3.prepare.regenerate.resolve_sampling)")
     speed_k, speed_ks = ev.resolved_speed_k, ev.resolved_speed_ks
     serving_eager = resolve_enforce_eager(ev.enforce_eager, gpu=gpu)
-    room = ev.max_tokens + max(ev.num_speculative_tokens) + 8
-    max_len = min(cfg.prepare.max_length, max(len(p) for p in prompts) + room)
-    # Answers are timed where they are measured: only prompts with room for a whole answer.
-    speed_prompts = [p for p in prompts if len(p) + room <= max_len]
+    speed_prompts, max_len = timed_prompts(prompts, max_tokens=ev.max_tokens, k=max(ev.num_speculative_tokens),
+                                           max_length=cfg.prepare.max_length)
     if ev.speed_batch_sizes and not speed_prompts:
         raise ValueError(f"no held-out prompt leaves room for {ev.max_tokens} generated tokens within prepare.max_length="
                          f"{cfg.prepare.max_length}: raise it, or set eval.speed_batch_sizes: [] (no throughput)")

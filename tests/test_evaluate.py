@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers import job_config
 from eagle3.evaluate import (DecodeSampling, SpeedWindow, eval_report, eval_samplings, ranges_apart,
-                             resolve_enforce_eager, speed_windows, speedup, spread)
+                             resolve_enforce_eager, speed_windows, speedup, spread, timed_prompts)
 
 
 def test_spread_of_repeated_windows():
@@ -168,6 +168,17 @@ def test_eval_report_pairs_each_window_with_the_baseline_and_the_summary_says_it
     with pytest.raises(RuntimeError, match="different windows"):
         eval_report(engines, samplings=samplings, sampling_source="test", windows=windows, speed_k=3,
                     num_prompts=8, max_tokens=24)
+
+
+def test_timed_prompts_leave_room_for_a_whole_answer_within_max_length():
+    """The speed windows' prompts (the job's eval and benchmarks/served_speedup.py): room for
+    max_tokens, k and 8 spare after each; a prompt without it within max_length is left out, and the
+    engines' max_model_len is capped there."""
+    prompts = [[1] * 10, [1] * 50, [1] * 100]
+    kept, max_len = timed_prompts(prompts, max_tokens=20, k=3, max_length=100)
+    assert [len(p) for p in kept] == [10, 50] and max_len == 100
+    kept, max_len = timed_prompts(prompts, max_tokens=20, k=3)
+    assert len(kept) == 3 and max_len == 131
 
 
 def test_summary_rates_divide_to_the_printed_speedup_when_rounds_differ():

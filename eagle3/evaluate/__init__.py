@@ -20,8 +20,9 @@ from eagle3.evaluate.selection import DraftSelection, selection_line
 from eagle3.evaluate.stats import BOOTSTRAP_RESAMPLES, ranges_apart, speedup, spread, wave_speedup
 from eagle3.evaluate.verdict import batch_lines, eval_verdict
 from eagle3.evaluate.windows import (CPU_WINDOWS, GPU_WINDOWS, DecodeSampling, SpeedWindow, eval_samplings,
-                                     resolve_enforce_eager, speed_windows)
+                                     resolve_enforce_eager, speed_windows, timed_prompts)
 
 __all__ = ["BOOTSTRAP_RESAMPLES", "CPU_WINDOWS", "GPU_WINDOWS", "SPEED_METHOD", "DecodeSampling", "SpecDecodeEngine",
            "DraftSelection", "SpeedWindow", "batch_lines", "draft_accuracy", "eval_report", "eval_samplings", "eval_verdict", "measure",
-           "merge_speed", "ranges_apart", "resolve_enforce_eager", "selection_line", "speed_windows", "speedup", "spread", "wave_speedup"]
+           "merge_speed", "ranges_apart", "resolve_enforce_eager", "selection_line", "speed_windows", "speedup", "spread", "timed_prompts",
+           "wave_speedup"]

@@ -64,6 +64,20 @@ def speed_windows(batch_sizes: tuple[int, ...], *, gpu: bool, num_prompts: int, 
                              max_tokens=tokens, repeats=repeats or p["repeats"]) for b in batch_sizes)
 
 
+def timed_prompts(prompts: list[list[int]], *, max_tokens: int, k: int,
+                  max_length: int | None = None) -> tuple[list[list[int]], int]:
+    """(the prompts the speed windows decode, the engines' max_model_len): room after each prompt for a
+    whole answer of max_tokens, the k drafted tokens and 8 spare, within max_length (the job's
+    prepare.max_length; None: no cap). Answers are timed where they are measured, so a prompt without
+    that room is left out. The job's eval (ray_jobs.evaluate) and benchmarks/served_speedup.py both pick
+    their prompts here, so that both time the same waves."""
+    room = max_tokens + k + 8
+    max_len = max(len(p) for p in prompts) + room
+    if max_length is not None:
+        max_len = min(max_length, max_len)
+    return [p for p in prompts if len(p) + room <= max_len], max_len
+
+
 def resolve_enforce_eager(setting: bool | str, *, gpu: bool) -> bool:
     """eval.enforce_eager and regenerate.enforce_eager: 'auto' is eager on the CPU (vLLM has no CUDA
     graphs there, and torch.compile's warm-up costs a minute) and CUDA graphs on a GPU, as `vllm
