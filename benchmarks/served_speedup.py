@@ -12,7 +12,11 @@ prompt at a time, at a larger batch in waves of that many; greedy answers ending
 
 Compare with the job's eval.json (`speed.results`): the same draft, prompts and batch sizes; --max-length
 (the job's prepare.max_length) leaves out the prompts the eval leaves out, and --k 3 1 times each k the
-eval timed, one draft engine after the other beside the same target-alone engine.
+eval timed, one draft engine after the other beside the same target-alone engine. --serving JOB/draft/serving.json
+times the draft as the job says to serve it: its k and, where the verdict found k differing by batch size or the
+draft off somewhere, its k_schedule (vLLM's num_speculative_tokens_per_batch_size, compat/spec_schedule.py). Each
+result keeps the draft engine's spec-decode counters over its timed rounds (draft_counts): drafts, drafted and
+accepted tokens at that batch size.
 --reloaded then times one more draft engine (at the first k), set up as the job's eval engines that start while the draft
 trains: started from a copy of the draft with its layer and fc weights zeroed (the provisional draft's
 config, other weights), then given the draft's weights in place (compat.draft_reload). It replaces the
@@ -30,6 +34,9 @@ import os
 import platform
 import time
 from pathlib import Path
+
+
+DRAFT_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
 def _waves(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
@@ -65,6 +72,15 @@ def zeroed_copy(draft: str | Path, out: str | Path) -> str:
     return str(out)
 
 
+def served_setting(serving: str | None, ks: list[int]) -> tuple[list[int], list[list[int]] | None]:
+    """The k to time and the k_schedule: serving.json's (its num_speculative_tokens, vLLM's largest k,
+    and the schedule under it, or none) where given, else --k's, with no schedule."""
+    if not serving:
+        return ks, None
+    served = json.loads(Path(serving).read_text())
+    return [int(served["num_speculative_tokens"])], served.get("k_schedule")
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True, help="the target model directory")
@@ -85,11 +101,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the CPU has none)")
     ap.add_argument("--kv-cache-memory-bytes", type=int, help="each engine's KV cache, set rather than profiled "
                     "(the job's eval engines that share a GPU set 4 GiB)")
+    ap.add_argument("--serving", help="the draft's serving.json: time the draft as it says to serve it, at its "
+                    "num_speculative_tokens with its k_schedule (vLLM's k per batch size, 0: no drafting), instead of --k")
     ap.add_argument("--reloaded", action="store_true", help="also time a draft engine started from a zeroed copy "
                     "of the draft and given its weights in place, as the job's engines that start during training")
     ap.add_argument("--out", help="write the result JSON here")
     args = ap.parse_args(argv)
+    args.k, schedule = served_setting(args.serving, args.k)
 
+    from compat.spec_schedule import KEY
     from compat.vllm_engine import Engine, spec_decode_counters
     from eagle3.evaluate import timed_prompts, wave_speedup
 
@@ -114,11 +134,13 @@ def main(argv: list[str] | None = None) -> dict:
     timed: dict[tuple[int, int, str], list] = {}  # (k, batch, side) -> rounds of waves
     # one draft engine at a time beside the one target-alone engine: each k, then the reloaded one (the first k)
     phases = [(k, "with_draft") for k in args.k] + ([(args.k[0], "with_draft_reloaded")] if args.reloaded else [])
-    reload, acceptance = None, {}
+    reload, acceptance, counts = None, {}, {}
     try:
         for k, side in phases:
             base = "without_draft" if side == "with_draft" else "without_draft_beside_reloaded"
             spec = {"method": "eagle3", "model": args.draft, "num_speculative_tokens": k}
+            if schedule:
+                spec[KEY] = schedule
             t = time.perf_counter()
             if side == "with_draft":
                 draft = Engine(**common, speculative_config=spec)
@@ -143,8 +165,13 @@ def main(argv: list[str] | None = None) -> dict:
                 for r in range(args.rounds):
                     for name in (list(engines) if r % 2 == 0 else list(reversed(engines))):
                         for b in args.batch_sizes:
+                            c = spec_decode_counters(draft.llm) if name == side else None
                             timed.setdefault((k, b, name), []).append(
                                 _time_waves(engines[name], waves[b], args.max_tokens))
+                            if c is not None:  # the draft engine's own counters, per batch size
+                                now, sums = spec_decode_counters(draft.llm), counts.setdefault((k, b, name), {})
+                                for key in DRAFT_COUNTERS:
+                                    sums[key] = sums.get(key, 0) + now[key] - c[key]
                 after = spec_decode_counters(draft.llm)
                 engines = None
                 drafts = after["num_drafts"] - before["num_drafts"]
@@ -164,7 +191,8 @@ def main(argv: list[str] | None = None) -> dict:
             w, wo = timed[k, b, "with_draft"], timed[k, b, "without_draft"]
             res = {"k": k, "batch_size": b, "num_prompts": sum(len(x) for x in waves[b]),
                    "tokens_per_s": {"with_draft": tokens_per_s(w), "without_draft": tokens_per_s(wo)},
-                   "speedup": wave_speedup(w, wo), "with_draft": w, "without_draft": wo}
+                   "speedup": wave_speedup(w, wo), "draft_counts": counts.get((k, b, "with_draft")),
+                   "with_draft": w, "without_draft": wo}
             if reload is not None and k == args.k[0]:
                 wr, wor = timed[k, b, "with_draft_reloaded"], timed[k, b, "without_draft_beside_reloaded"]
                 res["tokens_per_s"] |= {"with_draft_reloaded": tokens_per_s(wr),
@@ -179,6 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
         "what": "decode speedup of an EAGLE-3 draft in plain vLLM (two engines in one process, rounds alternating, "
                 "greedy answers ending at EOS)",
         "target": args.target, "draft": args.draft, "prompts": args.prompts, "num_speculative_tokens": args.k,
+        "serving": args.serving, "k_schedule": schedule,
         "rounds": args.rounds, "max_tokens": args.max_tokens, "max_length": args.max_length,
         "enforce_eager": args.enforce_eager,
         "acceptance_length_in_windows": {str(k): a for k, a in acceptance.items()},

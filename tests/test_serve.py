@@ -95,11 +95,21 @@ def test_serving_file_records_the_command_k_and_each_batch_size(tmp_path):
     ev = _eval([_result(1, 1.26, [1.21, 1.31]), _result(16, 0.69, [0.65, 0.72])])
     rec = json.loads(write_serving_file(draft, "/t", ev).read_text())
     assert rec == serving_record("/t", draft, ev) and sorted(os.listdir(draft)) == ["config.json", "serving.json"]
-    assert rec["speculative_config"] == {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3}
-    assert rec["vllm_serve"] == serve_command("/t", draft, 3) and rec["k_chosen_by"] == "the k the eval timed"
+    # the draft slows batch 16: one server drafts at k=3 at batch 1, not above (vLLM's schedule)
+    assert rec["k_schedule"] == [[1, 1, 3], [2, 16, 0]]
+    assert rec["speculative_config"] == {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3,
+                                         "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 16, 0]]}
+    assert rec["vllm_serve"] == serve_command("/t", draft, 3, rec["k_schedule"])
+    assert rec["k_chosen_by"] == ("the k the eval timed; batch 1: k=3; 2 and above: off "
+                                  "(vLLM's num_speculative_tokens_per_batch_size, from k_per_batch)")
     assert [(b["batch_size"], b["speedup"], b["ci95"], b["helps"]) for b in rec["batch_sizes"]] == [
         (1, 1.26, [1.21, 1.31], True), (16, 0.69, [0.65, 0.72], False)]
     assert rec["verdict"] == verdict_lines(ev)
+    # one timed batch size, or the same k at every one: no schedule, the plain config
+    for results in ([_result(1, 1.26, [1.21, 1.31])], [_result(1, 1.26, [1.21, 1.31]), _result(16, 1.1, [1.05, 1.2])]):
+        rec = serving_record("/t", draft, _eval(results))
+        assert rec["k_schedule"] is None and rec["speculative_config"] == {
+            "method": "eagle3", "model": str(draft), "num_speculative_tokens": 3}
 
 
 def _get(url: str, timeout: float) -> str:
@@ -140,3 +150,20 @@ def _user_turns(n: int) -> list[str]:
         if len(turns) == n:
             return turns
     raise AssertionError(f"{DEMO} has fewer than {n} conversations")
+
+
+def test_served_speedup_times_the_setting_serving_json_serves(tmp_path):
+    """benchmarks/served_speedup.py --serving: the k and k_schedule the draft's serving.json gives
+    (its speculative_config), else --k's with no schedule."""
+    from benchmarks.served_speedup import served_setting
+
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    ev = _eval([_result(1, 1.26, [1.21, 1.31]), _result(16, 0.69, [0.65, 0.72])])
+    path = write_serving_file(draft, "/t", ev)
+    spec = json.loads(path.read_text())["speculative_config"]
+    assert served_setting(str(path), [1]) == ([spec["num_speculative_tokens"]],
+                                              spec["num_speculative_tokens_per_batch_size"]) == ([3], [[1, 1, 3], [2, 16, 0]])
+    assert served_setting(None, [3, 1]) == ([3, 1], None)
+    path = write_serving_file(draft, "/t", _eval([_result(1, 1.26, [1.21, 1.31])]))
+    assert served_setting(str(path), [1]) == ([3], None)

@@ -184,7 +184,12 @@ def test_the_h100_eval_json_gives_a_verdict():
     # the served k is a timed one; the better k the model predicts is named, to be timed next
     assert b1["best_k"] != 3 and rec["num_speculative_tokens"] == 3 and rec["off_above_batch"] == 16
     assert rec["k_chosen_by"] == (f"the k the eval timed; the step-cost model predicts k={b1['best_k']} at "
-                                  f"{b1['speedup']:.2f}x at batch 1: time it with eval.speed_ks")
+                                  f"{b1['speedup']:.2f}x at batch 1: time it with eval.speed_ks; batch 1: k=3; "
+                                  "2 and above: off (vLLM's num_speculative_tokens_per_batch_size, from k_per_batch)")
+    # one server: k=3 at batch 1, no drafting above it (batch 16 is off, nothing timed between)
+    assert rec["k_schedule"] == [[1, 1, 3], [2, 16, 0]]
+    assert rec["speculative_config"]["num_speculative_tokens_per_batch_size"] == rec["k_schedule"]
+    assert "num_speculative_tokens_per_batch_size" in rec["vllm_serve"] and "[[1, 1, 3], [2, 16, 0]]" in rec["cpu_command"]
     # per batch size too: the timed k=3, the model's better k named beside it
     assert [(r["batch_size"], r["num_speculative_tokens"], r["measured"], r["off"], r["predicted_best_k"])
             for r in rec["k_per_batch"]] == [(1, 3, True, False, b1["best_k"]), (16, 3, True, True, b16["best_k"])]
@@ -214,8 +219,9 @@ def test_eval_json_times_several_k_and_the_serving_record_follows(tmp_path):
     assert [(r["batch_size"], r["num_speculative_tokens"], r["measured"], r["off"], r["predicted_best_k"])
             for r in rec["k_per_batch"]] == [(1, 3, True, False, 4), (4, 1, True, False, 2), (16, 1, True, True, None)]
     assert rec["off_above_batch"] == 16
-    # one server: the k it is served at is the one k_per_batch gives for the smallest batch
-    assert rec["num_speculative_tokens"] == rec["k_per_batch"][0]["num_speculative_tokens"]
+    # one server, a k per batch size: each timed size's k (0 where off) up to the next, vLLM's k the largest
+    assert rec["k_schedule"] == [[1, 3, 3], [4, 4, 1], [5, 16, 0]]
+    assert rec["num_speculative_tokens"] == 3 == rec["k_per_batch"][0]["num_speculative_tokens"]
     assert rec["k_chosen_by"].startswith("the best measured speedup at batch 1 (")
     from ray_jobs.summary import _eval_summary
 
