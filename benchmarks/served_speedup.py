@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     args.k, schedule = served_setting(args.serving, args.k)
 
-    from compat.spec_schedule import KEY
+    from compat.spec_schedule import eagle3_speculative_config
     from compat.vllm_engine import Engine, spec_decode_counters
     from eagle3.evaluate import timed_prompts, wave_speedup
 
@@ -138,9 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         for k, side in phases:
             base = "without_draft" if side == "with_draft" else "without_draft_beside_reloaded"
-            spec = {"method": "eagle3", "model": args.draft, "num_speculative_tokens": k}
-            if schedule:
-                spec[KEY] = schedule
+            spec = eagle3_speculative_config(args.draft, k, schedule)
             t = time.perf_counter()
             if side == "with_draft":
                 draft = Engine(**common, speculative_config=spec)
@@ -161,7 +159,6 @@ def main(argv: list[str] | None = None) -> dict:
                 for name in engines:  # untimed: first-call work
                     for b in args.batch_sizes:
                         _time_waves(engines[name], waves[b][:1], args.max_tokens)
-                before = spec_decode_counters(draft.llm)
                 for r in range(args.rounds):
                     for name in (list(engines) if r % 2 == 0 else list(reversed(engines))):
                         for b in args.batch_sizes:
@@ -172,11 +169,12 @@ def main(argv: list[str] | None = None) -> dict:
                                 now, sums = spec_decode_counters(draft.llm), counts.setdefault((k, b, name), {})
                                 for key in DRAFT_COUNTERS:
                                     sums[key] = sums.get(key, 0) + now[key] - c[key]
-                after = spec_decode_counters(draft.llm)
                 engines = None
-                drafts = after["num_drafts"] - before["num_drafts"]
+                # over every timed window: the sum of the per-batch counts
+                drafts, accepted = (sum(counts.get((k, b, side), {}).get(key, 0) for b in args.batch_sizes)
+                                    for key in ("num_drafts", "num_accepted_tokens"))
                 if side == "with_draft" and drafts > 0:
-                    acceptance[k] = 1 + (after["num_accepted_tokens"] - before["num_accepted_tokens"]) / drafts
+                    acceptance[k] = 1 + accepted / drafts
             finally:
                 draft.close()
     finally:

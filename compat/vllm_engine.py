@@ -290,8 +290,7 @@ def cpu_seeded_sampling_kwargs(max_model_len: int) -> dict:
 def eagle3_engine_kwargs(*, target: str, draft: str | None, num_speculative_tokens: int, max_model_len: int,
                          dtype: str = "bfloat16", enforce_eager: bool = True, gpu_memory_utilization: float = 0.85,
                          trust_remote_code: bool = False, max_num_seqs: int | None = None,
-                         kv_cache_memory_bytes: int | None = None, reloadable_draft: bool = False,
-                         k_schedule: list[list[int]] | None = None) -> dict:
+                         kv_cache_memory_bytes: int | None = None, reloadable_draft: bool = False) -> dict:
     """Target + speculators-format EAGLE-3 draft, with stats on so spec-decode counters are kept;
     draft None: the target alone (the baseline of a speedup; num_speculative_tokens must be 0).
     enforce_eager=False is how a user serves on a GPU (CUDA graphs, vLLM's default); vLLM sizes its
@@ -303,8 +302,7 @@ def eagle3_engine_kwargs(*, target: str, draft: str | None, num_speculative_toke
     profiled. Several engines that start at once on one GPU need it: profiling reads the device's
     free memory, which the others' starts change (0.26's gpu_worker asserts on memory freed
     meanwhile); with it, vLLM only checks that gpu_memory_utilization of the device is free.
-    reloadable_draft: the workers take new draft weights in place (compat.draft_reload).
-    k_schedule: a k per batch size (compat.spec_schedule), num_speculative_tokens its largest k."""
+    reloadable_draft: the workers take new draft weights in place (compat.draft_reload)."""
     if (draft is None) != (num_speculative_tokens == 0):
         raise ValueError(f"draft={draft!r} with num_speculative_tokens={num_speculative_tokens}: give a draft "
                          "directory and k >= 1, or no draft and k = 0 (the target alone)")
@@ -315,12 +313,9 @@ def eagle3_engine_kwargs(*, target: str, draft: str | None, num_speculative_toke
         **cpu_seeded_sampling_kwargs(max_model_len),
     )
     if draft is not None:
-        kwargs["speculative_config"] = {"model": draft, "method": "eagle3",
-                                        "num_speculative_tokens": num_speculative_tokens}
-        if k_schedule is not None:
-            from compat.spec_schedule import KEY
+        from compat.spec_schedule import eagle3_speculative_config
 
-            kwargs["speculative_config"][KEY] = k_schedule
+        kwargs["speculative_config"] = eagle3_speculative_config(draft, num_speculative_tokens)
     if max_num_seqs is not None:
         kwargs["max_num_seqs"] = max_num_seqs
     if kv_cache_memory_bytes is not None:

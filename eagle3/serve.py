@@ -46,7 +46,7 @@ import shlex
 from pathlib import Path
 
 from compat.spec_schedule import KEY as K_SCHEDULE_KEY
-from compat.spec_schedule import k_schedule
+from compat.spec_schedule import eagle3_speculative_config, k_schedule
 from eagle3.evaluate.verdict import eval_verdict, sampling_label, timed_results
 
 SERVING_FILE = "serving.json"
@@ -59,8 +59,7 @@ PREFERRED_K = 3
 def speculative_config(draft_dir: str | Path, k: int, schedule: list[list[int]] | None = None) -> dict:
     """vLLM's --speculative-config for an EAGLE-3 draft (a JSON object on the command line); with a
     k per batch size (compat.spec_schedule), k is its largest."""
-    spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": int(k)}
-    return spec | ({K_SCHEDULE_KEY: schedule} if schedule else {})
+    return eagle3_speculative_config(str(draft_dir), k, schedule)
 
 
 def serve_command(target: str | Path, draft_dir: str | Path, k: int, schedule: list[list[int]] | None = None) -> str:
@@ -80,10 +79,8 @@ def api_server_argv(target: str | Path, draft_dir: str | Path, k: int, *, port: 
             "--host", host, "--port", str(port)]
 
 
-def schedule_words(schedule: list[list[int]] | None) -> str | None:
+def schedule_words(schedule: list[list[int]]) -> str:
     """'batch 1-15: k=1; 16 and above: off' for a k_schedule (vLLM carries its last range on)."""
-    if not schedule:
-        return None
     parts = []
     for i, (first, last, k) in enumerate(schedule):
         sizes = (f"{first} and above" if i == len(schedule) - 1 else str(first) if first == last

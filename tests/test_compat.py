@@ -227,15 +227,14 @@ def test_k_schedule_is_vllms_dynamic_speculative_decoding_as_serving_json_means_
     the k we mean at every batch size: each timed size's k up to the next, the smallest's below
     it, the largest's beyond it, 0 where the draft is off and from just above the last size where
     it is on before an off one. Fails when vLLM renames the field or
-    changes how ranges expand: update compat.spec_schedule (KEY, k_schedule, k_at_batch) and its
+    changes how ranges expand: update compat.spec_schedule (KEY, k_schedule) and its
     version range."""
     import dataclasses
 
     from vllm.config.speculative import SpeculativeConfig
     from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 
-    from compat.spec_schedule import KEY, k_at_batch, k_schedule
-    from compat.vllm_engine import eagle3_engine_kwargs
+    from compat.spec_schedule import KEY, eagle3_speculative_config, k_schedule
 
     assert KEY in {f.name for f in dataclasses.fields(SpeculativeConfig)}
     def meant(k_at: dict[int, int], b: int) -> int:
@@ -251,14 +250,13 @@ def test_k_schedule_is_vllms_dynamic_speculative_decoding_as_serving_json_means_
         lookup = build_dynamic_sd_schedule_lookup(schedule, vllm_max_batch_size=128,
                                                   vllm_num_speculative_tokens=max(k_at.values()))
         for b in range(1, 129):
-            assert lookup[b] == meant(k_at, b) == k_at_batch(schedule, b), (k_at, schedule, b)
+            assert lookup[b] == meant(k_at, b), (k_at, schedule, b)
     assert k_schedule({1: 3, 16: 0}) == [[1, 1, 3], [2, 16, 0]]
     assert k_schedule({1: 2, 4: 2, 16: 0}) == [[1, 4, 2], [5, 16, 0]]  # equal neighbours merge
     # one k everywhere, or none: no schedule, the plain num_speculative_tokens
     assert k_schedule({1: 3, 16: 3}) is None and k_schedule({1: 0, 16: 0}) is None and k_schedule({1: 2}) is None
-    kw = eagle3_engine_kwargs(target="t", draft="d", num_speculative_tokens=3, max_model_len=256,
-                              k_schedule=[[1, 1, 3], [2, 16, 0]])
-    assert kw["speculative_config"][KEY] == [[1, 1, 3], [2, 16, 0]]
+    spec = eagle3_speculative_config("d", 3, [[1, 1, 3], [2, 16, 0]])
+    assert spec[KEY] == [[1, 1, 3], [2, 16, 0]] and KEY not in eagle3_speculative_config("d", 3)
 
 
 def test_engine_client_shutdown_seam():
