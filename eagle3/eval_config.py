@@ -45,8 +45,11 @@ class EvalConfig:
     true: eager everywhere (starts faster, decodes slower). Acceptance-only engines always run eager."""
     engines_at_once: Literal["auto", True, False] = "auto"
     """Start the engines side by side, each on its share of the device, so their starts overlap and the
-    timed windows alternate draft and baseline round by round. 'auto': true for a small target on a GPU
-    (extraction's replicas_per_gpu rule), false elsewhere. false: one engine at a time, the device its own."""
+    timed windows alternate draft and baseline round by round. 'auto': true on a GPU for a small target
+    (extraction's replicas_per_gpu rule) and for a larger one whose engines fit on one GPU together
+    (each its bf16 weights, its KV cache and 3 GiB, within extract.gpu_memory_utilization of the
+    smallest GPU); false on the CPU and for engines of several GPUs. false: one engine at a time, the
+    device its own, and the speedup divides two separate runs (eval.json says interleaved: false)."""
     start_during_training: Literal["auto", True, False] = "auto"
     """Start the eval's engines while the draft trains (from a provisional export; the trained weights
     load in place at the end), so their start overlaps training. 'auto': on where engines_at_once is and

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,7 +81,8 @@ def eval_plan(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[lis
     if during_training:
         at_once, why = True, "started while the draft trains (eval.start_during_training)"
     else:
-        at_once, why = engines_at_once(cfg, target_dir, len(plan), gpu=gpu)
+        at_once, why = engines_at_once(cfg, target_dir, len(plan), gpu=gpu,
+                                       gpu_memory=lambda: smallest_gpu_bytes(ray))
     share = 1.0
     if at_once:
         from ray_jobs.extract import given_kv_cache_bytes, gpu_share
@@ -300,10 +302,13 @@ def _interleaved_speed(ray, actors: list, results: list[dict], prompts, windows,
         res["wall_s"] += spent[i]
 
 
-def engines_at_once(cfg: JobConfig, target_dir: str, num_engines: int, *, gpu: bool) -> tuple[bool, str]:
+def engines_at_once(cfg: JobConfig, target_dir: str, num_engines: int, *, gpu: bool,
+                    gpu_memory: Callable[[], int | None] | None = None) -> tuple[bool, str]:
     """(whether the eval stage starts its engines side by side, why): eval.engines_at_once, where
     'auto' is true for several engines of a small target on a GPU (ray_jobs.extract.small_target:
-    their starts overlap, and a few such engines take a small part of the device's memory)."""
+    their starts overlap, and a few such engines take a small part of the device's memory), and for
+    a larger one where they fit (engines_fit; gpu_memory() gives the GPU's bytes, asked only then):
+    side by side, their timed windows take turns, and the speedup is one run's ratio."""
     setting = cfg.eval.engines_at_once
     if num_engines < 2:
         return False, "one engine"
@@ -314,8 +319,52 @@ def engines_at_once(cfg: JobConfig, target_dir: str, num_engines: int, *, gpu: b
     from eagle3.extract.extractor import target_text_config
     from ray_jobs.extract import small_target
 
-    small, why = small_target(cfg.extract, target_text_config(target_dir), gpu=True)
-    return small, f"auto: {why}"
+    text_cfg = target_text_config(target_dir)
+    small, why = small_target(cfg.extract, text_cfg, gpu=True)
+    if small or gpu_memory is None or cfg.extract.tensor_parallel_size * cfg.extract.pipeline_parallel_size > 1:
+        return small, f"auto: {why}"
+    fits, why = engines_fit(cfg, text_cfg, num_engines, gpu_memory())
+    return fits, f"auto: {why}"
+
+
+# Of an eval engine's memory beyond its weights and KV cache: the CUDA context, activations, CUDA graphs.
+EVAL_ENGINE_OVERHEAD_BYTES = 3 << 30
+
+
+def engines_fit(cfg: JobConfig, text_cfg: dict, num_engines: int, gpu_bytes: int | None) -> tuple[bool, str]:
+    """(whether num_engines engines of the target fit side by side on one GPU of gpu_bytes, why):
+    each gets extract.gpu_memory_utilization / num_engines of it (eval_plan), and needs its bf16
+    weights, the KV cache the plan gives it (given_kv_cache_bytes) and EVAL_ENGINE_OVERHEAD_BYTES."""
+    from ray_jobs.extract import approx_num_params, given_kv_cache_bytes
+
+    params = approx_num_params(text_cfg)
+    if not gpu_bytes:
+        return False, f"a {params / 1e9:.2f}B-parameter target; the GPU's memory is unknown"
+    need = num_engines * (2 * params + given_kv_cache_bytes(cfg.extract) + EVAL_ENGINE_OVERHEAD_BYTES)
+    have = cfg.extract.gpu_memory_utilization * gpu_bytes
+    gib = 1 << 30
+    return need <= have, (f"{num_engines} engines of a {params / 1e9:.2f}B-parameter target need {need / gib:.1f} GiB, "
+                          f"{'within' if need <= have else 'more than'} {cfg.extract.gpu_memory_utilization:g} of the "
+                          f"GPU's {gpu_bytes / gib:.0f} GiB (extract.gpu_memory_utilization)")
+
+
+def smallest_gpu_bytes(ray) -> int | None:
+    """The memory of the smallest GPU of a GPU node of the cluster (nvidia-smi, in a task that takes
+    a sliver of one GPU: no CUDA context), or None where it cannot be read."""
+    from eagle3 import gpu_processes
+
+    def total() -> int | None:
+        try:
+            gpus, _ = gpu_processes.query()
+        except (gpu_processes.NvidiaSmiMissing, RuntimeError, OSError):
+            return None
+        return min((g.total_mib for g in gpus if g.total_mib), default=0) << 20 or None
+
+    try:
+        return ray.get(ray.remote(num_cpus=0, num_gpus=0.0001)(total).remote(), timeout=120)
+    except Exception as exc:  # noqa: BLE001 - a GPU that cannot be asked: the engines go one at a time
+        log.warning("eval: could not read the GPU's memory (%s); the engines start one at a time", exc)
+        return None
 
 
 def eval_during_training(cfg: JobConfig, target_dir: str, *, gpu: bool) -> tuple[bool, str]:

@@ -196,6 +196,37 @@ def test_eval_engines_start_side_by_side_for_a_small_target_on_a_gpu(tmp_path):
         job_config({"eval.engines_at_once": "yes"})
 
 
+def test_eval_engines_of_a_larger_target_start_side_by_side_where_they_fit_on_the_gpu(tmp_path):
+    """eval.engines_at_once 'auto' beyond the small-target rule: a 1.5B target's three engines (its
+    bf16 weights, a 4 GiB KV cache and 3 GiB each: 29.6 GiB) fit within 0.85 of an 80 GiB GPU, not
+    within 0.85 of a 24 GiB one nor 0.3 of an 80 GiB one; the GPU's memory is asked only for such a
+    target, and unknown memory means one at a time."""
+    from ray_jobs.evaluate import engines_at_once
+
+    small, large = _small_and_large_targets(tmp_path)
+    auto, asked = job_config({}), []
+
+    def gpu(gib):
+        return lambda: asked.append(gib) or (gib << 30 if gib else None)
+
+    at_once, why = engines_at_once(auto, str(large), 3, gpu=True, gpu_memory=gpu(80))
+    assert at_once and why == ("auto: 3 engines of a 1.54B-parameter target need 29.6 GiB, within 0.85 of the GPU's "
+                               "80 GiB (extract.gpu_memory_utilization)")
+    at_once, why = engines_at_once(auto, str(large), 3, gpu=True, gpu_memory=gpu(24))
+    assert not at_once and "need 29.6 GiB, more than 0.85 of the GPU's 24 GiB" in why
+    online = job_config({"extract.gpu_memory_utilization": 0.3})
+    assert engines_at_once(online, str(large), 3, gpu=True, gpu_memory=gpu(80))[0] is False
+    assert engines_at_once(auto, str(large), 3, gpu=True, gpu_memory=gpu(0)) == (
+        False, "auto: a 1.54B-parameter target; the GPU's memory is unknown")
+    assert asked == [80, 24, 80, 0]
+    # a small target, engines of several GPUs, the CPU: decided without asking
+    assert engines_at_once(auto, str(small), 3, gpu=True, gpu_memory=gpu(80))[0] is True
+    tp2 = job_config({"extract.tensor_parallel_size": 2})
+    assert engines_at_once(tp2, str(large), 3, gpu=True, gpu_memory=gpu(80))[0] is False
+    assert engines_at_once(auto, str(large), 3, gpu=False, gpu_memory=gpu(80))[0] is False
+    assert asked == [80, 24, 80, 0]
+
+
 def test_eval_engines_start_during_training_where_they_would_start_side_by_side(tmp_path):
     """eval.start_during_training 'auto': on for a small target on a GPU (where the eval's engines
     start side by side anyway) trained offline by one worker in the same job; off on the CPU, for a
