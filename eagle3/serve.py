@@ -30,9 +30,11 @@ serving.json's fields:
                                   the best timed k (a k its step-cost model predicts better is
                                   named in predicted_best_k, not served), its
                                   speedup at the slowest sampling, ci95 where measured, and off
-                                  (no k pays at every sampling: serve the target alone there)
+                                  (serve the target alone there: no k pays at every sampling, or
+                                  the better k is only predicted and the timed one does not pay)
     off_above_batch               the smallest timed batch size from which on the draft is off (at
-                                  it and every larger one timed); null where it pays at the largest
+                                  it and every larger one timed, as k_per_batch serves it); null
+                                  where it is on at the largest
     draft_step                    the training step whose draft this is, where the job chose it by
                                   vLLM's acceptance (eval.select_every_steps), with its acceptance
                                   length and the last step's; null where it did not choose
@@ -47,7 +49,7 @@ from pathlib import Path
 
 from compat.spec_schedule import KEY as K_SCHEDULE_KEY
 from compat.spec_schedule import eagle3_speculative_config, k_schedule
-from eagle3.evaluate.verdict import eval_verdict, sampling_label, timed_results
+from eagle3.evaluate.verdict import eval_verdict, sampling_label, timed_k_pays, timed_results
 
 SERVING_FILE = "serving.json"
 
@@ -253,7 +255,7 @@ def serving_record(target: str | Path, draft_dir: str | Path, ev: dict | None = 
             "batch_sizes": batch_verdicts(ev, k),
             "verdict": verdict_lines(ev, k) if ev else ["not measured: the eval has not run on this draft"],
             "k_per_batch": per_batch,
-            "off_above_batch": (v or {}).get("off_above_batch"),
+            "off_above_batch": off_above(per_batch),
             "draft_step": _draft_step(ev)}
 
 
@@ -274,10 +276,24 @@ def _k_at_batch(b: dict) -> dict:
     timed = b.get("timed_k") is not None and not b["measured"]
     k, speedup, ci = ((b["timed_k"], b["timed_speedup"], b["timed_ci95"]) if timed
                       else (b["best_k"], b["speedup"], b["ci95"]))
+    # Served, the timed k must pay itself at every sampling: a predicted k that would is no reason to
+    # serve one measured slower than the target alone.
+    off = b["off"] or (timed and not timed_k_pays(b))
     return {"batch_size": b["batch_size"], "num_speculative_tokens": k, "speedup": speedup,
-            "measured": b["measured"] or timed, "ci95": ci, "off": b["off"],
+            "measured": b["measured"] or timed, "ci95": ci, "off": off,
             "predicted_best_k": b["best_k"] if timed else None,
             "predicted_best_speedup": b["speedup"] if timed else None}
+
+
+def off_above(per_batch: list[dict]) -> int | None:
+    """The smallest batch size of k_per_batch from which on the draft is served off (at it and every
+    larger one), None where it is on at the largest."""
+    above = None
+    for e in reversed(per_batch):
+        if not e["off"]:
+            break
+        above = e["batch_size"]
+    return above
 
 
 def write_serving_file(draft_dir: str | Path, target: str | Path, ev: dict | None = None) -> Path:

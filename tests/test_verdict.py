@@ -18,6 +18,7 @@ from tests.helpers import job_config
 
 REPO = Path(__file__).resolve().parents[1]
 H100_EVAL = REPO / "benchmarks" / "results" / "job" / "smollm2-135m-sharegpt-job-h100-2026-12-06-eval.json"
+LEVERS = REPO / "benchmarks" / "results" / "quality" / "smollm2-135m-draft-levers-h100-2026-12-06.json"
 
 PREFIX = {"greedy": [1.6, 2.0, 2.2, 2.3], "sampled": [1.5, 1.85, 2.05, 2.2]}  # the k=4 engine's
 WINDOW_SCALE = 0.95  # the timed windows' text accepts a little less than the acceptance prompts'
@@ -201,6 +202,29 @@ def test_the_h100_eval_json_gives_a_verdict():
                            "stages": {"eval": ev}})
     assert f"batch 16: best k={b16['best_k']} (" in text
     assert "predicted), the draft slows it: serve without it above batch 1\n" in text
+
+
+def test_a_timed_k_that_slows_a_batch_size_is_not_served_there_for_a_k_only_predicted_to_pay():
+    """The recipe's draft timed at k=3 alone (one H100): at batch 16 k=3 is measured slower greedy
+    (0.99x, its interval below 1), while the step-cost model predicts k=1 to pay. The verdict keeps
+    the draft on there (a k may pay), but serving.json serves the timed k only where it pays itself:
+    batch 16 is off until k=1 is timed, and k=3 serves batch 1."""
+    ev = json.loads(LEVERS.read_text())["variants"]["base"]["eval"]
+    v = eval_verdict(ev)
+    b1, b16 = _batch(v, 1), _batch(v, 16)
+    assert v["timed_ks"] == [3] and b16["best_k"] == 1 and not b16["measured"] and b16["off"] is False
+    greedy16 = next(e for e in b16["modes"]["greedy"]["by_k"] if e["k"] == 3)
+    assert greedy16["timed"] and greedy16["ci95"][1] < 1 and greedy16["pays"] is False
+    rec = serving_record(ev["target"], ev["draft"], ev)
+    assert [(r["batch_size"], r["num_speculative_tokens"], r["off"], r["predicted_best_k"])
+            for r in rec["k_per_batch"]] == [(1, 3, False, b1["best_k"]), (16, 3, True, 1)]
+    assert rec["off_above_batch"] == 16 and v["off_above_batch"] is None
+    assert rec["k_schedule"] == [[1, 1, 3], [2, 16, 0]] and rec["num_speculative_tokens"] == 3
+    assert "2 and above: off" in rec["k_chosen_by"]
+    # the summary says the same: k=3 at batch 1, without the draft at 16 until k=1 is timed
+    lines = batch_lines(v)
+    assert lines[0].endswith("serve k=3 (1.06x measured) until k=1 is timed (eval.speed_ks)")
+    assert lines[1].endswith("serve without the draft (k=3 measured 0.99x) until k=1 is timed (eval.speed_ks)")
 
 
 def test_eval_json_times_several_k_and_the_serving_record_follows(tmp_path):

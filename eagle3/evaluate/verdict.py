@@ -196,6 +196,14 @@ def _advice(verdict: dict, b: int) -> str:
     return f"serve without it above batch {max(below)}" if below else "serve the target without it"
 
 
+def timed_k_pays(batch: dict) -> bool:
+    """Whether a batch size's best timed k (timed_k) pays at every sampling (_pays): where the best k
+    is only predicted, the timed one is served there only if so (eagle3.serve)."""
+    k = batch.get("timed_k")
+    entries = [e for m in batch["modes"].values() for e in m["by_k"] if e["k"] == k]
+    return k is not None and bool(entries) and all(e.get("pays") for e in entries)
+
+
 def batch_lines(verdict: dict | None) -> list[str]:
     """One line per batch size: 'batch 16: best k=2 (0.85x predicted), the draft slows it: serve
     without it above batch 1' (a figure per sampling where several were timed); where the best k is
@@ -215,10 +223,11 @@ def batch_lines(verdict: dict | None) -> list[str]:
             what = f"the draft slows it: {_advice(verdict, v['batch_size'])}"
         elif v["measured"] or v.get("timed_k") is None:
             what = f"serve the draft at k={v['best_k']}"
-        else:  # a predicted k is named, a timed one served (eagle3.serve)
+        else:  # a predicted k is named, a timed one served where it pays (eagle3.serve)
             how += ", not timed"
-            what = (f"serve k={v['timed_k']} ({v['timed_speedup']:.2f}x measured) until k={v['best_k']} is timed "
-                    "(eval.speed_ks)")
+            served = (f"serve k={v['timed_k']} ({v['timed_speedup']:.2f}x measured)" if timed_k_pays(v) else
+                      f"serve without the draft (k={v['timed_k']} measured {v['timed_speedup']:.2f}x)")
+            what = f"{served} until k={v['best_k']} is timed (eval.speed_ks)"
         lines.append(f"batch {v['batch_size']}: best k={v['best_k']} ({figures} {how}), {what}")
     return lines + check_lines(verdict)
 
