@@ -60,8 +60,9 @@ class EvalConfig:
     the eval's; the job exports the step with the highest, the last step's unless one beats it (eval.json's
     selection, metrics.jsonl, curves.png, serving.json's draft_step). Where the engines start during
     training they measure each draft as it comes; elsewhere the drafts wait on disk (one draft's size
-    each) for the eval stage. None: train.eval_every_steps (about 20 a run), on the CPU only where the
-    engines start during training; 0: off, the last step's draft."""
+    each) for the eval stage. None: train.eval_every_steps, or the smallest multiple of it that keeps a
+    run to about 20 drafts; on the CPU only where the engines start during training. 0: off, the last
+    step's draft."""
     select_num_prompts: int = 32
     """Held-out prompts the selection decodes: those after the eval's num_prompts in
     prepared/eval_prompts.jsonl (prepare.num_eval_prompts must hold both; with none left, no selection)."""

@@ -138,6 +138,20 @@ def evaluate(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[list
     return out
 
 
+# eval.select_every_steps null: at most about this many candidate drafts a run. Each waits on disk, a
+# draft's size (its embeddings and LM head included), until the eval measures it.
+SELECT_MAX_CANDIDATES = 20
+
+
+def default_select_every(cfg: JobConfig) -> int:
+    """eval.select_every_steps where it is null: every train.eval_every_steps steps (the held-out
+    accuracy's, so that both curves share their steps), or the smallest multiple of it that keeps the
+    run's candidates to about SELECT_MAX_CANDIDATES (train.num_steps resolved: run.train_length)."""
+    base = cfg.train.eval_every_steps or 1
+    per = -(-(cfg.train.num_steps or 0) // SELECT_MAX_CANDIDATES)
+    return base * max(1, -(-per // base))
+
+
 def candidates_for_eval(cfg: JobConfig, out: Path, *, gpu: bool) -> tuple[int, str | None]:
     """(every how many steps the trainer exports a candidate draft, where to) for a job whose eval engines
     start after training (no EarlyEval): the eval stage measures them all before it measures the draft
@@ -148,7 +162,7 @@ def candidates_for_eval(cfg: JobConfig, out: Path, *, gpu: bool) -> tuple[int, s
 
     every = cfg.eval.select_every_steps
     if every is None:
-        every = cfg.train.eval_every_steps if gpu else 0
+        every = default_select_every(cfg) if gpu else 0
     if not (every and "eval" in cfg.stages and cfg.eval.enabled and cfg.train.source == "offline"):
         return 0, None
     if not _selection_prompts(cfg, out / "prepared"):
@@ -428,7 +442,7 @@ class EarlyEval:
         shutil.rmtree(self.provisional, ignore_errors=True)  # an earlier run's: its shapes may not be this one's
         self.select_prompts = list(select_prompts)
         every = cfg.eval.select_every_steps
-        self.select_every = (cfg.train.eval_every_steps if every is None else every) if self.select_prompts else 0
+        self.select_every = (default_select_every(cfg) if every is None else every) if self.select_prompts else 0
         # The engine that measures the candidates: the timed k's, else the largest k's.
         drafts = [i for i, u in enumerate(self.plan.engines) if u[1] is not None]
         self._measurer = next((i for i in drafts if self.plan.engines[i][0] == self.plan.speed_k),

@@ -87,7 +87,8 @@ def test_plot_curves_draws_vllm_acceptance_beside_the_training_rows(tmp_path):
 def test_the_trainer_keeps_drafts_for_the_eval_stage_on_a_gpu_and_where_asked_on_the_cpu(tmp_path):
     """Where no engine starts beside training, the trainer keeps a draft every eval.select_every_steps
     for the eval stage to measure (ray_jobs.evaluate.candidates_for_eval): by default on a GPU (at
-    train.eval_every_steps), on the CPU only when set; never without prompts beyond the eval's."""
+    train.eval_every_steps, or a multiple of it that keeps about 20 drafts on disk), on the CPU only
+    when set; never without prompts beyond the eval's."""
     from ray_jobs.evaluate import candidates_for_eval
     from tests.helpers import job_config
 
@@ -108,3 +109,8 @@ def test_the_trainer_keeps_drafts_for_the_eval_stage_on_a_gpu_and_where_asked_on
     assert candidates_for_eval(cfg(**{"eval.select_every_steps": 0}), tmp_path, gpu=True) == (0, None)
     assert candidates_for_eval(cfg(**{"eval.num_prompts": 12}), tmp_path, gpu=True) == (0, None)
     assert candidates_for_eval(cfg(**{"eval.enabled": False}), tmp_path, gpu=True) == (0, None)
+    # a long run keeps about 20 drafts, every few held-out evaluations: 7,200 steps at 100 -> every 400 (18)
+    assert candidates_for_eval(cfg(**{"train.num_steps": 7200, "train.eval_every_steps": 100,
+                                      "train.optimizer.warmup_steps": 50}), tmp_path, gpu=True)[0] == 400
+    assert candidates_for_eval(cfg(**{"train.num_steps": 2000, "train.eval_every_steps": 100,
+                                      "train.optimizer.warmup_steps": 50}), tmp_path, gpu=True)[0] == 100
