@@ -36,9 +36,6 @@ import time
 from pathlib import Path
 
 
-DRAFT_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
-
-
 def _waves(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
     n = max(1, len(prompts) // batch) * batch if batch > 1 else len(prompts)
     cycled = [prompts[i % len(prompts)] for i in range(max(n, batch))]
@@ -110,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.k, schedule = served_setting(args.serving, args.k)
 
     from compat.spec_schedule import eagle3_speculative_config
-    from compat.vllm_engine import Engine, spec_decode_counters
+    from compat.vllm_engine import SPEC_DECODE_COUNTERS, Engine, spec_decode_counters
     from eagle3.evaluate import timed_prompts, wave_speedup
 
     prompts = [json.loads(line)["prompt_token_ids"] for line in open(args.prompts) if line.strip()][: args.num_prompts]
@@ -167,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
                                 _time_waves(engines[name], waves[b], args.max_tokens))
                             if c is not None:  # the draft engine's own counters, per batch size
                                 now, sums = spec_decode_counters(draft.llm), counts.setdefault((k, b, name), {})
-                                for key in DRAFT_COUNTERS:
+                                for key in SPEC_DECODE_COUNTERS:
                                     sums[key] = sums.get(key, 0) + now[key] - c[key]
                 engines = None
                 # over every timed window: the sum of the per-batch counts

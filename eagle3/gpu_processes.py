@@ -193,19 +193,25 @@ def own_raylet_pid(proc_root: str | Path = "/proc") -> int | None:
     return next((p for p, t in _ancestors(os.getpid(), root) if _is_raylet(t)), None)
 
 
-def query() -> tuple[list[Gpu], list[GpuProcess]]:
-    """The node's GPUs and compute processes, from nvidia-smi. Raises NvidiaSmiMissing without
-    it, RuntimeError with nvidia-smi's own message when it fails (e.g. a driver/library mismatch)."""
+def _nvidia_smi(cmd: list[str]) -> str:
+    """nvidia-smi's output for cmd. Raises NvidiaSmiMissing without it, RuntimeError with
+    nvidia-smi's own message when it fails (e.g. a driver/library mismatch)."""
     if shutil.which("nvidia-smi") is None:
         raise NvidiaSmiMissing("nvidia-smi is not on PATH")
-    out = []
-    for cmd in (GPU_QUERY, APPS_QUERY):
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-        if res.returncode != 0:
-            raise RuntimeError(f"`{' '.join(cmd)}` failed ({res.returncode}): "
-                               f"{(res.stderr or res.stdout).strip()[:300]}")
-        out.append(res.stdout)
-    return parse_gpus(out[0]), parse_compute_apps(out[1])
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    if res.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed ({res.returncode}): {(res.stderr or res.stdout).strip()[:300]}")
+    return res.stdout
+
+
+def gpus() -> list[Gpu]:
+    """The node's GPUs, from nvidia-smi (errors: _nvidia_smi)."""
+    return parse_gpus(_nvidia_smi(GPU_QUERY))
+
+
+def query() -> tuple[list[Gpu], list[GpuProcess]]:
+    """The node's GPUs and compute processes, from nvidia-smi (errors: _nvidia_smi)."""
+    return gpus(), parse_compute_apps(_nvidia_smi(APPS_QUERY))
 
 
 def nvidia_gpus_present() -> bool:

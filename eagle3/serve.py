@@ -49,7 +49,7 @@ from pathlib import Path
 
 from compat.spec_schedule import KEY as K_SCHEDULE_KEY
 from compat.spec_schedule import eagle3_speculative_config, k_schedule
-from eagle3.evaluate.verdict import eval_verdict, sampling_label, timed_k_pays, timed_results
+from eagle3.evaluate.verdict import eval_verdict, off_above, sampling_label, timed_k_pays, timed_results
 
 SERVING_FILE = "serving.json"
 
@@ -283,17 +283,6 @@ def _k_at_batch(b: dict) -> dict:
             "measured": b["measured"] or timed, "ci95": ci, "off": off,
             "predicted_best_k": b["best_k"] if timed else None,
             "predicted_best_speedup": b["speedup"] if timed else None}
-
-
-def off_above(per_batch: list[dict]) -> int | None:
-    """The smallest batch size of k_per_batch from which on the draft is served off (at it and every
-    larger one), None where it is on at the largest."""
-    above = None
-    for e in reversed(per_batch):
-        if not e["off"]:
-            break
-        above = e["batch_size"]
-    return above
 
 
 def write_serving_file(draft_dir: str | Path, target: str | Path, ev: dict | None = None) -> Path:

@@ -331,11 +331,11 @@ def engines_at_once(cfg: JobConfig, target_dir: str, num_engines: int, *, gpu: b
     if not gpu:
         return False, "auto: on the CPU (engines start in seconds there)"
     from eagle3.extract.extractor import target_text_config
-    from ray_jobs.extract import small_target
+    from ray_jobs.extract import one_gpu_engines, small_target
 
     text_cfg = target_text_config(target_dir)
     small, why = small_target(cfg.extract, text_cfg, gpu=True)
-    if small or gpu_memory is None or cfg.extract.tensor_parallel_size * cfg.extract.pipeline_parallel_size > 1:
+    if small or gpu_memory is None or not one_gpu_engines(cfg.extract):
         return small, f"auto: {why}"
     fits, why = engines_fit(cfg, text_cfg, num_engines, gpu_memory())
     return fits, f"auto: {why}"
@@ -369,7 +369,7 @@ def smallest_gpu_bytes(ray) -> int | None:
 
     def total() -> int | None:
         try:
-            gpus, _ = gpu_processes.query()
+            gpus = gpu_processes.gpus()
         except (gpu_processes.NvidiaSmiMissing, RuntimeError, OSError):
             return None
         return min((g.total_mib for g in gpus if g.total_mib), default=0) << 20 or None

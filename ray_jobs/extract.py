@@ -65,13 +65,18 @@ def given_kv_cache_bytes(ecfg: ExtractConfig) -> int:
     return ecfg.kv_cache_memory_bytes or AUTO_KV_CACHE_BYTES
 
 
+def one_gpu_engines(ecfg: ExtractConfig) -> bool:
+    """Whether each engine is a vLLM engine of one GPU (no tensor or pipeline parallelism)."""
+    return ecfg.backend == "vllm" and ecfg.tensor_parallel_size * ecfg.pipeline_parallel_size == 1
+
+
 def small_target(ecfg: ExtractConfig, text_cfg: dict, *, gpu: bool) -> tuple[bool, str]:
     """(whether engines of this target share a GPU, why): a target of fewer than
     AUTO_REPLICAS_MAX_PARAMS parameters whose vLLM engines take one GPU each leaves most of a GPU
     idle, so the job starts several of its
     engines a GPU: extraction's and regeneration's replicas (replicas_per_gpu 'auto'), the eval
     stage's engines side by side (eval.engines_at_once 'auto')."""
-    if not gpu or ecfg.backend != "vllm" or ecfg.tensor_parallel_size * ecfg.pipeline_parallel_size > 1:
+    if not gpu or not one_gpu_engines(ecfg):
         return False, "engines of whole GPUs, or no GPU"
     params = approx_num_params(text_cfg)
     if params >= AUTO_REPLICAS_MAX_PARAMS:

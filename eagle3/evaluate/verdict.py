@@ -175,15 +175,21 @@ def eval_verdict(ev: dict) -> dict | None:
                     checks.append({"batch_size": b, "mode": m, "k": e["k"], "measured": e["measured"], "ci95": ci,
                                    "predicted": e["predicted"], "error": e["predicted"] / e["measured"] - 1,
                                    "agrees": (ci[0] <= e["predicted"] <= ci[1]) if ci else None})
-    off_above = None
-    for v in reversed(batches):
-        if not v["off"]:
-            break
-        off_above = v["batch_size"]
     return {"model": MODEL, "fit_k": fit_k, "timed_ks": list(timed),
             "ks": sorted({e["k"] for v in batches for m in v["modes"].values() for e in m["by_k"]}),
             "predicted": any(m["fitted"] for v in batches for m in v["modes"].values()),
-            "batches": batches, "off_above_batch": off_above, "checks": checks}
+            "batches": batches, "off_above_batch": off_above(batches), "checks": checks}
+
+
+def off_above(batches: list[dict]) -> int | None:
+    """The smallest batch size of `batches` (ascending, each with "batch_size" and "off") from which
+    on the draft is off, at it and every larger one; None where it is on at the largest."""
+    above = None
+    for v in reversed(batches):
+        if not v["off"]:
+            break
+        above = v["batch_size"]
+    return above
 
 
 def _advice(verdict: dict, b: int) -> str:
