@@ -48,8 +48,8 @@ EVAL_GPU_RESERVE = 0.5
 def eval_plan(cfg: JobConfig, target_dir: str, draft_dir: str, prompts: list[list[int]], *,
               during_training: bool = False) -> EvalPlan:
     """One engine (one Ray actor) per setting, started one at a time with the device to itself, or
-    side by side (eval.engines_at_once: a small target's engines share its GPU; always while the
-    draft trains, in EVAL_GPU_RESERVE of the GPU)."""
+    side by side (eval.engines_at_once: a small target's engines share its GPU, a larger one's where
+    they fit on it; always while the draft trains, in EVAL_GPU_RESERVE of the GPU)."""
     import ray
 
     from eagle3.evaluate import eval_samplings, resolve_enforce_eager, speed_windows, timed_prompts
